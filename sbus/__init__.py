@@ -1,0 +1,1 @@
+"""sbus: a local pub/sub message bus over Unix SOCK_SEQPACKET sockets."""

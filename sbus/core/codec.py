@@ -1,0 +1,144 @@
+"""The sbus wire format: one SEQPACKET packet is one message.
+
+Plain Python, no I/O, shared by the server and every client. The server's
+hot path needs only the type and the key of a packet (it forwards the bytes
+it received), so `classify` returns exactly that and copies no payload;
+`parse` builds typed values for clients on top of it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Union
+
+#: The reference client library's buffer; the server's default limit.
+MAX_PACKET = 409600
+
+#: Packet kinds returned by `classify`.
+SUB, UNSUB, MSG, CMSG = 1, 2, 3, 4
+
+_KINDS = ((b"MSG ", MSG, 4), (b"SUB ", SUB, 4), (b"UNSUB ", UNSUB, 6), (b"CMSG ", CMSG, 5))
+
+
+class ProtocolError(ValueError):
+    """A packet that breaks the wire format; `str()` says precisely how."""
+
+
+class Sub(NamedTuple):
+    pattern: bytes
+
+
+class Unsub(NamedTuple):
+    pattern: bytes
+
+
+class Message(NamedTuple):
+    """A published message (`MSG key\\0payload`)."""
+
+    key: bytes
+    payload: bytes
+
+
+class Control(NamedTuple):
+    """A control message (`CMSG key[\\0payload]`); payload is None when omitted."""
+
+    key: bytes
+    payload: bytes | None
+
+
+Packet = Union[Sub, Unsub, Message, Control]
+
+
+def classify(packet: bytes, max_size: int = MAX_PACKET) -> tuple[int, bytes]:
+    """Return ``(kind, key)`` of a packet, or raise `ProtocolError`.
+
+    For SUB/UNSUB the key is the pattern (up to the first NUL, the rest is
+    ignored); for MSG/CMSG it is the routing key.
+    """
+    n = len(packet)
+    if n > max_size:
+        raise ProtocolError(f"packet of {n} bytes exceeds the {max_size}-byte limit")
+    if packet[:4] == b"MSG ":
+        end = packet.find(b"\0", 4)
+        if end < 0:
+            raise ProtocolError("MSG without a NUL between key and payload")
+        return MSG, packet[4:end]
+    for prefix, kind, start in _KINDS:
+        if packet.startswith(prefix):
+            break
+    else:
+        if not packet:
+            raise ProtocolError("empty packet")
+        head = packet[:12].split(b" ", 1)[0].split(b"\0", 1)[0]
+        raise ProtocolError(f"unknown packet type {head!r}")
+    end = packet.find(b"\0", start)
+    return kind, packet[start:] if end < 0 else packet[start:end]
+
+
+def parse(packet: bytes, max_size: int = MAX_PACKET) -> Packet:
+    """Decode a packet into `Sub`, `Unsub`, `Message` or `Control`."""
+    kind, key = classify(packet, max_size)
+    if kind == MSG:
+        return Message(key, packet[5 + len(key):])
+    if kind == CMSG:
+        start = 5 + len(key)
+        return Control(key, packet[start + 1:] if len(packet) > start else None)
+    return Sub(key) if kind == SUB else Unsub(key)
+
+
+def _check_key(what: str, key: bytes) -> bytes:
+    if isinstance(key, str):
+        key = key.encode("utf-8")
+    if b"\0" in key:
+        raise ProtocolError(f"{what} contains a NUL byte")
+    return key
+
+
+def _check_size(packet: bytes, max_size: int) -> bytes:
+    if len(packet) > max_size:
+        raise ProtocolError(f"packet of {len(packet)} bytes exceeds the {max_size}-byte limit")
+    return packet
+
+
+def encode_sub(pattern: bytes | str, max_size: int = MAX_PACKET) -> bytes:
+    return _check_size(b"SUB " + _check_key("pattern", pattern), max_size)
+
+
+def encode_unsub(pattern: bytes | str, max_size: int = MAX_PACKET) -> bytes:
+    return _check_size(b"UNSUB " + _check_key("pattern", pattern), max_size)
+
+
+def encode_msg(key: bytes | str, payload: bytes | str = b"", max_size: int = MAX_PACKET) -> bytes:
+    if isinstance(payload, str):
+        payload = payload.encode("utf-8")
+    return _check_size(b"MSG " + _check_key("key", key) + b"\0" + payload, max_size)
+
+
+def encode_cmsg(key: bytes | str, payload: bytes | str | None = None, max_size: int = MAX_PACKET) -> bytes:
+    key = b"CMSG " + _check_key("key", key)
+    if payload is None:
+        return _check_size(key, max_size)
+    if isinstance(payload, str):
+        payload = payload.encode("utf-8")
+    return _check_size(key + b"\0" + payload, max_size)
+
+
+def encode(packet: Packet, max_size: int = MAX_PACKET) -> bytes:
+    """Encode a typed packet; the inverse of `parse`."""
+    if isinstance(packet, Message):
+        return encode_msg(packet.key, packet.payload, max_size)
+    if isinstance(packet, Control):
+        return encode_cmsg(packet.key, packet.payload, max_size)
+    if isinstance(packet, Sub):
+        return encode_sub(packet.pattern, max_size)
+    if isinstance(packet, Unsub):
+        return encode_unsub(packet.pattern, max_size)
+    raise TypeError(f"not an sbus packet: {packet!r}")
+
+
+#: Control keys the protocol defines.
+WHOAMI = b"!/cred/whoami"
+STATS = b"server/stats"
+ECHO_OFF, ECHO_ON = b"echo/off", b"echo/on"
+SOFT_MODES = (b"queue", b"discard", b"block", b"error")
+HARD_MODES = (b"discard", b"block", b"error")
+ORDERS = (b"queue", b"stack", b"random")

@@ -1,0 +1,60 @@
+"""Where two sides meet: transport/protocol, router/broker, service/bus."""
+
+from zope.interface import Attribute, Interface
+
+
+class IPacketTransport(Interface):
+    """A connected transport that keeps packet boundaries: one write, one packet."""
+
+    outbox = Attribute("The `sbus.core.flood.Outbox` of packets waiting to be sent.")
+    peer = Attribute("The peer's `Credentials` (pid, uid, gid) from SO_PEERCRED.")
+
+    def trySend(packet):
+        """Send now if nothing is queued and the socket takes it; return True if sent.
+
+        Never queues: on False the caller decides (flood control)."""
+
+    def enqueue(packet):
+        """Append to the outbox and send it when the socket is writable."""
+
+    def write(packet):
+        """Send one packet, queueing it (never dropping) if it cannot go now."""
+
+
+class IPacketProtocol(Interface):
+    """What a packet transport calls on its protocol, beside IProtocol's methods."""
+
+    def packetReceived(packet):
+        """One whole packet arrived (bytes, at most the size limit)."""
+
+    def packetTooLarge(size):
+        """A packet of `size` bytes, over the limit, was received and discarded."""
+
+    def outboxDrained():
+        """Everything queued has been sent."""
+
+
+class IRouter(Interface):
+    """Subscriptions and matching, as the broker and relays use them."""
+
+    def add_client(client, secret_prefix):
+        """Register a subscriber and the prefix its secret keys must start with."""
+
+    def remove_client(client):
+        """Forget a subscriber; return the patterns no one holds any more."""
+
+    def subscribe(client, pattern):
+        """Store one more instance; return True if no one held `pattern` before."""
+
+    def unsubscribe(client, pattern):
+        """Remove one instance; None if not held, True if now no one holds it."""
+
+    def match(key):
+        """Every client that must receive a message with `key`, each once."""
+
+
+class IBus(Interface):
+    """A running bus, as services beside it see it."""
+
+    factory = Attribute("The broker factory serving the bus's clients.")
+    printed_address = Attribute("The address clients connect to, as sbusd prints it.")

@@ -1,0 +1,323 @@
+"""The broker: per-client protocol and the factory that holds the bus together.
+
+A thin Twisted shell around the sans-I/O core: packets come in from a
+`SeqPacketTransport`, are classified and routed by `sbus.core`, and go out
+through each subscriber's transport under its flood-control settings.
+Nothing here logs per packet or creates a Deferred per packet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+
+from twisted.internet import protocol
+from twisted.logger import Logger
+
+from sbus.core import codec, flood
+from sbus.core.credentials import CredentialError, check_key, check_pattern, secret_prefix, whoami
+from sbus.core.router import Router
+from sbus.server.config import ServerConfig
+
+log = Logger()
+
+_WHOAMI_REPLY = b"CMSG " + codec.WHOAMI + b"\0"
+_STATS_REPLY = b"CMSG " + codec.STATS + b"\0"
+
+# Disconnect reasons, as they appear in statistics.
+PROTOCOL_ERROR = "protocol_error"
+OVERSIZE = "oversize"
+FORBIDDEN = "forbidden_subscription"
+INVALID_BANG = "invalid_bang"
+CLOSED = "closed"
+
+
+class BrokerProtocol(protocol.Protocol):
+    """One connected client: its credentials, subscriptions, echo and flood settings."""
+
+    __slots__ = (
+        "factory", "cred", "label", "echo", "packets_in", "bytes_in", "drops",
+        "blocked_feeders", "block_count", "whoami_reply", "reason", "_match", "_prefix",
+    )
+
+    def __init__(self, factory: "BrokerFactory", cred):
+        self.factory = factory
+        self.cred = cred
+        self.label = f"pid={cred.pid} uid={cred.uid} gid={cred.gid}"
+        self.echo = True
+        self.packets_in = 0
+        self.bytes_in = 0
+        self.drops: Counter | None = None
+        #: Publishers this client's full queue has paused (soft/hard `block`).
+        self.blocked_feeders: set | None = None
+        #: How many subscribers are holding this client's reading paused.
+        self.block_count = 0
+        self.whoami_reply = _WHOAMI_REPLY + whoami(factory.config.cred_prefix, cred)
+        self.reason = CLOSED
+        self._match = factory.router.match
+        self._prefix = factory.config.cred_prefix
+
+    def __repr__(self):
+        return f"<client {self.label}>"
+
+    # -- connection life
+
+    def connectionMade(self):
+        self.factory.clientConnected(self)
+
+    def connectionLost(self, reason=None):
+        self._releaseFeeders()
+        self.factory.clientGone(self)
+
+    # -- incoming packets: the hot path
+
+    def packetReceived(self, packet: bytes):
+        self.packets_in += 1
+        self.bytes_in += len(packet)
+        if packet[:4] == b"MSG ":
+            end = packet.find(b"\0", 4)
+            if end < 0:
+                return self.misbehaved(PROTOCOL_ERROR, "MSG without a NUL between key and payload")
+            key = packet[4:end]
+            if b"!" in key:
+                try:
+                    check_key(key)
+                except CredentialError as e:
+                    return self.misbehaved(INVALID_BANG, str(e))
+            for client in self._match(key):
+                if client is self and not self.echo:
+                    continue
+                client.deliver(packet, self)
+            return None
+        try:
+            kind, key = codec.classify(packet, self.factory.config.max_packet)
+        except codec.ProtocolError as e:
+            return self.misbehaved(PROTOCOL_ERROR, str(e))
+        if kind == codec.CMSG:
+            handler = _CONTROL.get(key)
+            if handler is not None:
+                handler(self)
+        elif kind == codec.SUB:
+            self.subscribe(key)
+        else:
+            self.unsubscribe(key)
+        return None
+
+    def packetTooLarge(self, size: int):
+        self.misbehaved(OVERSIZE, f"packet of {size} bytes exceeds the {self.factory.config.max_packet}-byte limit")
+
+    # -- outgoing
+
+    def deliver(self, packet: bytes, feeder: "BrokerProtocol | None") -> None:
+        """Hand a routed packet to this client under its flood-control settings."""
+        transport = self.transport
+        if transport.trySend(packet) or transport.disconnecting:
+            return
+        outbox = transport.outbox
+        action = outbox.offer(packet)
+        if action == flood.QUEUED:
+            transport.startWriting()
+        elif action == flood.QUEUED_BLOCK:
+            transport.startWriting()
+            if feeder is not None:
+                self._block(feeder)
+        elif action == flood.DROPPED:
+            drops = self.drops
+            if drops is None:
+                drops = self.drops = Counter()
+            drops[outbox.reason] += 1
+        else:
+            self.misbehaved(outbox.reason, f"cannot keep up ({outbox.reason.replace('_', '/')} mode, "
+                                           f"{len(outbox)} packets / {outbox.nbytes} bytes queued)")
+
+    def reply(self, packet: bytes) -> None:
+        """Server replies are queued, never dropped, whatever the flood mode."""
+        self.transport.write(packet)
+
+    def outboxDrained(self):
+        self._releaseFeeders()
+
+    def _block(self, feeder: "BrokerProtocol"):
+        feeders = self.blocked_feeders
+        if feeders is None:
+            feeders = self.blocked_feeders = set()
+        if feeder not in feeders:
+            feeders.add(feeder)
+            feeder.block_count += 1
+            if feeder.block_count == 1:
+                feeder.transport.pauseProducing()
+
+    def _releaseFeeders(self):
+        feeders = self.blocked_feeders
+        if not feeders:
+            return
+        self.blocked_feeders = None
+        for feeder in feeders:
+            feeder.block_count -= 1
+            if feeder.block_count == 0:
+                feeder.transport.resumeProducing()
+
+    # -- requests
+
+    def subscribe(self, pattern: bytes):
+        try:
+            pattern = check_pattern(pattern, self.cred, self._prefix)
+        except CredentialError as e:
+            reason = FORBIDDEN if pattern.startswith(b"!/cred/") else INVALID_BANG
+            return self.misbehaved(reason, str(e))
+        self.factory.router.subscribe(self, pattern)
+        return None
+
+    def unsubscribe(self, pattern: bytes):
+        # Unsubscribing what one does not hold is ignored (NOTES §2 leaves it to us; ignoring is kinder).
+        try:
+            pattern = check_pattern(pattern, self.cred, self._prefix)
+        except CredentialError:
+            return
+        self.factory.router.unsubscribe(self, pattern)
+
+    def misbehaved(self, reason: str, detail: str):
+        """Disconnect this client, with one log line naming it and why."""
+        if self.transport.disconnecting:
+            return
+        self.reason = reason
+        log.warn("disconnecting client {client}: {detail}", client=self.label, detail=detail)
+        self.transport.abortConnection()
+
+    # -- control messages
+
+    def _whoami(self):
+        self.reply(self.whoami_reply)
+
+    def _stats(self):
+        self.reply(_STATS_REPLY + self.factory.statsJSON())
+
+    def _echo_on(self):
+        self.echo = True
+
+    def _echo_off(self):
+        self.echo = False
+
+
+def _control_table():
+    table = {
+        codec.WHOAMI: BrokerProtocol._whoami,
+        codec.STATS: BrokerProtocol._stats,
+        codec.ECHO_ON: BrokerProtocol._echo_on,
+        codec.ECHO_OFF: BrokerProtocol._echo_off,
+    }
+    for mode in flood.SOFT_MODES:
+        table[b"blocking/soft/" + mode.encode()] = lambda self, m=mode: self.transport.outbox.set_soft(m)
+    for mode in flood.HARD_MODES:
+        table[b"blocking/hard/" + mode.encode()] = lambda self, m=mode: self.transport.outbox.set_hard(m)
+    for order in flood.ORDERS:
+        table[b"order/" + order.encode()] = lambda self, o=order: self.transport.outbox.set_order(o)
+    return table
+
+
+_CONTROL = _control_table()
+
+
+class BrokerFactory(protocol.Factory):
+    """The bus: its router, its clients and its counters."""
+
+    protocol = BrokerProtocol
+    noisy = False
+
+    def __init__(self, config: ServerConfig | None = None, on_empty=None, router=None):
+        self.config = config or ServerConfig()
+        self.router = router if router is not None else Router()
+        self.clients: set[BrokerProtocol] = set()
+        self.on_empty = on_empty
+        self.had_client = False
+        self.started = time.time()
+        allowed = self.config.allowed_uids
+        self.allowed_uids = None if allowed is None else frozenset(allowed) | {os.getuid()}
+        # Totals of clients that have gone; live clients are summed at stats time.
+        self.gone = Counter()
+        self.drops = Counter()
+        self.disconnects = Counter()
+        self.refused = 0
+
+    def buildProtocol(self, addr):
+        cred = addr.cred
+        if self.allowed_uids is not None and cred.uid not in self.allowed_uids:
+            self.refused += 1
+            log.warn("refused connection from pid={pid} uid={uid}: user not allowed", pid=cred.pid, uid=cred.uid)
+            return None
+        p = self.protocol(self, cred)
+        return p
+
+    def clientConnected(self, client: BrokerProtocol):
+        self.clients.add(client)
+        self.had_client = True
+        self.router.add_client(client, secret_prefix(self.config.cred_prefix, client.cred))
+        log.info("client connected: {client}", client=client.label)
+
+    def clientGone(self, client: BrokerProtocol):
+        self.router.remove_client(client)
+        self.clients.discard(client)
+        t = client.transport
+        self.gone["packets_in"] += client.packets_in
+        self.gone["bytes_in"] += client.bytes_in
+        self.gone["packets_out"] += t.packets_out
+        self.gone["bytes_out"] += t.bytes_out
+        if client.drops:
+            self.drops.update(client.drops)
+        self.disconnects[client.reason] += 1
+        log.info("client disconnected: {client} ({reason})", client=client.label, reason=client.reason)
+        if not self.clients and self.on_empty is not None:
+            self.on_empty()
+
+    def stats(self) -> dict:
+        clients = list(self.clients)
+        drops = Counter(self.drops)
+        queues = []
+        totals = Counter(self.gone)
+        for c in clients:
+            t = c.transport
+            totals["packets_in"] += c.packets_in
+            totals["bytes_in"] += c.bytes_in
+            totals["packets_out"] += t.packets_out
+            totals["bytes_out"] += t.bytes_out
+            if c.drops:
+                drops.update(c.drops)
+            ob = t.outbox
+            queues.append({
+                "pid": c.cred.pid, "uid": c.cred.uid, "gid": c.cred.gid,
+                "subscriptions": sum(self.router.patterns_of(c).values()),
+                "queued_packets": len(ob), "queued_bytes": ob.nbytes,
+                "soft": ob.soft, "hard": ob.hard, "order": ob.order, "echo": c.echo,
+                "packets_in": c.packets_in, "packets_out": t.packets_out,
+                "drops": dict(c.drops or {}),
+            })
+        return {
+            "clients": len(clients),
+            "subscriptions": self.router.subscription_count,
+            "packets_in": totals["packets_in"],
+            "packets_out": totals["packets_out"],
+            "bytes_in": totals["bytes_in"],
+            "bytes_out": totals["bytes_out"],
+            "drops": dict(drops),
+            "disconnects": dict(self.disconnects),
+            "refused": self.refused,
+            "queues": queues,
+            "uptime_s": round(time.time() - self.started, 3),
+            "limits": {"max_packet": self.config.max_packet, "queue_bytes": self.config.queue_bytes,
+                       "queue_packets": self.config.queue_packets},
+        }
+
+    def statsJSON(self) -> bytes:
+        """The statistics as JSON that fits in one packet (busiest queues first if it must be cut)."""
+        stats = self.stats()
+        room = self.config.max_packet - len(_STATS_REPLY)
+        data = json.dumps(stats, separators=(",", ":")).encode()
+        if len(data) > room:
+            stats["queues"].sort(key=lambda q: q["queued_bytes"], reverse=True)
+            while len(data) > room and stats["queues"]:
+                del stats["queues"][len(stats["queues"]) // 2:]
+                stats["queues_truncated"] = True
+                data = json.dumps(stats, separators=(",", ":")).encode()
+        return data

@@ -1,0 +1,444 @@
+"""SOCK_SEQPACKET for Twisted: a listening port and a connected transport.
+
+Twisted has no SEQPACKET support and its stream transports join writes, so
+this is a small transport of our own on the public reactor API
+(`addReader`/`addWriter`). Each `write` is one packet and one `send`
+(SEQPACKET sends are all or nothing); each wakeup reads several packets,
+up to a cap, so one busy client cannot starve the others; oversized packets
+are detected with MSG_TRUNC, never silently cut.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import struct
+
+from twisted.internet import error, interfaces, main
+from twisted.logger import Logger
+from twisted.python import failure
+from zope.interface import implementer
+
+from sbus.core.credentials import Credentials
+from sbus.core.flood import Outbox
+from sbus.interfaces import IPacketTransport
+
+log = Logger()
+
+_UCRED = struct.Struct("3i")
+_MSG_TRUNC = socket.MSG_TRUNC
+_ACCEPT_CAP = 64
+_ACCEPT_ERRORS_BACKOFF = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+#: Kernel bookkeeping per SEQPACKET skb on top of the payload (DESIGN.md).
+_SKB_OVERHEAD = 32 * 1024
+
+_buffers: dict[int, memoryview] = {}
+
+
+def receive_buffer(size: int) -> memoryview:
+    """One buffer per size for the whole process: the reactor reads one socket at a time."""
+    buf = _buffers.get(size)
+    if buf is None:
+        buf = _buffers[size] = memoryview(bytearray(size))
+    return buf
+
+
+def size_buffers(sock: socket.socket, max_packet: int) -> None:
+    """Let a packet of `max_packet` bytes be sent and received on `sock`."""
+    want = max_packet + _SKB_OVERHEAD
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            if sock.getsockopt(socket.SOL_SOCKET, opt) < want:
+                sock.setsockopt(socket.SOL_SOCKET, opt, want)
+        except OSError:
+            pass
+
+
+def peer_credentials(sock: socket.socket) -> Credentials:
+    pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return Credentials(pid, uid, gid)
+
+
+@implementer(interfaces.IAddress)
+class SeqPacketAddress:
+    """The peer of a connection: its socket name and its credentials."""
+
+    __slots__ = ("name", "cred")
+
+    def __init__(self, name, cred: Credentials | None = None):
+        self.name = name
+        self.cred = cred
+
+    def __repr__(self):
+        if self.cred:
+            return f"<SeqPacketAddress pid={self.cred.pid} uid={self.cred.uid} gid={self.cred.gid}>"
+        return f"<SeqPacketAddress {self.name!r}>"
+
+
+@implementer(
+    interfaces.IReadWriteDescriptor,
+    interfaces.ITransport,
+    interfaces.IPushProducer,
+    interfaces.IConsumer,
+    IPacketTransport,
+)
+class SeqPacketTransport:
+    """A connected SOCK_SEQPACKET socket driving one protocol."""
+
+    __slots__ = (
+        "socket", "protocol", "reactor", "peer", "outbox", "max_packet", "drain_cap",
+        "connected", "disconnecting", "_fd", "_reading", "_writing", "_send", "_recv_into",
+        "_buf", "_packetReceived", "_producer", "_producerPaused", "_host", "packets_out", "bytes_out",
+        "__weakref__",
+    )
+
+    def __init__(self, sock, protocol, reactor, *, max_packet, drain_cap=64,
+                 queue_bytes=4 << 20, queue_packets=16384, peer=None):
+        sock.setblocking(False)
+        size_buffers(sock, max_packet)
+        self.socket = sock
+        self._fd = sock.fileno()
+        self.protocol = protocol
+        self.reactor = reactor
+        self.peer = peer
+        self.outbox = Outbox(queue_bytes, queue_packets)
+        self.max_packet = max_packet
+        self.drain_cap = drain_cap
+        self.connected = True
+        self.disconnecting = False
+        self._reading = self._writing = False
+        self._send = sock.send
+        self._recv_into = sock.recv_into
+        # MSG_TRUNC makes recv_into report a bigger packet's real size, so one spare byte is not needed.
+        self._buf = receive_buffer(max_packet)
+        self._packetReceived = protocol.packetReceived
+        self._producer = None
+        self._producerPaused = False
+        self._host = None
+        self.packets_out = 0
+        self.bytes_out = 0
+
+    # -- startup / descriptors
+
+    def startReading(self):
+        if not self._reading and self.connected:
+            self._reading = True
+            self.reactor.addReader(self)
+
+    def stopReading(self):
+        if self._reading:
+            self._reading = False
+            self.reactor.removeReader(self)
+
+    def startWriting(self):
+        if not self._writing and self.connected:
+            self._writing = True
+            self.reactor.addWriter(self)
+
+    def stopWriting(self):
+        if self._writing:
+            self._writing = False
+            self.reactor.removeWriter(self)
+
+    def fileno(self):
+        return self._fd
+
+    def logPrefix(self):
+        return self.protocol.__class__.__name__
+
+    # -- reading
+
+    def doRead(self):
+        recv_into = self._recv_into
+        buf = self._buf
+        limit = self.max_packet
+        deliver = self._packetReceived
+        for _ in range(self.drain_cap):
+            try:
+                n = recv_into(buf, limit, _MSG_TRUNC)
+            except BlockingIOError:
+                return None
+            except InterruptedError:
+                continue
+            except OSError:
+                return main.CONNECTION_LOST
+            if n == 0:
+                # A zero-length packet reads exactly like end of file: treat it as the peer closing.
+                return main.CONNECTION_DONE
+            if n > limit:
+                self.protocol.packetTooLarge(n)
+            else:
+                deliver(buf[:n].tobytes())
+            if not self._reading:
+                return None
+        return None
+
+    # -- writing
+
+    def trySend(self, packet: bytes) -> bool:
+        if self.outbox:
+            return False
+        try:
+            self._send(packet)
+        except BlockingIOError:
+            return False
+        except OSError as e:
+            self._sendFailed(e)
+            return True
+        self.packets_out += 1
+        self.bytes_out += len(packet)
+        return True
+
+    def enqueue(self, packet: bytes) -> None:
+        self.outbox.push(packet)
+        self.startWriting()
+        producer = self._producer
+        if producer is not None and not self._producerPaused and self.outbox.nbytes > self.outbox.max_bytes:
+            self._producerPaused = True
+            producer.pauseProducing()
+
+    def write(self, packet: bytes) -> None:
+        """ITransport.write: one packet; queued, never dropped, if it cannot go now."""
+        if not packet:
+            raise ValueError("an empty SEQPACKET packet reads as end of file; refusing to send one")
+        if not self.connected or self.disconnecting:
+            return
+        if not self.trySend(packet):
+            self.enqueue(packet)
+
+    def writeSequence(self, seq):
+        """The items of `seq` form ONE packet (SEQPACKET has no streams to join them into)."""
+        self.write(b"".join(seq))
+
+    def doWrite(self):
+        outbox = self.outbox
+        send = self._send
+        while outbox:
+            packet = outbox.peek()
+            try:
+                send(packet)
+            except BlockingIOError:
+                return None
+            except InterruptedError:
+                continue
+            except OSError:
+                return main.CONNECTION_LOST
+            outbox.pop()
+            self.packets_out += 1
+            self.bytes_out += len(packet)
+        self.stopWriting()
+        if self.disconnecting:
+            return main.CONNECTION_DONE
+        if self._producer is not None and self._producerPaused:
+            self._producerPaused = False
+            self._producer.resumeProducing()
+        drained = getattr(self.protocol, "outboxDrained", None)
+        if drained is not None:
+            drained()
+        return None
+
+    def _sendFailed(self, exc):
+        # The peer is gone; finish the connection from the reactor, not from inside a routing loop.
+        if self.connected and not self.disconnecting:
+            self.disconnecting = True
+            self.outbox.clear()
+            self.stopReading()
+            self.reactor.callLater(0, self._lose, failure.Failure(error.ConnectionLost(str(exc))))
+
+    # -- closing
+
+    def loseConnection(self, _reason=None):
+        """Close after everything queued has been sent."""
+        if not self.connected or self.disconnecting:
+            return
+        self.disconnecting = True
+        self.stopReading()
+        self.startWriting()
+
+    def abortConnection(self):
+        """Close now, throwing away anything queued."""
+        if not self.connected:
+            return
+        self.disconnecting = True
+        self.outbox.clear()
+        self.stopReading()
+        self.stopWriting()
+        self.reactor.callLater(0, self._lose, failure.Failure(error.ConnectionAborted()))
+
+    def _lose(self, reason):
+        if self.connected:
+            self.connectionLost(reason)
+
+    def readConnectionLost(self, reason):
+        self.connectionLost(reason)
+
+    def connectionLost(self, reason):
+        if not self.connected:
+            return
+        self.stopReading()
+        self.stopWriting()
+        self.connected = False
+        self.outbox.clear()
+        try:
+            self.socket.close()
+        except OSError:
+            pass
+        self._fd = -1
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            producer.stopProducing()
+        protocol = self.protocol
+        self._packetReceived = None
+        protocol.connectionLost(reason)
+
+    # -- ITransport odds and ends
+
+    def getPeer(self):
+        return SeqPacketAddress(self._peerName(), self.peer)
+
+    def getHost(self):
+        if self._host is None:
+            self._host = SeqPacketAddress(self.socket.getsockname())
+        return self._host
+
+    def _peerName(self):
+        try:
+            return self.socket.getpeername()
+        except OSError:
+            return None
+
+    # -- IPushProducer: pausing stops reading, which back-pressures the peer
+
+    def pauseProducing(self):
+        self.stopReading()
+
+    def resumeProducing(self):
+        if self.connected and not self.disconnecting:
+            self.startReading()
+
+    def stopProducing(self):
+        self.loseConnection()
+
+    # -- IConsumer
+
+    def registerProducer(self, producer, streaming):
+        if self._producer is not None:
+            raise RuntimeError(f"cannot register producer {producer!r}: {self._producer!r} is registered")
+        if not self.connected:
+            producer.stopProducing()
+            return
+        self._producer = producer
+        self._producerPaused = False
+        if not streaming:
+            producer.resumeProducing()
+
+    def unregisterProducer(self):
+        self._producer = None
+
+
+@implementer(interfaces.IListeningPort, interfaces.IReadDescriptor)
+class SeqPacketPort:
+    """Accepts SEQPACKET connections on a bound socket and hands them to a factory.
+
+    The factory's `buildProtocol(addr)` sees the peer's credentials as
+    `addr.cred`; returning None refuses the connection. Closing the port never
+    unlinks a socket file: whoever bound the path owns it.
+    """
+
+    def __init__(self, sock: socket.socket, factory, reactor=None):
+        if reactor is None:
+            from twisted.internet import reactor
+        self.socket = sock
+        self.factory = factory
+        self.reactor = reactor
+        self.connected = False
+        self._backoff = None
+        self._fd = sock.fileno()
+        self._config = getattr(factory, "config", None)
+
+    def startListening(self):
+        sock = self.socket
+        sock.setblocking(False)
+        if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            sock.listen(socket.SOMAXCONN)
+        self.factory.doStart()
+        self.connected = True
+        self.reactor.addReader(self)
+
+    def stopListening(self):
+        from twisted.internet import defer
+
+        if self.connected:
+            self.connected = False
+            self.reactor.removeReader(self)
+            if self._backoff is not None and self._backoff.active():
+                self._backoff.cancel()
+            self.socket.close()
+            self._fd = -1
+            self.factory.doStop()
+        return defer.succeed(None)
+
+    loseConnection = stopListening
+
+    def connectionLost(self, reason):
+        self.stopListening()
+
+    def fileno(self):
+        return self._fd
+
+    def logPrefix(self):
+        return "SeqPacketPort"
+
+    def getHost(self):
+        return SeqPacketAddress(self.socket.getsockname())
+
+    def doRead(self):
+        cfg = self._config
+        max_packet = getattr(cfg, "max_packet", 409600)
+        drain_cap = getattr(cfg, "drain_cap", 64)
+        queue_bytes = getattr(cfg, "queue_bytes", 4 << 20)
+        queue_packets = getattr(cfg, "queue_packets", 16384)
+        for _ in range(_ACCEPT_CAP):
+            try:
+                conn, name = self.socket.accept()
+            except BlockingIOError:
+                return None
+            except InterruptedError:
+                continue
+            except OSError as e:
+                if e.errno in _ACCEPT_ERRORS_BACKOFF:
+                    self._pauseAccepting(e)
+                    return None
+                if e.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
+                    continue
+                log.error("accept failed: {err}", err=e)
+                return None
+            try:
+                cred = peer_credentials(conn)
+            except OSError as e:
+                log.warn("refused a connection: cannot read its credentials ({err})", err=e)
+                conn.close()
+                continue
+            protocol = self.factory.buildProtocol(SeqPacketAddress(name, cred))
+            if protocol is None:
+                conn.close()
+                continue
+            transport = SeqPacketTransport(
+                conn, protocol, self.reactor, max_packet=max_packet, drain_cap=drain_cap,
+                queue_bytes=queue_bytes, queue_packets=queue_packets, peer=cred,
+            )
+            protocol.makeConnection(transport)
+            transport.startReading()
+        return None
+
+    def _pauseAccepting(self, exc):
+        """Out of descriptors or memory: stop accepting for a moment instead of spinning."""
+        self.reactor.removeReader(self)
+        log.warn("accept failed ({err}); not accepting for 0.5 s", err=exc.strerror)
+
+        def resume():
+            self._backoff = None
+            if self.connected:
+                self.reactor.addReader(self)
+
+        self._backoff = self.reactor.callLater(0.5, resume)

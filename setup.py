@@ -1,0 +1,28 @@
+from setuptools import setup
+
+setup(
+    name="sbus",
+    version="0.1.0",
+    description="A local pub/sub message bus over Unix SOCK_SEQPACKET sockets, on Twisted",
+    python_requires=">=3.11",
+    packages=[
+        "sbus",
+        "sbus.core",
+        "sbus.server",
+        "sbus.client",
+        "sbus.services",
+        "twisted.plugins",
+    ],
+    package_data={"twisted": ["plugins/sbus_plugins.py"]},
+    install_requires=["twisted>=24.3", "zope.interface>=6"],
+    extras_require={
+        "test": ["pytest>=8", "pytest-twisted>=1.14", "hypothesis>=6", "pytest-timeout>=2"],
+        "pipeline": ["pyspark>=3.5", "pyarrow>=15", "matplotlib>=3.8"],
+    },
+    entry_points={
+        "console_scripts": [
+            "sbusd = sbus.server.sbusd:main",
+            "sbus = sbus.cli:main",
+        ],
+    },
+)
