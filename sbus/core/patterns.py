@@ -1,0 +1,33 @@
+"""The reference routing-key matcher (NOTES §1), byte for byte.
+
+This is deliberately the plain algorithm of the reference C server and
+nothing more: it is the definition the fast `Router` is tested against, and
+the router's slow path for the rare keys that contain a '*'.
+"""
+
+from __future__ import annotations
+
+_SLASH = ord("/")
+_STAR = ord("*")
+
+
+def matches(pattern: bytes, key: bytes) -> bool:
+    """True if routing-key `pattern` matches routing `key`."""
+    np, nk = len(pattern), len(key)
+    p = k = 0
+    while True:
+        while p < np and k < nk and pattern[p] == key[k]:
+            p += 1
+            k += 1
+        if k == nk:
+            return p == np
+        if p == np:
+            # a trailing '/' matches '/' and anything after it
+            return np == 0 or pattern[p - 1] == _SLASH
+        if pattern[p] == _STAR:
+            # greedy up to the next '/', no backtracking
+            p += 1
+            while k < nk and key[k] != _SLASH:
+                k += 1
+            continue
+        return False

@@ -1,0 +1,320 @@
+"""The router against the reference matcher, plus secrecy and bookkeeping."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings, strategies as st
+
+from sbus.core.patterns import matches
+from sbus.core.router import Router
+
+ALPHABET = [b"a", b"b", b"/", b"*", b"!"]
+CLIENTS = ["c0", "c1", "c2", "c3"]
+
+
+def _bytes(max_size):
+    return st.lists(st.sampled_from(ALPHABET), max_size=max_size).map(b"".join)
+
+
+PATTERNS = st.one_of(
+    _bytes(6),
+    _bytes(5).map(lambda p: p + b"/"),
+    st.sampled_from([b"", b"*/", b"!/", b"*", b"*/*", b"!/cred/", b"a/*/b/"]),
+)
+KEYS = st.one_of(
+    _bytes(7),
+    st.sampled_from([b"", b"/", b"a/", b"a//b", b"!/cred/1/2/3/a", b"!/cred/4/5/6/a/b"]),
+)
+SECRET_PREFIXES = {"c0": b"!/cred/1/2/3/", "c1": b"!/cred/4/5/6/", "c2": b"!/cred/1/2/3/", "c3": None}
+
+
+class Model:
+    """What the router must answer, from the reference matcher alone."""
+
+    def __init__(self):
+        self.held: dict[str, dict[bytes, int]] = {}
+
+    def expected(self, key: bytes) -> set:
+        out = set()
+        for c, pats in self.held.items():
+            if any(matches(p, key) for p in pats):
+                if key.startswith(b"!/cred/"):
+                    prefix = SECRET_PREFIXES[c]
+                    if prefix is None or not key.startswith(prefix):
+                        continue
+                out.add(c)
+        return out
+
+
+def _check(router: Router, model: Model, keys):
+    for key in keys:
+        got = router.match(key)
+        assert len(got) == len(set(got)), (key, got)
+        assert set(got) == model.expected(key), (key, got, model.held)
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("sub"), st.sampled_from(CLIENTS), PATTERNS),
+        st.tuples(st.just("unsub"), st.sampled_from(CLIENTS), PATTERNS),
+        st.tuples(st.just("remove"), st.sampled_from(CLIENTS), st.just(b"")),
+        st.tuples(st.just("match"), st.just(None), KEYS),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(subs=st.lists(st.tuples(st.sampled_from(CLIENTS), PATTERNS), max_size=12), keys=st.lists(KEYS, max_size=12))
+def test_equivalent_to_reference_static(subs, keys):
+    router, model = Router(), Model()
+    for c in CLIENTS:
+        router.add_client(c, SECRET_PREFIXES[c])
+        model.held[c] = {}
+    for c, p in subs:
+        router.subscribe(c, p)
+        model.held[c][p] = model.held[c].get(p, 0) + 1
+    _check(router, model, keys)
+    _check(router, model, keys)  # again, from the cache
+
+
+@settings(max_examples=400, deadline=None)
+@given(ops=OPS, keys=st.lists(KEYS, min_size=1, max_size=8), cache_size=st.sampled_from([1, 3, 8192]))
+def test_equivalent_to_reference_dynamic(ops, keys, cache_size):
+    """Random sub/unsub/remove sequences, with the cache warm between changes."""
+    router, model = Router(cache_size=cache_size), Model()
+    for c in CLIENTS:
+        router.add_client(c, SECRET_PREFIXES[c])
+        model.held[c] = {}
+    for op, c, arg in ops:
+        if op == "match":
+            _check(router, model, [arg])
+            continue
+        _check(router, model, keys)
+        if op == "sub":
+            if c not in model.held:
+                router.add_client(c, SECRET_PREFIXES[c])
+                model.held[c] = {}
+            before = any(arg in pats for pats in model.held.values())
+            assert router.subscribe(c, arg) is (not before)
+            model.held[c][arg] = model.held[c].get(arg, 0) + 1
+        elif op == "unsub":
+            pats = model.held.get(c, {})
+            res = router.unsubscribe(c, arg)
+            if arg not in pats:
+                assert res is None
+            else:
+                pats[arg] -= 1
+                if not pats[arg]:
+                    del pats[arg]
+                assert res is (not any(arg in p for p in model.held.values()))
+        else:
+            gone = router.remove_client(c)
+            mine = model.held.pop(c, {})
+            assert sorted(gone) == sorted(p for p in mine if not any(p in q for q in model.held.values()))
+        _check(router, model, keys)
+        assert router.subscription_count == sum(n for pats in model.held.values() for n in pats.values())
+        assert router.client_count == len(model.held)
+        assert sorted(router.held_patterns()) == sorted({p for pats in model.held.values() for p in pats})
+        for cl, pats in model.held.items():
+            assert router.patterns_of(cl) == pats
+    # everything withdrawn leaves an empty trie behind
+    for c in list(model.held):
+        router.remove_client(c)
+    assert router._root.empty() and not router._all
+    assert router.subscription_count == 0 and router.held_patterns() == []
+
+
+def test_duplicates_counted_one_copy_per_client():
+    r = Router()
+    r.add_client("x", None)
+    assert r.subscribe("x", b"a/*") is True
+    assert r.subscribe("x", b"a/*") is False
+    assert r.subscribe("x", b"a/b") is True
+    assert r.subscribe("x", b"") is True
+    assert r.match(b"a/b") == ("x",)
+    assert r.patterns_of("x") == {b"a/*": 2, b"a/b": 1, b"": 1}
+    assert r.subscription_count == 4
+    assert r.unsubscribe("x", b"a/*") is False
+    assert r.unsubscribe("x", b"a/*") is True
+    assert r.unsubscribe("x", b"a/*") is None
+    assert r.unsubscribe("nobody", b"a/*") is None
+    assert r.match(b"a/b") == ("x",)
+    assert r.unsubscribe("x", b"") is True
+    assert r.unsubscribe("x", b"a/b") is True
+    assert r.match(b"a/b") == ()
+
+
+def test_subscribe_return_values_across_clients():
+    r = Router()
+    r.add_client(1, None)
+    r.add_client(2, None)
+    assert r.subscribe(1, b"k") is True
+    assert r.subscribe(2, b"k") is False
+    assert r.unsubscribe(1, b"k") is False
+    assert r.unsubscribe(2, b"k") is True
+    r.subscribe(1, b"k")
+    r.subscribe(2, b"k")
+    r.subscribe(2, b"only2")
+    assert sorted(r.remove_client(2)) == [b"only2"]
+    assert r.remove_client(2) == []
+    assert r.match(b"k") == (1,)
+    assert r.client_count == 1
+
+
+def test_secrecy_never_leaks():
+    r = Router()
+    r.add_client("me", b"!/cred/100/1000/1234/")
+    r.add_client("other", b"!/cred/100/1000/999/")
+    r.add_client("anon", None)
+    for c in ("other", "anon"):
+        for p in (b"", b"*/", b"!/", b"*/cred/*/", b"!/cred/100/1000/1234/", b"!/cred/100/1000/1234/x"):
+            r.subscribe(c, p)
+    r.subscribe("me", b"!/cred/100/1000/1234/x")
+    assert r.match(b"!/cred/100/1000/1234/x") == ("me",)
+    assert r.match(b"!/cred/100/1000/1234/y") == ()
+    # malformed secret keys reach nobody
+    for key in (b"!/cred/1/2", b"!/cred/x/y/z/k", b"!/cred/", b"!/cred/100/1000/1234"):
+        assert r.match(key) == ()
+    # with a '*' in the key (slow path) too
+    assert r.match(b"!/cred/100/1000/1234/*") == ()
+    r.subscribe("me", b"")
+    assert r.match(b"!/cred/100/1000/1234/*") == ("me",)
+    # not secret: ordinary delivery
+    assert set(r.match(b"!/cre")) == {"me", "other", "anon"}
+
+
+def test_slave_prefix_chain():
+    r = Router()
+    r.add_client("local", b"!/cred/100/1000/1111/!/cred/5/6/7/")
+    r.add_client("slave-self", b"!/cred/100/1000/1111/")
+    r.subscribe("local", b"!/cred/100/1000/1111/!/cred/5/6/7/")
+    r.subscribe("slave-self", b"")
+    key = b"!/cred/100/1000/1111/!/cred/5/6/7/hello"
+    assert set(r.match(key)) == {"local", "slave-self"}
+    assert r.match(b"!/cred/100/1000/1111/!/cred/5/6/8/hello") == ("slave-self",)
+
+
+def test_readd_replaces_secret_prefix():
+    r = Router()
+    r.add_client("c", b"!/cred/1/1/1/")
+    r.subscribe("c", b"")
+    assert r.match(b"!/cred/1/1/1/x") == ("c",)
+    r.add_client("c", b"!/cred/2/2/2/")
+    assert r.match(b"!/cred/1/1/1/x") == ()
+    assert r.patterns_of("c") == {b"": 1}
+
+
+def test_cache_hit_and_invalidation():
+    r = Router()
+    r.add_client("a", None)
+    r.add_client("b", None)
+    r.subscribe("a", b"x/*")
+    first = r.match(b"x/y")
+    assert r.match(b"x/y") is first  # served from the cache
+    r.match(b"z")
+    r.subscribe("b", b"x/y")
+    assert set(r.match(b"x/y")) == {"a", "b"}
+    r.unsubscribe("a", b"x/*")
+    assert r.match(b"x/y") == ("b",)
+    r.remove_client("b")
+    assert r.match(b"x/y") == ()
+
+
+def test_cache_bounded():
+    r = Router(cache_size=10)
+    r.add_client("a", None)
+    r.subscribe("a", b"")
+    for i in range(100):
+        r.match(b"k%d" % i)
+        assert len(r._cache) <= 10
+
+
+def test_large_cache_cleared_on_change():
+    r = Router()
+    r.add_client("a", None)
+    r.subscribe("a", b"k/*")
+    for i in range(600):
+        r.match(b"k/%d" % i)
+    r.subscribe("a", b"zzz")
+    assert r.match(b"k/5") == ("a",)
+    assert r.match(b"zzz") == ("a",)
+
+
+def test_dead_patterns_are_stored():
+    r = Router()
+    r.add_client("a", None)
+    assert r.subscribe("a", b"a*b") is True
+    assert r.subscribe("a", b"a**") is True
+    assert r.match(b"axb") == ()
+    assert r.match(b"ab") == ()
+    assert r.match(b"a*b") == ("a",)  # a '*' in the key compares as a byte
+    assert r.patterns_of("a") == {b"a*b": 1, b"a**": 1}
+    assert r.unsubscribe("a", b"a*b") is True
+    assert r.unsubscribe("a", b"a**") is True
+    assert r.subscription_count == 0
+
+
+def test_subscribe_unknown_client_raises():
+    r = Router()
+    try:
+        r.subscribe("ghost", b"a")
+    except KeyError:
+        pass
+    else:
+        raise AssertionError("expected KeyError")
+
+
+def _visits(r: Router, key: bytes) -> int:
+    r._cache.clear()
+    before = r.visited
+    r.match(key)
+    return r.visited - before
+
+
+def test_non_matching_subscriptions_not_visited():
+    """Node visits, not time: the walk touches only what can match."""
+    r = Router()
+    r.add_client("hit", None)
+    r.add_client("miss", None)
+    r.subscribe("hit", b"app/*/temp")
+    r.subscribe("hit", b"ap*/x/")
+    small = _visits(r, b"app/x/temp")
+    for i in range(5000):
+        r.subscribe("miss", b"other%d/x/temp" % i)  # literal siblings
+        r.subscribe("miss", b"app/y%d/temp" % i)  # literal children under app
+        r.subscribe("miss", b"p%d*/x" % i)  # many star prefixes at the root
+    assert r.match(b"app/x/temp") == ("hit",)
+    large = _visits(r, b"app/x/temp")
+    assert large <= small + 8, (small, large)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prefixes=st.lists(_bytes(3).filter(lambda p: b"/" not in p and b"*" not in p), min_size=1, max_size=25),
+    suffix=st.sampled_from([b"*", b"*/", b"**/", b"*/a", b"*/*"]),
+    keys=st.lists(KEYS, max_size=10),
+)
+def test_many_star_prefixes_lookup_branch(prefixes, suffix, keys):
+    """A node with more star children than len(segment)+1 looks prefixes up."""
+    r, model = Router(), Model()
+    r.add_client("c3", None)
+    model.held["c3"] = {}
+    for i, p in enumerate(prefixes):
+        c = CLIENTS[i % 3]
+        if c not in model.held:
+            r.add_client(c, SECRET_PREFIXES[c])
+            model.held[c] = {}
+        r.subscribe(c, p + suffix)
+        model.held[c][p + suffix] = model.held[c].get(p + suffix, 0) + 1
+    _check(r, model, keys + [p for p in prefixes] + [p + b"a" for p in prefixes] + [p + b"/a" for p in prefixes])
+
+
+def test_star_prefix_lookup_last_segment():
+    r = Router()
+    for p in (b"", b"a", b"ab", b"abc", b"x", b"y", b"z"):
+        r.add_client(p, None)
+        r.subscribe(p, p + b"*")
+    # 'ab' is the key's last segment: 'ab*' needs at least one more byte
+    assert set(r.match(b"ab")) == {b"", b"a"}
+    assert set(r.match(b"abc")) == {b"", b"a", b"ab"}
+    assert r.match(b"") == ()
