@@ -35,13 +35,17 @@ _SELECTIVE_INVALIDATION = 512
 
 
 class _Node:
+    """One trie node. Tables are created on first use and holders are
+    tuples: most nodes of a large subscription set are leaves with one
+    holder, and this keeps a stored pattern to a few hundred bytes."""
+
     __slots__ = ("literal", "star", "end", "tail")
 
     def __init__(self):
-        self.literal: dict[bytes, _Node] = {}  # exact segment -> child
-        self.star: dict[bytes, _Node] = {}  # prefix before '*' -> child
-        self.end: dict[object, int] = {}  # client -> patterns ending exactly here
-        self.tail: dict[object, int] = {}  # client -> patterns ending here with '/'
+        self.literal: dict[bytes, _Node] | None = None  # exact segment -> child
+        self.star: dict[bytes, _Node] | None = None  # prefix before '*' -> child
+        self.end: tuple = ()  # clients with a pattern ending exactly here
+        self.tail: tuple = ()  # clients with a pattern ending here with '/'
 
     def empty(self) -> bool:
         return not (self.literal or self.star or self.end or self.tail)
@@ -80,8 +84,8 @@ class Router:
         self._root = _Node()
         self._all: dict[object, int] = {}  # client -> instances of the empty pattern
         self._prefix: dict[object, bytes | None] = {}  # client -> secret prefix
-        self._client_patterns: dict[object, dict[bytes, int]] = {}
-        self._holders: dict[bytes, dict[object, int]] = {}  # pattern -> client -> count
+        self._client_patterns: dict[object, dict[bytes, int]] = {}  # client -> pattern -> instances
+        self._holders: dict[bytes, int] = {}  # pattern -> how many clients hold it
         self._count = 0
         self._cache: dict[bytes, tuple] = {}
         #: trie nodes touched by cache misses; lets tests check that
@@ -108,14 +112,16 @@ class Router:
         del self._prefix[client]
         held = self._client_patterns.pop(client)
         gone = []
+        holders = self._holders
         for pattern, n in held.items():
             self._count -= n
-            holders = self._holders[pattern]
-            del holders[client]
-            if not holders:
-                del self._holders[pattern]
+            left = holders[pattern] - 1
+            if left:
+                holders[pattern] = left
+            else:
+                del holders[pattern]
                 gone.append(pattern)
-            self._trie_remove(client, pattern, n)
+            self._trie_remove(client, pattern)
         if held:
             self._cache.clear()
         return gone
@@ -129,15 +135,13 @@ class Router:
         n = mine.get(pattern, 0)
         mine[pattern] = n + 1
         self._count += 1
-        holders = self._holders.get(pattern)
-        new = holders is None
-        if new:
-            holders = self._holders[pattern] = {}
-        holders[client] = n + 1
+        if n:
+            return False
+        holders = self._holders.get(pattern, 0)
+        self._holders[pattern] = holders + 1
         self._trie_add(client, pattern)
-        if n == 0:
-            self._invalidate(pattern)
-        return new
+        self._invalidate(pattern)
+        return not holders
 
     def unsubscribe(self, client, pattern: bytes) -> bool | None:
         """Remove one instance. None if the client did not hold it; else
@@ -149,19 +153,18 @@ class Router:
         if n is None:
             return None
         self._count -= 1
-        holders = self._holders[pattern]
-        if n == 1:
-            del mine[pattern]
-            del holders[client]
-        else:
-            mine[pattern] = holders[client] = n - 1
-        self._trie_remove(client, pattern, 1)
-        gone = not holders
-        if gone:
-            del self._holders[pattern]
-        if n == 1:
-            self._invalidate(pattern)
-        return gone
+        if n > 1:
+            mine[pattern] = n - 1
+            return False
+        del mine[pattern]
+        self._trie_remove(client, pattern)
+        self._invalidate(pattern)
+        left = self._holders[pattern] - 1
+        if left:
+            self._holders[pattern] = left
+            return False
+        del self._holders[pattern]
+        return True
 
     def patterns_of(self, client) -> dict[bytes, int]:
         return dict(self._client_patterns.get(client, {}))
@@ -209,9 +212,11 @@ class Router:
             for node in live:
                 if node.tail:
                     found.update(node.tail)
-                child = node.literal.get(s)
-                if child is not None:
-                    nxt.append(child)
+                literal = node.literal
+                if literal:
+                    child = literal.get(s)
+                    if child is not None:
+                        nxt.append(child)
                 star = node.star
                 if star:
                     if len(star) > n + 1:
@@ -238,11 +243,11 @@ class Router:
         return found
 
     def _slow(self, key: bytes) -> set:
-        found = set()
-        for pattern, holders in self._holders.items():
-            if matches(pattern, key):
-                found.update(holders)
-        return found
+        return {
+            client
+            for client, held in self._client_patterns.items()
+            if any(matches(pattern, key) for pattern in held)
+        }
 
     # -- internals ---------------------------------------------------------
 
@@ -257,8 +262,9 @@ class Router:
             del cache[key]
 
     def _trie_add(self, client, pattern: bytes) -> None:
+        """Called for a client's first instance of `pattern`."""
         if not pattern:
-            self._all[client] = self._all.get(client, 0) + 1
+            self._all[client] = 1
             return
         compiled = _compile(pattern)
         if compiled is None:
@@ -266,21 +272,27 @@ class Router:
         steps, tail = compiled
         node = self._root
         for is_star, seg in steps:
-            table = node.star if is_star else node.literal
+            if is_star:
+                table = node.star
+                if table is None:
+                    table = node.star = {}
+            else:
+                table = node.literal
+                if table is None:
+                    table = node.literal = {}
             child = table.get(seg)
             if child is None:
                 child = table[seg] = _Node()
             node = child
-        holders = node.tail if tail else node.end
-        holders[client] = holders.get(client, 0) + 1
+        if tail:
+            node.tail += (client,)
+        else:
+            node.end += (client,)
 
-    def _trie_remove(self, client, pattern: bytes, n: int) -> None:
+    def _trie_remove(self, client, pattern: bytes) -> None:
+        """Called when a client's last instance of `pattern` goes."""
         if not pattern:
-            left = self._all[client] - n
-            if left:
-                self._all[client] = left
-            else:
-                del self._all[client]
+            del self._all[client]
             return
         compiled = _compile(pattern)
         if compiled is None:
@@ -292,12 +304,10 @@ class Router:
             table = node.star if is_star else node.literal
             path.append((table, seg))
             node = table[seg]
-        holders = node.tail if tail else node.end
-        left = holders[client] - n
-        if left:
-            holders[client] = left
-            return
-        del holders[client]
+        if tail:
+            node.tail = tuple(c for c in node.tail if c is not client)
+        else:
+            node.end = tuple(c for c in node.end if c is not client)
         for table, seg in reversed(path):
             if not table[seg].empty():
                 break
