@@ -12,11 +12,11 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 $(VENV)/.installed: setup.py | $(BIN)/python
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q -e . --config-settings editable_mode=compat
 	touch $@
 
 $(VENV)/.test-installed: setup.py | $(BIN)/python
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test]' --config-settings editable_mode=compat
 	touch $@
 
 run: $(VENV)/.installed
