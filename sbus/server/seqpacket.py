@@ -442,3 +442,29 @@ class SeqPacketPort:
                 self.reactor.addReader(self)
 
         self._backoff = self.reactor.callLater(0.5, resume)
+
+
+def connectSeqPacket(reactor, address, protocol, *, max_packet: int = 409600, drain_cap: int = 64,
+                     queue_bytes: int = 4 << 20, queue_packets: int = 16384) -> SeqPacketTransport:
+    """Connect `protocol` to the SEQPACKET socket at `address` (a path, or bytes
+    starting with NUL for an abstract name); the client side of the same transport.
+
+    Unix-domain connects finish at once or fail at once (a full backlog gives
+    EAGAIN, reported like a refusal), so this is synchronous and raises OSError.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        size_buffers(sock, max_packet)
+        sock.setblocking(False)
+        sock.connect(address)
+        peer = peer_credentials(sock)
+    except BaseException:
+        sock.close()
+        raise
+    transport = SeqPacketTransport(
+        sock, protocol, reactor, max_packet=max_packet, drain_cap=drain_cap,
+        queue_bytes=queue_bytes, queue_packets=queue_packets, peer=peer,
+    )
+    protocol.makeConnection(transport)
+    transport.startReading()
+    return transport
