@@ -1,0 +1,352 @@
+"""sbusd's address forms, and the listening socket they name.
+
+Plain Python (no Twisted import: `sbusd` opens its socket before it imports
+the reactor, and before it forks). The forms, as in the reference server:
+
+``PATH``
+    A filesystem path. The socket file gets ``mode`` (0700 by default; sbusd
+    adds 0070 with ``-g`` and 0007 with ``-o``) and is removed when the
+    server stops. An existing file is an error unless ``reuse`` (``-r``) is
+    given; then it is removed first, **but only if it is a socket**: unlike
+    the C server, which unlinks whatever is there, we refuse to delete a
+    regular file, directory, ... that a typo in ``-a`` pointed at.
+
+``/dev/unix/abstract``
+    A random abstract address: a NUL followed by 107 random bytes (retried
+    on ``EADDRINUSE``). Its printable form is ``/dev/unix/abstract/``
+    followed by the lowercase hex of the whole 108-byte ``sun_path``
+    (216 digits, starting with ``00``); sbusd prints it on standard output.
+
+``/dev/unix/abstract/HEX``
+    That abstract address. As in the C server, the bytes are written into a
+    zeroed 108-byte ``sun_path`` and the whole 108 bytes are bound, so a
+    short HEX is padded with NULs: ``sockaddr()`` gives clients the same
+    bytes. The first byte must be ``00`` (otherwise the kernel would take it
+    for a relative path; the C server silently did that). An odd number of
+    digits or a non-hex digit makes the whole string a plain path, like the
+    C code (and so does an empty HEX, which C took for 108 NULs; the client
+    side, `sbus.client.address`, parses the same way); more than 216 digits
+    is an error.
+
+``/dev/fd/N``
+    An inherited socket: ``AF_UNIX``/``SOCK_SEQPACKET``, bound, listening or
+    not (``listen()`` is called if needed). Not digits after ``/dev/fd/``:
+    a plain path, like the C code.
+
+``systemd``
+    Socket activation (``sd_listen_fds``): ``LISTEN_PID`` must be our pid;
+    of the ``LISTEN_FDS`` descriptors from 3 on, the first ``AF_UNIX``
+    ``SOCK_SEQPACKET`` one is used. The variables are removed from the
+    environment afterwards so children don't inherit them. (The C server
+    has no such form: there ``systemd`` would be a relative path.)
+
+An inherited socket (``/dev/fd/N``, ``systemd``) is never chmod-ed nor
+unlinked; -g/-o are ignored for it with a warning, and so is ``reuse``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import stat
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
+
+#: Size of ``sockaddr_un.sun_path`` on Linux.
+SUN_PATH_SIZE = 108
+ABSTRACT = "/dev/unix/abstract"
+ABSTRACT_PREFIX = ABSTRACT + "/"
+FD_PREFIX = "/dev/fd/"
+SYSTEMD = "systemd"
+#: First fd systemd passes (SD_LISTEN_FDS_START).
+SD_LISTEN_FDS_START = 3
+_INT_MAX = 2**31 - 1
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+class AddressError(Exception):
+    """A bad address or a socket that cannot be opened; ``str()`` is one line."""
+
+
+# --- parsing ------------------------------------------------------------------
+
+
+class Address(NamedTuple):
+    """A parsed address. ``kind`` is one of ``path``, ``abstract``, ``random``, ``fd``, ``systemd``."""
+
+    kind: str
+    #: path: str; abstract: 108 bytes (leading NUL); fd: int; random/systemd: None.
+    value: object
+    text: str
+
+
+def abstract_text(sun_path: bytes) -> str:
+    """The printable form of an abstract address: ``/dev/unix/abstract/<hex>``."""
+    return ABSTRACT_PREFIX + sun_path.hex()
+
+
+def parse_address(text: str) -> Address:
+    """Parse one of the forms above; raise `AddressError` for a bad one."""
+    if not isinstance(text, str):
+        text = os.fsdecode(text)
+    if text.startswith(FD_PREFIX):
+        digits = text[len(FD_PREFIX):]
+        if digits.isascii() and digits.isdigit():
+            n = int(digits)
+            if n > _INT_MAX:
+                raise AddressError(f"bad unix socket address {text}: Bad file descriptor")
+            return Address("fd", n, text)
+    elif text == ABSTRACT:
+        return Address("random", None, text)
+    elif text.startswith(ABSTRACT_PREFIX):
+        digits = text[len(ABSTRACT_PREFIX):]
+        if digits and len(digits) % 2 == 0 and all(c in _HEX for c in digits):
+            if len(digits) > 2 * SUN_PATH_SIZE:
+                raise AddressError(
+                    f"bad unix socket address {text}: more than {2 * SUN_PATH_SIZE} hex digits"
+                )
+            raw = bytes.fromhex(digits).ljust(SUN_PATH_SIZE, b"\0")
+            if raw[0] != 0:
+                raise AddressError(
+                    f"bad unix socket address {text}: an abstract address starts with 00"
+                )
+            return Address("abstract", raw, text)
+    elif text == SYSTEMD:
+        return Address("systemd", None, text)
+    if not text:
+        raise AddressError("bad unix socket address: empty")
+    if len(os.fsencode(text)) >= SUN_PATH_SIZE:
+        raise AddressError(f"bad unix socket address {text}: File name too long")
+    if "\0" in text:
+        raise AddressError(f"bad unix socket address {text!r}: contains a NUL")
+    return Address("path", text, text)
+
+
+def sockaddr(text: str) -> str | bytes:
+    """What a client passes to ``connect()`` for a path or an abstract address."""
+    addr = parse_address(text)
+    if addr.kind in ("path", "abstract"):
+        return addr.value  # type: ignore[return-value]
+    raise AddressError(f"{text}: not an address a client can connect to")
+
+
+# --- the listening socket -----------------------------------------------------
+
+
+@dataclass
+class Listener:
+    """A listening ``AF_UNIX``/``SOCK_SEQPACKET`` socket and what to undo at exit."""
+
+    sock: socket.socket
+    #: The socket file we created (None for abstract and inherited sockets).
+    unlink_path: str | None
+    #: ``/dev/unix/abstract/<hex>`` for a random abstract address, else None.
+    printed_address: str | None
+    #: For log lines: where we listen.
+    description: str
+    inherited: bool = False
+    _identity: tuple[int, int] | None = field(default=None, repr=False)
+
+    def cleanup(self) -> None:
+        """Remove the socket file we created, if it is still ours.
+
+        Compares device and inode with what we bound, so a server that took
+        the path over meanwhile (``-r``) keeps its socket. Never raises.
+        """
+        path, self.unlink_path = self.unlink_path, None
+        if path is None:
+            return
+        try:
+            st = os.lstat(path)
+            if self._identity is None or (st.st_dev, st.st_ino) == self._identity:
+                os.unlink(path)
+        except OSError:
+            pass
+
+
+def _strerror(e: OSError) -> str:
+    return e.strerror or str(e)
+
+
+def _check_seqpacket(sock: socket.socket, what: str) -> None:
+    family = sock.getsockopt(socket.SOL_SOCKET, socket.SO_DOMAIN)
+    stype = sock.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE)
+    if family != socket.AF_UNIX or stype != socket.SOCK_SEQPACKET:
+        raise AddressError(f"{what}: not a unix domain SOCK_SEQPACKET socket")
+    if sock.getsockname() in ("", b""):
+        raise AddressError(f"{what}: socket is not bound")
+
+
+def _adopt(fd: int, what: str) -> socket.socket:
+    """Wrap an inherited fd without taking it over unless it is usable."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as e:
+        if e.errno == errno.ENOTSOCK:
+            raise AddressError(f"{what}: not a socket") from None
+        raise AddressError(f"{what}: {_strerror(e)}") from None
+    try:
+        _check_seqpacket(sock, what)
+    except BaseException:
+        sock.detach()
+        raise
+    return sock
+
+
+def _listen(sock: socket.socket, what: str) -> None:
+    try:
+        if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            sock.listen(socket.SOMAXCONN)
+    except OSError as e:
+        raise AddressError(f"listen {what}: {_strerror(e)}") from None
+
+
+def _describe_inherited(sock: socket.socket, what: str) -> str:
+    name = sock.getsockname()
+    if isinstance(name, bytes):
+        name = abstract_text(name) if name[:1] == b"\0" else os.fsdecode(name)
+    return f"{what} ({name})"
+
+
+def _systemd_fd() -> int:
+    env = os.environ
+    pid, count = env.get("LISTEN_PID"), env.get("LISTEN_FDS")
+    if not pid or not count:
+        raise AddressError("systemd: no socket passed (LISTEN_PID/LISTEN_FDS not set)")
+    try:
+        pid_n, count_n = int(pid), int(count)
+    except ValueError:
+        raise AddressError(f"systemd: bad LISTEN_PID={pid!r} or LISTEN_FDS={count!r}") from None
+    if pid_n != os.getpid():
+        raise AddressError(f"systemd: LISTEN_PID={pid_n} is not our pid {os.getpid()}")
+    for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        env.pop(name, None)
+    for fd in range(SD_LISTEN_FDS_START, SD_LISTEN_FDS_START + count_n):
+        try:
+            probe = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            ok = probe.family == socket.AF_UNIX and probe.type == socket.SOCK_SEQPACKET
+        finally:
+            probe.detach()
+        if ok:
+            return fd
+    raise AddressError(f"systemd: none of the {count_n} passed fds is a unix SOCK_SEQPACKET socket")
+
+
+def _bind_path(sock: socket.socket, path: str, mode: int, reuse: bool) -> tuple[int, int]:
+    if reuse:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise AddressError(f"stat {path}: {_strerror(e)}") from None
+        else:
+            if not stat.S_ISSOCK(st.st_mode):
+                raise AddressError(f"{path}: exists and is not a socket, refusing to remove it")
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise AddressError(f"unlink {path}: {_strerror(e)}") from None
+    # The socket file's mode comes from the socket inode's mode and the umask
+    # at bind time (as in the C server: fchmod then bind under umask 0). The
+    # chmod afterwards makes sure on kernels/filesystems that differ.
+    try:
+        os.fchmod(sock.fileno(), mode)
+    except OSError:
+        pass
+    old = os.umask(0o777 & ~mode)
+    try:
+        sock.bind(path)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise AddressError(f"bind {path}: Address already in use (file exists; -r removes it)") from None
+        raise AddressError(f"bind {path}: {_strerror(e)}") from None
+    finally:
+        os.umask(old)
+    try:
+        st = os.lstat(path)
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.chmod(path, mode)
+    except OSError as e:
+        raise AddressError(f"chmod {path}: {_strerror(e)}") from None
+    return st.st_dev, st.st_ino
+
+
+def open_listener(
+    text: str,
+    mode: int = 0o700,
+    reuse: bool = False,
+    warn: Callable[[str], None] | None = None,
+) -> Listener:
+    """Open, bind and listen on the socket `text` names; raise `AddressError`.
+
+    `mode` applies to a socket file we create; `warn` receives one-line
+    warnings (-g/-o ignored for an inherited socket).
+    """
+    addr = parse_address(text)
+    if addr.kind in ("fd", "systemd"):
+        if addr.kind == "fd":
+            fd = addr.value
+            what = text
+        else:
+            fd = _systemd_fd()
+            what = f"systemd fd {fd}"
+        sock = _adopt(fd, what)  # type: ignore[arg-type]
+        try:
+            if warn is not None:
+                if mode & 0o070:
+                    warn("ignoring -g due to using passed down socket")
+                if mode & 0o007:
+                    warn("ignoring -o due to using passed down socket")
+            _listen(sock, what)
+            sock.set_inheritable(False)
+            return Listener(sock, None, None, _describe_inherited(sock, what), inherited=True)
+        except BaseException:
+            sock.detach()
+            raise
+
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    except OSError as e:
+        raise AddressError(f"socket PF_UNIX SOCK_SEQPACKET: {_strerror(e)}") from None
+    try:
+        identity = None
+        unlink_path = None
+        printed = None
+        if addr.kind == "path":
+            identity = _bind_path(sock, addr.value, mode, reuse)  # type: ignore[arg-type]
+            # Absolute: the daemon chdirs to / before it removes the file at exit.
+            unlink_path = os.path.abspath(addr.value)  # type: ignore[arg-type]
+            description = addr.value
+        elif addr.kind == "abstract":
+            try:
+                sock.bind(addr.value)
+            except OSError as e:
+                raise AddressError(f"bind <abstract:{text[len(ABSTRACT_PREFIX):]}>: {_strerror(e)}") from None
+            description = text
+        else:  # random
+            while True:
+                raw = b"\0" + os.urandom(SUN_PATH_SIZE - 1)
+                try:
+                    sock.bind(raw)
+                    break
+                except OSError as e:
+                    if e.errno != errno.EADDRINUSE:
+                        raise AddressError(f"bind <random abstract address>: {_strerror(e)}") from None
+            printed = description = abstract_text(raw)
+        listener = Listener(sock, unlink_path, printed, description, _identity=identity)
+        try:
+            _listen(sock, description)
+        except BaseException:
+            listener.cleanup()
+            raise
+        return listener
+    except BaseException:
+        sock.close()
+        raise

@@ -1,0 +1,346 @@
+"""``sbusd``: drop-in for the reference C server's command line.
+
+    usage: sbusd [-a address] [-f | -p pidfile] [-u user] ... [-cgor]
+
+-a ADDRESS  a path (default /run/sbus.socket), /dev/fd/N, /dev/unix/abstract
+            (random; printed on standard output), /dev/unix/abstract/HEX, or
+            systemd (socket activation; an extension): see sbus.server.address
+-f          foreground: standard input and output are closed once the socket
+            listens (end of standard output = ready); SIGINT, SIGHUP and
+            SIGTERM end it with status 0 and remove its socket file
+-p PIDFILE  daemon's pid file (default /run/sbus.pid, created exclusively;
+            /dev/null: none); without -f sbusd daemonises and the command
+            returns 0 once the daemon is ready, 1 if it failed. The daemon
+            ignores SIGHUP, ends on SIGINT/SIGTERM removing socket and pid file
+-u USER     only this user (name or uid; repeatable) and our own uid may connect
+-c          exit when the last client has gone (after at least one came)
+-g, -o      socket file mode 0700 plus 0070, plus 0007
+-r          remove an existing socket file at the path first (only a socket)
+
+Options parse like getopt(3) (``-fr``, ``-aPATH``, ``--``). Errors are one
+line ``sbusd: ...`` on standard error and status 1.
+
+The socket is opened, bound and listening in the original process before
+anything else, so address errors reach the user, and Twisted is imported
+only after forking. Keep the imports here lean: sbusd must be connectable
+well within a second of exec.
+"""
+
+from __future__ import annotations
+
+import getopt
+import os
+import signal
+import sys
+from typing import NoReturn
+
+from sbus.server.address import AddressError, Listener, open_listener
+
+PROG = "sbusd"
+USAGE = f"usage: {PROG} [-a address] [-f | -p pidfile] [-u user] ... [-cgor]"
+DEFAULT_ADDRESS = "/run/sbus.socket"
+DEFAULT_PIDFILE = "/run/sbus.pid"
+
+
+class Fatal(Exception):
+    """A one-line error: ``sbusd: <message>`` and status 1."""
+
+
+def _eprint(text: str) -> None:
+    try:
+        sys.stderr.write(f"{PROG}: {text}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _usage() -> NoReturn:
+    try:
+        sys.stderr.write(USAGE + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    sys.exit(1)
+
+
+def resolve_user(text: str) -> int:
+    """A user name or a numeric uid -> uid; `ValueError` with a one-line message.
+
+    (The C server meant the same; its numeric branch fell through to
+    getpwnam("") and failed.)
+    """
+    if text.isascii() and text.isdigit():
+        uid = int(text)
+        if uid >= 2**32 - 1:
+            raise ValueError(f"bad uid {text}")
+        return uid
+    import pwd
+
+    try:
+        return pwd.getpwnam(text).pw_uid
+    except KeyError:
+        raise ValueError(f"getpwnam {text}: no such user") from None
+
+
+class Args:
+    def __init__(self):
+        self.address = DEFAULT_ADDRESS
+        self.pidfile: str | None = DEFAULT_PIDFILE
+        self.foreground = False
+        self.auto_close = False
+        self.reuse = False
+        self.mode = 0o700
+        self.users: list[int] = []
+
+    def allowed_uids(self) -> frozenset[int] | None:
+        return frozenset([*self.users, os.getuid()]) if self.users else None
+
+
+def parse_args(argv: list[str]) -> Args:
+    """Parse the command line; bad usage prints the usage line and exits 1."""
+    try:
+        opts, rest = getopt.getopt(argv, "a:cfgop:ru:")
+    except getopt.GetoptError:
+        _usage()
+    if rest:
+        _usage()
+    args = Args()
+    for opt, val in opts:
+        if opt == "-a":
+            args.address = val
+        elif opt == "-c":
+            args.auto_close = True
+        elif opt == "-f":
+            args.foreground = True
+        elif opt == "-g":
+            args.mode |= 0o070
+        elif opt == "-o":
+            args.mode |= 0o007
+        elif opt == "-p":
+            args.pidfile = val
+        elif opt == "-r":
+            args.reuse = True
+        elif opt == "-u":
+            try:
+                args.users.append(resolve_user(val))
+            except ValueError as e:
+                raise Fatal(str(e)) from None
+    if args.foreground or args.pidfile == "/dev/null":
+        args.pidfile = None
+    elif args.pidfile:
+        # Absolute: the daemon chdirs to / before it removes the file at exit.
+        args.pidfile = os.path.abspath(args.pidfile)
+    return args
+
+
+def _devnull_over(*fds: int) -> None:
+    """Close `fds` by putting /dev/null in their place (so the numbers stay taken)."""
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in fds:
+            os.dup2(null, fd)
+    finally:
+        if null not in fds:
+            os.close(null)
+
+
+def _write_pidfile(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError as e:
+        raise Fatal(f"open {path} O_WRONLY O_CREAT O_EXCL: {e.strerror}") from None
+    try:
+        os.write(fd, b"%d\n" % os.getpid())
+    except OSError as e:
+        os.close(fd)
+        _unlink_quiet(path)
+        raise Fatal(f"write {path}: {e.strerror}") from None
+    os.close(fd)
+
+
+def _unlink_quiet(path: str | None) -> None:
+    if path:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            _eprint(f"unlink {path}: {e.strerror}")
+
+
+def serve(args: Args, listener: Listener, ready) -> int:
+    """Run the bus on `listener` until a signal (or -c); return the exit status.
+
+    `ready()` is called once the server accepts connections (and signal
+    handlers are in place), right before the reactor runs.
+    """
+    from twisted.internet import reactor
+    from twisted.logger import globalLogBeginner, textFileLogObserver
+
+    from sbus.server.config import ServerConfig
+    from sbus.server.service import BusService
+
+    globalLogBeginner.beginLoggingTo(
+        [textFileLogObserver(sys.stderr)], discardBuffer=True, redirectStandardIO=False
+    )
+
+    stopping = []
+
+    def stop() -> None:
+        if not stopping:
+            stopping.append(True)
+            reactor.stop()
+
+    def on_signal(signo, frame) -> None:
+        reactor.callFromThread(stop)
+
+    config = ServerConfig(allowed_uids=args.allowed_uids())
+    bus = BusService(
+        args.address,
+        config,
+        mode=args.mode,
+        reuse=args.reuse,
+        on_empty=stop if args.auto_close else None,
+        listener=listener,
+        warn=_eprint,
+    )
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal if args.foreground else signal.SIG_IGN)
+    if _early_signals:  # a signal came while we were starting up
+        reactor.callWhenRunning(stop)
+    bus.startService()
+    reactor.addSystemEventTrigger("before", "shutdown", bus.stopService)
+    ready()
+    reactor.run(installSignalHandlers=False)
+    listener.cleanup()
+    return 0
+
+
+#: Signals received before the reactor's handlers were in place (-f only).
+_early_signals: list[int] = []
+
+
+def _note_early_signal(signo, frame) -> None:
+    _early_signals.append(signo)
+
+
+def _print_address(listener: Listener) -> None:
+    """Print a random abstract address (both modes, before forking, like C)."""
+    if listener.printed_address:
+        try:
+            sys.stdout.write(listener.printed_address + "\n")
+            sys.stdout.flush()
+        except (OSError, ValueError) as e:
+            raise Fatal(f"failed print generated address: {getattr(e, 'strerror', None) or e}") from None
+
+
+def _run_foreground(args: Args, listener: Listener) -> int:
+    def ready() -> None:
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        _devnull_over(0, 1)
+
+    return serve(args, listener, ready)
+
+
+def _daemonise(args: Args, listener: Listener) -> int:
+    """Fork, setsid, fork; the parent returns 0 once the daemon is ready, else 1."""
+    rfd, wfd = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError as e:
+        raise Fatal(f"fork: {e.strerror}") from None
+    if pid:
+        os.close(wfd)
+        try:
+            _, status = os.waitpid(pid, 0)
+            ok = status == 0 and os.read(rfd, 1) == b"\0"
+        finally:
+            os.close(rfd)
+        if not ok:
+            listener.cleanup()  # only removes the file if it is still ours
+            return 1
+        # The daemon owns the socket now: don't let our exit remove anything.
+        listener.unlink_path = None
+        return 0
+
+    # First child: new session, then fork again so the daemon is no session leader.
+    os.close(rfd)
+    try:
+        os.setsid()
+        if os.fork():
+            os._exit(0)
+    except OSError as e:
+        _eprint(f"fork: {e.strerror}")
+        os._exit(1)
+
+    # The daemon.
+    status = 1
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        if args.pidfile:
+            _write_pidfile(args.pidfile)
+        pidfile = args.pidfile
+        try:
+            os.chdir("/")
+
+            def ready() -> None:
+                _devnull_over(0, 1)
+                if os.isatty(2):
+                    _devnull_over(2)
+                os.write(wfd, b"\0")
+                os.close(wfd)
+
+            status = serve(args, listener, ready)
+        finally:
+            if pidfile:
+                _unlink_quiet(pidfile)
+    except Fatal as e:
+        _eprint(str(e))
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else 1
+    except BaseException as e:  # noqa: BLE001 - last resort in a daemon
+        _eprint(f"{type(e).__name__}: {e}")
+    finally:
+        listener.cleanup()
+        try:
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        os._exit(status)
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    try:
+        args = parse_args(argv)
+        if args.foreground:
+            # Until the reactor runs, a stop signal is remembered rather than
+            # killing us halfway with the socket file left behind.
+            for signo in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(signo, _note_early_signal)
+        try:
+            listener = open_listener(args.address, args.mode, args.reuse, warn=_eprint)
+        except AddressError as e:
+            raise Fatal(str(e)) from None
+        try:
+            _print_address(listener)
+            if args.foreground:
+                return _run_foreground(args, listener)
+            return _daemonise(args, listener)
+        finally:
+            listener.cleanup()
+    except Fatal as e:
+        _eprint(str(e))
+        return 1
+    except Exception as e:  # noqa: BLE001 - one line, like every other error
+        _eprint(f"{type(e).__name__}: {e}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""``twistd sbus``: the bus server as a twistd plugin.
+
+    twistd -n sbus --socket /run/user/1000/sbus.socket --user alice --user 1001
+
+Options mirror ``sbusd`` (see `sbus.server.sbusd`) plus the server settings
+of `sbus.server.config.ServerConfig`. Every bad value is a
+`usage.UsageError` with a one-line message, which twistd prints.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from twisted.python import usage
+
+from sbus.server.address import AddressError, parse_address
+from sbus.server.sbusd import resolve_user
+from sbus.server.config import DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_PACKETS, ServerConfig
+from sbus.core.codec import MAX_PACKET
+
+#: A credential prefix: empty, or one or more ``!/cred/GID/UID/PID/`` links.
+_CRED_PREFIX = re.compile(rb"(?:!/cred/[0-9]+/[0-9]+/[0-9]+/)*")
+MIN_PACKET_LIMIT = 17  # "must be > 16"
+MAX_PACKET_LIMIT = 16 * 1024 * 1024
+
+
+def parse_cred_prefix(text: str | bytes) -> bytes:
+    """Validate a credential prefix (empty, or ``!/cred/G/U/P/`` links)."""
+    raw = os.fsencode(text)
+    if not _CRED_PREFIX.fullmatch(raw):
+        raise ValueError(
+            f"bad credential prefix {os.fsdecode(raw)!r}: must be empty or "
+            "'!/cred/GID/UID/PID/' repeated, ending with '/'"
+        )
+    return raw
+
+
+def _positive(name: str, value: str) -> int:
+    try:
+        n = int(value, 10)
+    except ValueError:
+        raise usage.UsageError(f"--{name}: not an integer: {value!r}") from None
+    if n <= 0:
+        raise usage.UsageError(f"--{name}: must be positive, got {n}")
+    return n
+
+
+class Options(usage.Options):
+    synopsis = "[options]"
+    longdesc = (
+        "Run an sbus message bus server on a unix SOCK_SEQPACKET socket. "
+        "--socket takes a path, /dev/unix/abstract (random abstract address, logged), "
+        "/dev/unix/abstract/HEX, /dev/fd/N (inherited socket) or systemd (socket activation)."
+    )
+
+    optFlags = [
+        ["reuse", "r", "Remove an existing socket file at the path first."],
+    ]
+    optParameters = [
+        ["socket", "s", "sbus.socket",
+         "Address: PATH, /dev/unix/abstract[/HEX], /dev/fd/N or systemd."],
+        ["mode", "m", "0700", "Socket file mode, octal (path sockets only)."],
+        ["cred-prefix", None, "",
+         "Credential prefix for whoami replies: empty or '!/cred/G/U/P/' chain."],
+        ["max-packet", None, str(MAX_PACKET), "Largest packet accepted, in bytes (17 .. 16 MiB)."],
+        ["queue-bytes", None, str(DEFAULT_QUEUE_BYTES), "Per-client output queue limit, bytes."],
+        ["queue-packets", None, str(DEFAULT_QUEUE_PACKETS), "Per-client output queue limit, packets."],
+    ]
+
+    def __init__(self):
+        super().__init__()
+        self["users"] = []
+
+    def opt_user(self, value: str) -> None:
+        """Allow this user (name or uid); repeatable. Then only they and we may connect."""
+        try:
+            self["users"].append(resolve_user(value))
+        except ValueError as e:
+            raise usage.UsageError(f"--user: {e}") from None
+
+    opt_u = opt_user
+
+    def postOptions(self) -> None:
+        try:
+            parse_address(self["socket"])
+        except AddressError as e:
+            raise usage.UsageError(f"--socket: {e}") from None
+        try:
+            mode = int(self["mode"], 8)
+        except ValueError:
+            raise usage.UsageError(f"--mode: not an octal number: {self['mode']!r}") from None
+        if not 0 <= mode <= 0o777:
+            raise usage.UsageError(f"--mode: must be between 0 and 0777, got {self['mode']}")
+        self["mode"] = mode
+        try:
+            self["cred-prefix"] = parse_cred_prefix(self["cred-prefix"])
+        except ValueError as e:
+            raise usage.UsageError(f"--cred-prefix: {e}") from None
+        max_packet = _positive("max-packet", self["max-packet"])
+        if not MIN_PACKET_LIMIT <= max_packet <= MAX_PACKET_LIMIT:
+            raise usage.UsageError(
+                f"--max-packet: must be > 16 and <= {MAX_PACKET_LIMIT}, got {max_packet}"
+            )
+        self["max-packet"] = max_packet
+        self["queue-bytes"] = _positive("queue-bytes", self["queue-bytes"])
+        self["queue-packets"] = _positive("queue-packets", self["queue-packets"])
+
+
+def config_from_options(options: Options) -> ServerConfig:
+    users = options["users"]
+    return ServerConfig(
+        max_packet=options["max-packet"],
+        queue_bytes=options["queue-bytes"],
+        queue_packets=options["queue-packets"],
+        cred_prefix=options["cred-prefix"],
+        allowed_uids=frozenset([*users, os.getuid()]) if users else None,
+    )
+
+
+def makeService(options: Options):
+    from sbus.server.service import BusService
+
+    return BusService(
+        options["socket"],
+        config_from_options(options),
+        mode=options["mode"],
+        reuse=bool(options["reuse"]),
+    )

@@ -1,0 +1,451 @@
+"""`sbusd`, the drop-in command line (NOTES §6), through real processes.
+
+Nothing sleeps to synchronise: readiness is EOF on the server's standard
+output (-f) or the daemonising parent's exit; "served" is proven by a
+`CMSG !/cred/whoami` round trip; exits are waited for with timeouts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+TIMEOUT = 10.0
+WHOAMI = b"CMSG !/cred/whoami"
+SBUSD = [sys.executable, "-m", "sbus.server.sbusd"]
+USAGE = "usage: sbusd [-a address] [-f | -p pidfile] [-u user] ... [-cgor]"
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def connect(addr) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(TIMEOUT)
+    s.connect(addr)
+    return s
+
+
+def whoami(sock: socket.socket) -> bytes:
+    sock.send(WHOAMI)
+    return sock.recv(4096)
+
+
+def served(addr) -> bytes:
+    with connect(addr) as s:
+        reply = whoami(s)
+    assert reply.startswith(WHOAMI + b"\0!/cred/"), reply
+    return reply
+
+
+def wait_until(cond, what: str, timeout: float = TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def pid_gone(pid: int) -> bool:
+    """True once `pid` has exited (a zombie left for an absent reaper counts)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def run(*args, timeout=TIMEOUT, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*SBUSD, *args], capture_output=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL, **kw)
+
+
+def error_line(res: subprocess.CompletedProcess) -> str:
+    lines = res.stderr.decode().splitlines()
+    assert len(lines) == 1, res.stderr
+    return lines[0]
+
+
+def in_child_as(uid: int, fn) -> str:
+    """Run `fn()` in a forked child after setuid(uid); return its result string."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            os.close(r)
+            os.setgid(uid)
+            os.setuid(uid)
+            out = fn()
+        except BaseException as e:  # noqa: BLE001
+            out = f"error {type(e).__name__}: {e}"
+        os.write(w, out.encode())
+        os._exit(0)
+    os.close(w)
+    try:
+        chunks = []
+        while chunk := os.read(r, 4096):
+            chunks.append(chunk)
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    return b"".join(chunks).decode()
+
+
+def try_whoami(addr) -> str:
+    """'served' if the server answers whoami, 'refused' if it closes on us."""
+    try:
+        s = connect(addr)
+    except OSError as e:
+        return f"connect failed: {e}"
+    try:
+        s.send(WHOAMI)
+        reply = s.recv(4096)
+    except (ConnectionResetError, BrokenPipeError):
+        return "refused"
+    finally:
+        s.close()
+    if reply == b"":
+        return "refused"
+    return "served" if reply.startswith(WHOAMI + b"\0") else f"odd reply {reply!r}"
+
+
+def abstract_bytes(printed: bytes) -> bytes:
+    text = printed.decode().strip()
+    assert text.startswith("/dev/unix/abstract/00")
+    return bytes.fromhex(text[len("/dev/unix/abstract/"):])
+
+
+# ------------------------------------------------------------------ foreground
+
+
+def test_foreground_ready_and_serves(bus):
+    assert bus.printed == b""
+    assert bus.proc.poll() is None
+    reply = served(bus.address)
+    assert reply.split(b"\0", 1)[1].startswith(b"!/cred/")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP, signal.SIGTERM])
+def test_foreground_signal_exits_zero_and_removes_socket(start_bus, sig):
+    bus = start_bus()
+    served(bus.address)
+    held = connect(bus.address)  # a connected client doesn't keep it alive
+    bus.proc.send_signal(sig)
+    assert bus.proc.wait(TIMEOUT) == 0
+    assert not os.path.exists(bus.address)
+    held.close()
+    assert "Traceback" not in bus.log()
+
+
+def test_foreground_closes_stdin_and_stdout(bus):
+    fds = {int(n): os.readlink(f"/proc/{bus.proc.pid}/fd/{n}") for n in os.listdir(f"/proc/{bus.proc.pid}/fd")}
+    assert fds[0] == os.devnull and fds[1] == os.devnull
+
+
+def test_combined_flags_and_attached_argument(tmp_path):
+    from conftest import BusProcess
+
+    path = str(tmp_path / "combined.sock")
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    stale.bind(path)
+    stale.close()
+    p = BusProcess(["-fgra" + path], path, str(tmp_path / "c.log"))
+    try:
+        served(path)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o770
+    finally:
+        p.stop()
+    assert p.proc.returncode == 0
+
+
+def test_random_abstract_address_is_printed_and_connectable(start_bus):
+    bus = start_bus(address="/dev/unix/abstract")
+    printed = bus.printed.decode()
+    assert printed.endswith("\n") and printed.count("\n") == 1
+    digits = printed.strip()[len("/dev/unix/abstract/"):]
+    assert len(digits) == 216 and digits.startswith("00") and digits == digits.lower()
+    served(abstract_bytes(bus.printed))
+
+
+def test_abstract_hex_address(start_bus):
+    name = b"\0sbusd-test-" + uuid.uuid4().hex.encode()
+    bus = start_bus(address="/dev/unix/abstract/" + name.hex())
+    assert bus.printed == b""
+    served(name.ljust(108, b"\0"))  # zero-padded to the whole sun_path, as in C
+
+
+# ------------------------------------------------------------------ -r and errors
+
+
+def test_existing_file_without_r_is_an_error(tmp_path):
+    path = str(tmp_path / "stale.sock")
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    stale.bind(path)
+    stale.close()
+    res = run("-f", "-a", path)
+    assert res.returncode == 1
+    line = error_line(res)
+    assert line.startswith(f"sbusd: bind {path}: Address already in use")
+    assert res.stdout == b""
+    assert os.path.exists(path)
+
+
+def test_r_replaces_a_stale_socket(start_bus, tmp_path):
+    path = str(tmp_path / "stale.sock")
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    stale.bind(path)
+    stale.close()
+    bus = start_bus("-r", address=path)
+    served(path)
+    bus.stop()
+    assert bus.proc.returncode == 0 and not os.path.exists(path)
+
+
+def test_r_refuses_to_remove_a_regular_file(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("precious")
+    res = run("-f", "-r", "-a", str(path))
+    assert res.returncode == 1
+    assert "not a socket" in error_line(res)
+    assert path.read_text() == "precious"
+
+
+@pytest.mark.parametrize("argv", [["-x"], ["-f", "extra"], ["-a"], ["-p"], ["-u"], ["--bogus"]])
+def test_bad_usage(argv):
+    res = run(*argv)
+    assert res.returncode == 1
+    assert error_line(res) == USAGE
+
+
+def test_unknown_user_is_one_line_error():
+    res = run("-f", "-a", "/dev/unix/abstract", "-u", "no-such-user-" + uuid.uuid4().hex[:6])
+    assert res.returncode == 1
+    assert error_line(res).startswith("sbusd: getpwnam no-such-user-")
+
+
+def test_bad_address_directory_missing(tmp_path):
+    res = run("-f", "-a", str(tmp_path / "missing" / "x.sock"))
+    assert res.returncode == 1
+    assert "No such file or directory" in error_line(res)
+
+
+# ------------------------------------------------------------------ -c
+
+
+def test_c_exits_when_the_last_client_leaves(start_bus):
+    bus = start_bus("-c")
+    a = connect(bus.address)
+    b = connect(bus.address)
+    assert whoami(a).startswith(WHOAMI) and whoami(b).startswith(WHOAMI)
+    a.close()
+    served(bus.address)  # come and go: b is still there, the server stays
+    assert bus.proc.poll() is None
+    b.close()
+    assert bus.proc.wait(TIMEOUT) == 0
+    assert not os.path.exists(bus.address)
+
+
+# ------------------------------------------------------------------ -u
+
+
+def test_u_refuses_other_users(start_bus):
+    bus = start_bus("-u", "65533", address="/dev/unix/abstract")
+    addr = abstract_bytes(bus.printed)
+    assert try_whoami(addr) == "served"  # our own uid is always allowed
+    assert in_child_as(65534, lambda: try_whoami(addr)) == "refused"
+    assert in_child_as(65533, lambda: try_whoami(addr)) == "served"
+    bus.wait_log("uid=65534")
+    assert try_whoami(addr) == "served"
+
+
+def test_u_by_name(start_bus):
+    import pwd
+
+    nobody = pwd.getpwuid(65534).pw_name
+    bus = start_bus("-u", nobody, address="/dev/unix/abstract")
+    addr = abstract_bytes(bus.printed)
+    assert in_child_as(65534, lambda: try_whoami(addr)) == "served"
+    assert in_child_as(65533, lambda: try_whoami(addr)) == "refused"
+
+
+def test_without_u_anyone_may_connect(start_bus):
+    bus = start_bus(address="/dev/unix/abstract")
+    addr = abstract_bytes(bus.printed)
+    assert in_child_as(65534, lambda: try_whoami(addr)) == "served"
+
+
+# ------------------------------------------------------------------ daemon
+
+
+def _find_pid(needle: str) -> int:
+    """The pid of the process whose command line contains `needle`."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if needle.encode() in f.read() and not pid_gone(int(entry)):
+                        return int(entry)
+            except OSError:
+                pass
+    return 0
+
+
+def test_daemon_with_pidfile(tmp_path):
+    path = str(tmp_path / "daemon.sock")
+    pidfile = tmp_path / "sbusd.pid"
+    log = open(tmp_path / "daemon.log", "wb")
+    parent = subprocess.Popen([*SBUSD, "-a", path, "-p", str(pidfile)],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log)
+    try:
+        assert parent.wait(TIMEOUT) == 0
+        assert parent.stdout.read() == b""  # the daemon closed its copy too
+        pid = int(pidfile.read_text())
+        assert pidfile.read_text() == f"{pid}\n"
+        assert pid != parent.pid and not pid_gone(pid)
+        assert os.readlink(f"/proc/{pid}/cwd") == "/"
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        assert int(fields[3]) != pid, "the daemon must not be a session leader"
+        served(path)
+        os.kill(pid, signal.SIGHUP)  # ignored by the daemon
+        served(path)
+        assert not pid_gone(pid)
+        os.kill(pid, signal.SIGINT)
+        wait_until(lambda: pid_gone(pid), "the daemon to exit")
+        wait_until(lambda: not pidfile.exists() and not os.path.exists(path),
+                   "pid file and socket removal")
+    finally:
+        if pidfile.exists():
+            try:
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+        parent.stdout.close()
+        log.close()
+
+
+def test_daemon_relative_paths_survive_chdir(tmp_path):
+    log = open(tmp_path / "daemon.log", "wb")
+    res = subprocess.run([*SBUSD, "-a", "rel.sock", "-p", "rel.pid"], cwd=tmp_path,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+                         timeout=TIMEOUT)
+    log.close()
+    assert res.returncode == 0
+    pid = int((tmp_path / "rel.pid").read_text())
+    try:
+        served(str(tmp_path / "rel.sock"))
+        os.kill(pid, signal.SIGTERM)
+        wait_until(lambda: pid_gone(pid), "the daemon to exit")
+        wait_until(lambda: not (tmp_path / "rel.pid").exists() and not (tmp_path / "rel.sock").exists(),
+                   "removal of relative pid file and socket")
+    finally:
+        if not pid_gone(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_daemon_pidfile_dev_null(tmp_path):
+    path = str(tmp_path / f"nopid-{uuid.uuid4().hex[:8]}.sock")
+    log = open(tmp_path / "daemon.log", "wb")
+    res = subprocess.run([*SBUSD, "-a", path, "-p", "/dev/null"], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=log, timeout=TIMEOUT)
+    log.close()
+    assert res.returncode == 0
+    pid = _find_pid(path)
+    assert pid
+    try:
+        served(path)
+        assert os.path.exists("/dev/null") and stat.S_ISCHR(os.stat("/dev/null").st_mode)
+        os.kill(pid, signal.SIGINT)
+        wait_until(lambda: pid_gone(pid), "the daemon to exit")
+        wait_until(lambda: not os.path.exists(path), "socket removal")
+    finally:
+        if not pid_gone(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_daemon_failure_reaches_the_user(tmp_path):
+    path = str(tmp_path / "fail.sock")
+    pidfile = tmp_path / "taken.pid"
+    pidfile.write_text("1\n")
+    res = run("-a", path, "-p", str(pidfile))
+    assert res.returncode == 1
+    assert error_line(res).startswith(f"sbusd: open {pidfile} O_WRONLY O_CREAT O_EXCL: File exists")
+    assert pidfile.read_text() == "1\n"
+    assert not os.path.exists(path), "a failed daemon left its socket file behind"
+    assert not _find_pid(path)
+
+
+def test_daemon_c_exits_after_last_client(tmp_path):
+    path = str(tmp_path / "auto.sock")
+    pidfile = tmp_path / "auto.pid"
+    with open(tmp_path / "daemon.log", "wb") as log:
+        res = subprocess.run([*SBUSD, "-c", "-a", path, "-p", str(pidfile)], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=log, timeout=TIMEOUT)
+    assert res.returncode == 0
+    pid = int(pidfile.read_text())
+    try:
+        served(path)
+        wait_until(lambda: pid_gone(pid), "the -c daemon to exit")
+        wait_until(lambda: not pidfile.exists() and not os.path.exists(path), "cleanup")
+    finally:
+        if not pid_gone(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+# ------------------------------------------------------------------ startup
+
+
+def test_startup_time_exec_to_connectable(tmp_path, capsys):
+    """Correctness bound, not a benchmark: connectable and served well within 1 s."""
+    path = str(tmp_path / "fast.sock")
+    t0 = time.monotonic()
+    proc = subprocess.Popen([*SBUSD, "-f", "-a", path], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        sock = None
+        while sock is None:
+            assert time.monotonic() - t0 < TIMEOUT and proc.poll() is None
+            try:
+                sock = connect(path)
+            except (FileNotFoundError, ConnectionRefusedError):
+                time.sleep(0.002)
+        t_connect = time.monotonic() - t0
+        reply = whoami(sock)
+        t_served = time.monotonic() - t0
+        sock.close()
+        assert reply.startswith(WHOAMI + b"\0")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(TIMEOUT)
+    with capsys.disabled():
+        print(f"\nsbusd startup: connectable {t_connect * 1000:.0f} ms, first reply {t_served * 1000:.0f} ms")
+    assert t_connect < 3.0 and t_served < 3.0
+
+
+def test_daemon_prints_random_abstract_address(tmp_path):
+    pidfile = tmp_path / "abs.pid"
+    with open(tmp_path / "daemon.log", "wb") as log:
+        res = subprocess.run([*SBUSD, "-a", "/dev/unix/abstract", "-p", str(pidfile)],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
+                             timeout=TIMEOUT)
+    assert res.returncode == 0
+    pid = int(pidfile.read_text())
+    try:
+        served(abstract_bytes(res.stdout))
+        os.kill(pid, signal.SIGINT)
+        wait_until(lambda: pid_gone(pid), "the daemon to exit")
+        wait_until(lambda: not pidfile.exists(), "pid file removal")
+    finally:
+        if not pid_gone(pid):
+            os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,15 @@
+"""twistd plugins for sbus: ServiceMaker objects only.
+
+Each points at a ``sbus.*.tap`` module by name, so listing plugins (which
+imports this file) stays cheap; the module is imported only when that
+plugin is used. Add a line per service (``sbus-relay`` etc.).
+"""
+
+from twisted.application.service import ServiceMaker
+
+sbus = ServiceMaker(
+    "sbus",
+    "sbus.server.tap",
+    "sbus message bus server on a unix SOCK_SEQPACKET socket",
+    "sbus",
+)
