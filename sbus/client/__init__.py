@@ -1,0 +1,32 @@
+"""sbus clients: blocking (here), `sbus.client.twisted`, `sbus.client.asyncio`.
+
+    import sbus.client
+    with sbus.client.connect() as bus:   # --socket / $SBUS_SOCKET / ./sbus.socket
+        bus.subscribe("sensors/")
+        for message in bus:
+            ...
+"""
+
+from sbus.core.codec import MAX_PACKET, Control, Message, ProtocolError
+
+from .address import DEFAULT_ADDRESS, ENV_VAR, Address, AddressError, open_socket, parse, resolve
+from .blocking import Client, ConnectionClosed, PacketTooLarge, SbusError, connect
+
+__all__ = [
+    "MAX_PACKET",
+    "Address",
+    "AddressError",
+    "Client",
+    "ConnectionClosed",
+    "Control",
+    "DEFAULT_ADDRESS",
+    "ENV_VAR",
+    "Message",
+    "PacketTooLarge",
+    "ProtocolError",
+    "SbusError",
+    "connect",
+    "open_socket",
+    "parse",
+    "resolve",
+]

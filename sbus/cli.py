@@ -1,0 +1,462 @@
+"""The `sbus` command: publish, subscribe, ask the server, from a shell.
+
+    sbus pub KEY [MESSAGE | -]     publish (stdin: a message per line, or --whole)
+    sbus sub PATTERN...            print messages until interrupted
+    sbus whoami                    the credentials the server sees
+    sbus stats                     the server's statistics (--json)
+    sbus ping                      round trips through the bus
+
+The bus is `--socket ADDRESS`, else ``$SBUS_SOCKET``, else ``sbus.socket`` in
+the working directory. Errors are one line on stderr (``sbus: ...``) and a
+non-zero exit status; Ctrl-C exits with 130 and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import errno
+import json
+import os
+import secrets
+import signal
+import stat
+import statistics
+import sys
+import time
+
+from sbus.core.codec import Message, ProtocolError
+
+from .client.address import AddressError, resolve
+from .client.blocking import Client, ConnectionClosed, PacketTooLarge
+
+#: How long to wait for the server's answer to a request (whoami, stats).
+REPLY_TIMEOUT = 10.0
+#: Exit status when `sub --timeout` expires before `--count` messages arrived (as timeout(1)).
+EXIT_TIMEOUT = 124
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
+
+
+class CliError(Exception):
+    """A failure to report as one line; `status` is the exit status."""
+
+    def __init__(self, message: str, status: int = 1):
+        super().__init__(message)
+        self.status = status
+
+
+# -- connecting ---------------------------------------------------------------
+
+
+def _connect(args) -> Client:
+    try:
+        addr = resolve(getattr(args, "socket", None))
+    except AddressError as e:
+        raise CliError(str(e)) from None
+    where = addr.text
+    try:
+        return Client(addr)
+    except FileNotFoundError:
+        raise CliError(f"{where}: no such socket (is sbusd running? see --socket, $SBUS_SOCKET)") from None
+    except ConnectionRefusedError:
+        raise CliError(f"{where}: connection refused (no server is listening there)") from None
+    except PermissionError:
+        raise CliError(f"{where}: permission denied") from None
+    except OSError as e:
+        if e.errno == errno.EPROTOTYPE:
+            raise CliError(f"{where}: not an sbus socket (wrong socket type)") from None
+        if e.errno == errno.ENOTSOCK:
+            raise CliError(f"{where}: not a socket") from None
+        reason = e.strerror or str(e)
+        if where in reason:
+            raise CliError(reason) from None
+        raise CliError(f"{where}: {reason}") from None
+
+
+def _request(fn, what: str):
+    try:
+        return fn(timeout=REPLY_TIMEOUT)
+    except TimeoutError:
+        raise CliError(f"no {what} reply from the server within {REPLY_TIMEOUT:g} s") from None
+
+
+# -- pub ------------------------------------------------------------------------
+
+
+def _stdin_is_data() -> bool:
+    """Is stdin a pipe, a file or a socket (data), rather than a terminal or /dev/null?"""
+    try:
+        mode = os.fstat(sys.stdin.fileno()).st_mode
+    except (OSError, ValueError, AttributeError):
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISREG(mode) or stat.S_ISSOCK(mode)
+
+
+def _payloads(args):
+    """Yield the payloads to publish, in order."""
+    stdin = args.message == "-" or (args.message is None and args.file is None and _stdin_is_data())
+    if args.file is not None:
+        if args.message is not None:
+            raise CliError("give either MESSAGE or --file, not both", 2)
+        try:
+            with open(args.file, "rb") as f:
+                yield f.read()
+        except OSError as e:
+            raise CliError(f"{args.file}: {e.strerror}") from None
+    elif stdin:
+        data = sys.stdin.buffer
+        if args.whole:
+            yield data.read()
+        else:
+            for line in data:
+                yield line[:-1] if line.endswith(b"\n") else line
+    elif args.message is not None:
+        yield os.fsencode(args.message)
+    else:
+        yield b""
+
+
+def cmd_pub(args) -> int:
+    if args.count < 0:
+        raise CliError("--count must be 0 or more", 2)
+    if args.rate is not None and args.rate <= 0:
+        raise CliError("--rate must be more than 0", 2)
+    key = os.fsencode(args.key)
+    payloads = _payloads(args)
+    with _connect(args) as bus:
+        interval = None if args.rate is None else 1.0 / args.rate
+        start = time.monotonic()
+        sent = 0
+        for payload in payloads:
+            for _ in range(args.count):
+                if interval is not None:
+                    wait = start + sent * interval - time.monotonic()
+                    if wait > 0:
+                        time.sleep(wait)  # pacing, not synchronisation
+                try:
+                    bus.publish(key, payload)
+                except ProtocolError as e:
+                    raise CliError(f"message too large: {e}") from None
+                sent += 1
+        # A round trip: the server has routed everything (or closed on us) before we exit,
+        # so a following command on the same bus comes after these messages.
+        _request(bus.whoami, "whoami")
+    return 0
+
+
+# -- sub ------------------------------------------------------------------------
+
+
+def _text_or_base64(data: bytes) -> tuple[str, bool]:
+    try:
+        return data.decode("utf-8"), False
+    except UnicodeDecodeError:
+        return base64.b64encode(data).decode("ascii"), True
+
+
+def _format(fmt: str):
+    if fmt == "raw":
+        return lambda m: m.payload
+    if fmt == "payload":
+        return lambda m: m.payload + b"\n"
+    if fmt == "line":
+        return lambda m: m.key + b" " + m.payload + b"\n"
+
+    def as_json(m):
+        key, key_b64 = _text_or_base64(m.key)
+        payload, payload_b64 = _text_or_base64(m.payload)
+        obj = {"key": key, "payload": payload}
+        if key_b64:
+            obj["key_base64"] = True
+        if payload_b64:
+            obj["payload_base64"] = True
+        return (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
+
+    return as_json
+
+
+def _signal_ready(path: str) -> None:
+    """Write "ready" to `path`: a FIFO is opened as is (a reader waits on it), a file is created atomically."""
+    try:
+        try:
+            is_fifo = stat.S_ISFIFO(os.stat(path).st_mode)
+        except OSError:
+            is_fifo = False
+        if is_fifo:
+            with open(path, "w") as f:
+                f.write("ready\n")
+        else:
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                f.write("ready\n")
+            os.replace(tmp, path)
+    except BrokenPipeError:
+        pass
+    except OSError as e:
+        raise CliError(f"--ready-file {path}: {e.strerror}") from None
+
+
+def _abandon_ready(path: str) -> None:
+    """Failed before ready: close a FIFO's write end unwritten, so a waiting reader sees end of file."""
+    try:
+        if stat.S_ISFIFO(os.stat(path).st_mode):
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass  # nobody is reading (ENXIO) or no FIFO: nothing to tell
+
+
+def cmd_sub(args) -> int:
+    try:
+        return _sub(args)
+    except BaseException:
+        if args.ready_file and not getattr(args, "_ready", False):
+            _abandon_ready(args.ready_file)
+        raise
+
+
+def _sub(args) -> int:
+    if args.count is not None and args.count < 0:
+        raise CliError("--count must be 0 or more", 2)
+    render = _format(args.format)
+    out = sys.stdout.buffer
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    with _connect(args) as bus:
+        for pattern in args.patterns:
+            try:
+                bus.subscribe(os.fsencode(pattern))
+            except ProtocolError as e:
+                raise CliError(f"bad pattern {pattern!r}: {e}") from None
+        # The server handles a client's packets in order: once whoami is answered, the
+        # subscriptions are in place and nothing published from now on is missed.
+        _request(bus.whoami, "whoami")
+        if args.ready_file:
+            _signal_ready(args.ready_file)
+            args._ready = True
+        received = 0
+        while args.count is None or received < args.count:
+            left = None
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+            try:
+                m = bus.receive(timeout=left)
+            except TimeoutError:
+                break
+            except PacketTooLarge as e:
+                print(f"sbus: {e}", file=sys.stderr)
+                continue
+            if type(m) is not Message:
+                continue
+            out.write(render(m))
+            out.flush()
+            received += 1
+        if args.count is not None and received < args.count:
+            raise CliError(
+                f"timed out after {args.timeout:g} s: received {received} of {args.count} messages",
+                EXIT_TIMEOUT,
+            )
+    return 0
+
+
+# -- whoami, stats, ping ----------------------------------------------------------
+
+
+def cmd_whoami(args) -> int:
+    with _connect(args) as bus:
+        me = _request(bus.whoami, "whoami")
+    sys.stdout.buffer.write(me + b"\n")
+    sys.stdout.flush()
+    return 0
+
+
+def _cell(value) -> str:
+    if isinstance(value, dict):
+        return ",".join(f"{k}={_cell(v)}" for k, v in value.items()) or "-"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, list):
+        return ",".join(_cell(v) for v in value) or "-"
+    if value is None:
+        return "-"
+    return str(value)
+
+
+def format_stats(stats: dict) -> str:
+    """The statistics as aligned text: scalars and dicts first, lists of objects as tables."""
+    rows, tables = [], []
+    for name, value in stats.items():
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            tables.append((name, value))
+        elif isinstance(value, list) and not value:
+            tables.append((name, value))
+        elif isinstance(value, dict) and value and all(not isinstance(v, (dict, list)) for v in value.values()):
+            for k, v in value.items():
+                rows.append((f"{name}.{k}", _cell(v)))
+        else:
+            rows.append((name, _cell(value)))
+    lines = []
+    width = max((len(n) for n, _ in rows), default=0)
+    for name, value in rows:
+        lines.append(f"{name.ljust(width)}  {value}")
+    for name, items in tables:
+        lines.append("")
+        if not items:
+            lines.append(f"{name}: none")
+            continue
+        lines.append(f"{name}:")
+        columns: list[str] = []
+        for item in items:
+            for k in item:
+                if k not in columns:
+                    columns.append(k)
+        cells = [[_cell(item.get(c)) for c in columns] for item in items]
+        widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+        lines.append("  " + "  ".join(c.upper().ljust(w) for c, w in zip(columns, widths)).rstrip())
+        for row in cells:
+            lines.append("  " + "  ".join(v.rjust(w) if v.lstrip("-").replace(".", "", 1).isdigit()
+                                          else v.ljust(w) for v, w in zip(row, widths)).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def cmd_stats(args) -> int:
+    with _connect(args) as bus:
+        try:
+            stats = _request(bus.stats, "server/stats")
+        except ValueError as e:
+            raise CliError(f"the server's statistics are not JSON: {e}") from None
+    if args.json:
+        sys.stdout.write(json.dumps(stats, indent=2) + "\n")
+    else:
+        sys.stdout.write(format_stats(stats))
+    sys.stdout.flush()
+    return 0
+
+
+def cmd_ping(args) -> int:
+    if args.count < 1:
+        raise CliError("--count must be 1 or more", 2)
+    with _connect(args) as bus:
+        me = _request(bus.whoami, "whoami")
+        # A secret key of our own: nobody else can receive it, and nobody else's traffic interferes.
+        key = me + b"/sbus-ping/" + secrets.token_hex(8).encode()
+        bus.echo(True)
+        bus.subscribe(key)
+        _request(bus.whoami, "whoami")
+        times = []
+        for seq in range(args.count):
+            payload = b"%d" % seq
+            t0 = time.perf_counter_ns()
+            bus.publish(key, payload)
+            deadline = time.monotonic() + args.timeout
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    if left <= 0:
+                        raise TimeoutError
+                    m = bus.receive(timeout=left)
+                except TimeoutError:
+                    raise CliError(f"ping {seq}: no echo within {args.timeout:g} s") from None
+                if type(m) is Message and m.key == key and m.payload == payload:
+                    break
+            times.append((time.perf_counter_ns() - t0) / 1000.0)
+    print(f"{len(times)} round trips: min {min(times):.1f} µs, median {statistics.median(times):.1f} µs, "
+          f"max {max(times):.1f} µs")
+    return 0
+
+
+# -- the parser -----------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-s", "--socket", metavar="ADDRESS", default=argparse.SUPPRESS,
+                        help="the bus: a path, /dev/unix/abstract/HEX or /dev/fd/N "
+                             "(default: $SBUS_SOCKET, then ./sbus.socket)")
+    parser = argparse.ArgumentParser(
+        prog="sbus",
+        description="Publish and subscribe on an sbus message bus.",
+        epilog="The address: --socket, else $SBUS_SOCKET, else sbus.socket in the working directory.",
+        parents=[common],
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("pub", parents=[common], help="publish a message",
+                       description="Publish MESSAGE on KEY. With '-', or no MESSAGE and stdin a pipe or a file, "
+                                   "every line of stdin is a message (--whole: all of it is one).")
+    p.add_argument("key", metavar="KEY")
+    p.add_argument("message", metavar="MESSAGE", nargs="?", help="the payload, or - for stdin")
+    p.add_argument("-f", "--file", metavar="FILE", help="publish the contents of FILE as one message")
+    p.add_argument("-w", "--whole", action="store_true", help="stdin is one message, not one per line")
+    p.add_argument("-n", "--count", type=int, default=1, metavar="N", help="publish each message N times")
+    p.add_argument("-r", "--rate", type=float, metavar="R", help="at most R messages per second")
+    p.set_defaults(func=cmd_pub)
+
+    p = sub.add_parser("sub", parents=[common], help="print messages matching patterns",
+                       description="Subscribe to the PATTERNs and print what arrives, until interrupted, "
+                                   "--count messages or --timeout seconds.")
+    p.add_argument("patterns", metavar="PATTERN", nargs="+")
+    p.add_argument("-n", "--count", type=int, metavar="N", help="exit after N messages")
+    p.add_argument("-t", "--timeout", type=float, metavar="S",
+                   help="exit after S seconds (status 124 if --count messages did not arrive)")
+    p.add_argument("-F", "--format", choices=("line", "raw", "payload", "json"), default="line",
+                   help="line: 'KEY PAYLOAD' per message (default); raw: the payload bytes only; "
+                        "payload: payload and a newline; json: a JSON object per line")
+    p.add_argument("--ready-file", metavar="PATH",
+                   help="once subscribed, write 'ready' to PATH (a FIFO, or a file created atomically)")
+    p.set_defaults(func=cmd_sub)
+
+    p = sub.add_parser("whoami", parents=[common], help="print the credentials the server sees")
+    p.set_defaults(func=cmd_whoami)
+
+    p = sub.add_parser("stats", parents=[common], help="print the server's statistics")
+    p.add_argument("--json", action="store_true", help="as JSON")
+    p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser("ping", parents=[common], help="measure round trips through the bus")
+    p.add_argument("-n", "--count", type=int, default=10, metavar="N", help="round trips (default 10)")
+    p.add_argument("-t", "--timeout", type=float, default=5.0, metavar="S", help="per round trip (default 5)")
+    p.set_defaults(func=cmd_ping)
+    return parser
+
+
+def _quiet_stdout():
+    """After a broken pipe on stdout: point it at /dev/null so the exit-time flush is silent."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except (ValueError, OSError):
+            pass
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+    except CliError as e:
+        print(f"sbus: {e}", file=sys.stderr)
+        return e.status
+    except ConnectionClosed:
+        print("sbus: the server closed the connection", file=sys.stderr)
+        return 1
+    except ProtocolError as e:
+        print(f"sbus: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"sbus: {e.strerror or e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

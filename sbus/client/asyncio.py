@@ -1,0 +1,296 @@
+"""The asyncio client (standard library only).
+
+    import asyncio
+    import sbus.client.asyncio
+
+    async def main():
+        async with await sbus.client.asyncio.connect("/run/sbus.socket") as bus:
+            await bus.subscribe("sensors/")
+            await bus.publish("sensors/a", b"21.5")
+            print(await bus.whoami())
+            async for message in bus:
+                print(message.key, message.payload)
+
+    asyncio.run(main())
+
+The socket is nonblocking and watched with `loop.add_reader`; each wakeup
+reads several packets (`recv_into` with MSG_TRUNC, so an oversized packet
+is detected). Received packets wait in an inbox; when it holds
+`inbox_limit` packets the client stops reading, so a slow consumer pushes
+back on the server (whose flood control then applies) instead of growing
+memory without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections import deque
+
+from sbus.core import codec
+from sbus.core.codec import MAX_PACKET, Control, Message, ProtocolError
+
+from .address import open_socket
+from .blocking import ConnectionClosed, PacketTooLarge, echo_packet, flood_packets
+
+__all__ = ["Client", "connect", "ConnectionClosed", "Message", "Control"]
+
+_MSG_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+_MSG_TRUNC = socket.MSG_TRUNC
+_DRAIN_CAP = 64
+
+
+class Client:
+    """A connection to an sbus server for asyncio; make one with `connect`."""
+
+    def __init__(self, sock: socket.socket, *, max_packet: int = MAX_PACKET, inbox_limit: int = 4096,
+                 loop: asyncio.AbstractEventLoop | None = None):
+        sock.setblocking(False)
+        self.socket = sock
+        self.max_packet = max_packet
+        self.inbox_limit = inbox_limit
+        self._loop = loop or asyncio.get_running_loop()
+        self._fd = sock.fileno()
+        self._view = memoryview(bytearray(max_packet))
+        self._inbox: deque = deque()
+        self._waiter: asyncio.Future | None = None
+        self._requests: dict[bytes, deque] = {}
+        self._send_lock = asyncio.Lock()
+        self._closed: BaseException | None = None
+        self._reading = False
+        self._write_waiter: asyncio.Future | None = None
+        self._start_reading()
+
+    # -- plumbing
+
+    def fileno(self) -> int:
+        return self._fd
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
+
+    def _start_reading(self):
+        if not self._reading and self._closed is None:
+            self._reading = True
+            self._loop.add_reader(self._fd, self._on_readable)
+
+    def _stop_reading(self):
+        if self._reading:
+            self._reading = False
+            self._loop.remove_reader(self._fd)
+
+    def _wake(self):
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _lost(self, exc: BaseException):
+        if self._closed is not None:
+            return
+        self._closed = exc
+        self._stop_reading()
+        requests, self._requests = self._requests, {}
+        for queue in requests.values():
+            for fut in queue:
+                if not fut.done():
+                    fut.set_exception(ConnectionClosed(str(exc)) if not isinstance(exc, ConnectionClosed) else exc)
+        self._wake()
+        w = self._write_waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def close(self) -> None:
+        """Close the connection (anything not yet received is lost)."""
+        self._lost(ConnectionClosed("connection closed by the client"))
+        if self.socket.fileno() >= 0:
+            self.socket.close()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        self.close()
+
+    # -- reading
+
+    def _on_readable(self):
+        sock, view, limit = self.socket, self._view, self.max_packet
+        inbox = self._inbox
+        got = False
+        for _ in range(_DRAIN_CAP):
+            try:
+                n = sock.recv_into(view, limit, _MSG_TRUNC)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:
+                self._lost(ConnectionClosed(f"the connection failed: {e.strerror or e}"))
+                return
+            if n == 0:
+                self._lost(ConnectionClosed())
+                return
+            if n > limit:
+                inbox.append(PacketTooLarge(n, limit))
+                got = True
+                continue
+            try:
+                packet = codec.parse(view[:n].tobytes(), limit)
+            except ProtocolError as e:
+                inbox.append(e)
+                got = True
+                continue
+            if type(packet) is Control:
+                queue = self._requests.get(packet.key)
+                if queue:
+                    fut = queue.popleft()
+                    if not queue:
+                        del self._requests[packet.key]
+                    if not fut.done():
+                        fut.set_result(packet.payload)
+                    continue
+            if type(packet) in (Message, Control):
+                inbox.append(packet)
+                got = True
+        if len(inbox) >= self.inbox_limit:
+            self._stop_reading()
+        if got:
+            self._wake()
+
+    def pending(self) -> int:
+        """Packets received and not yet taken by `receive()`."""
+        return len(self._inbox)
+
+    async def receive(self, timeout: float | None = None):
+        """The next `Message` or `Control`; raises `ConnectionClosed` at end, `TimeoutError`."""
+        while not self._inbox:
+            if self._closed is not None:
+                raise self._closed
+            self._waiter = self._loop.create_future()
+            try:
+                if timeout is None:
+                    await self._waiter
+                else:
+                    await asyncio.wait_for(self._waiter, timeout)
+            finally:
+                self._waiter = None
+        item = self._inbox.popleft()
+        if not self._reading and len(self._inbox) < self.inbox_limit // 2:
+            self._start_reading()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        try:
+            return await self.receive()
+        except ConnectionClosed:
+            raise StopAsyncIteration from None
+
+    # -- sending
+
+    async def _writable(self):
+        fut = self._write_waiter = self._loop.create_future()
+
+        def ready():
+            if not fut.done():
+                fut.set_result(None)
+
+        self._loop.add_writer(self._fd, ready)
+        try:
+            await fut
+        finally:
+            self._write_waiter = None
+            self._loop.remove_writer(self._fd)
+
+    def _try_send(self, packet: bytes) -> bool:
+        try:
+            self.socket.send(packet, _MSG_NOSIGNAL)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except (BrokenPipeError, ConnectionResetError):
+            self._lost(ConnectionClosed())
+            raise ConnectionClosed() from None
+        return True
+
+    async def send_packet(self, packet: bytes) -> None:
+        """Send one encoded packet; waits (in order) while the socket is full."""
+        if not packet:
+            raise ProtocolError("refusing to send an empty packet (it reads as end of file)")
+        if self._closed is not None:
+            raise ConnectionClosed(str(self._closed))
+        if not self._send_lock.locked() and self._try_send(packet):
+            return
+        async with self._send_lock:
+            while not self._try_send(packet):
+                await self._writable()
+                if self._closed is not None:
+                    raise ConnectionClosed(str(self._closed))
+
+    async def subscribe(self, pattern) -> None:
+        await self.send_packet(codec.encode_sub(pattern, self.max_packet))
+
+    async def unsubscribe(self, pattern) -> None:
+        await self.send_packet(codec.encode_unsub(pattern, self.max_packet))
+
+    async def publish(self, key, payload=b"") -> None:
+        await self.send_packet(codec.encode_msg(key, payload, self.max_packet))
+
+    async def send_control(self, key, payload=None) -> None:
+        await self.send_packet(codec.encode_cmsg(key, payload, self.max_packet))
+
+    async def request(self, key, payload=None, timeout: float | None = None) -> bytes | None:
+        """Send `CMSG key` and return the payload of the server's `CMSG key` reply."""
+        packet = codec.encode_cmsg(key, payload, self.max_packet)
+        key = codec.classify(packet, self.max_packet)[1]
+        fut = self._loop.create_future()
+        self._requests.setdefault(key, deque()).append(fut)
+        try:
+            await self.send_packet(packet)
+        except BaseException:
+            queue = self._requests.get(key)
+            if queue and fut in queue:
+                queue.remove(fut)
+            raise
+        if timeout is None:
+            return await fut
+        return await asyncio.wait_for(fut, timeout)
+
+    async def whoami(self, timeout: float | None = None) -> bytes:
+        return (await self.request(codec.WHOAMI, timeout=timeout)) or b""
+
+    async def sync(self, timeout: float | None = None) -> None:
+        """Return once the server has processed everything sent before."""
+        await self.whoami(timeout)
+
+    async def stats(self, timeout: float | None = None) -> dict:
+        return json.loads((await self.request(codec.STATS, timeout=timeout)) or b"{}")
+
+    async def echo(self, on: bool = True) -> None:
+        await self.send_packet(echo_packet(on))
+
+    async def flood(self, soft=None, hard=None, order=None) -> None:
+        for packet in flood_packets(soft, hard, order):
+            await self.send_packet(packet)
+
+
+async def connect(address=None, *, max_packet: int = MAX_PACKET, inbox_limit: int = 4096,
+                  timeout: float = 10.0) -> Client:
+    """Connect to the bus at `address` (default: $SBUS_SOCKET, then ./sbus.socket)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            sock = open_socket(address, max_packet=max_packet, blocking=False)
+            break
+        except BlockingIOError:  # the server's listen backlog is full
+            if loop.time() >= deadline:
+                raise TimeoutError(f"connecting to {address}: the server does not accept") from None
+            await asyncio.sleep(0.01)
+    return Client(sock, max_packet=max_packet, inbox_limit=inbox_limit, loop=loop)

@@ -1,0 +1,257 @@
+"""The blocking client: a SEQPACKET socket plus the codec, and nothing hidden.
+
+A client keeps no protocol state (the server does), so this class is a thin
+wrapper: every method is one `send` or one `recv_into`, the `flags` are
+passed through to the system call, and `socket` is the real socket for
+setsockopt/getsockopt/fcntl/ioctl, select/poll/epoll.
+
+The one convenience with state: `whoami()` (and `request()`, `stats()`)
+wait for the server's answer, and keep whatever else arrives meanwhile, in
+order, for the next `receive()` calls. While such packets are pending, the
+socket itself may not be readable although `receive()` has something: check
+`pending()` before you block in select/epoll on `fileno()`.
+
+    with sbus.client.connect("/run/sbus.socket") as bus:
+        bus.subscribe("sensors/")
+        bus.publish("sensors/a", b"21.5")
+        for message in bus:
+            print(message.key, message.payload)
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import time
+from collections import deque
+
+from sbus.core import codec
+from sbus.core.codec import MAX_PACKET, Control, Message, ProtocolError
+
+from .address import open_socket, size_buffers
+
+_MSG_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+_MSG_TRUNC = socket.MSG_TRUNC
+_MSG_PEEK = socket.MSG_PEEK
+_MSG_DONTWAIT = socket.MSG_DONTWAIT
+
+
+class SbusError(Exception):
+    """Base class of the client's own errors."""
+
+
+class ConnectionClosed(SbusError, ConnectionError):
+    """The server closed the connection (or the peer is gone)."""
+
+    def __init__(self, message: str = "the server closed the connection"):
+        super().__init__(message)
+
+
+class PacketTooLarge(SbusError, ProtocolError):
+    """A received packet was bigger than the client's buffer (it was discarded)."""
+
+    def __init__(self, size: int, limit: int):
+        super().__init__(f"received a packet of {size} bytes, over the {limit}-byte limit (discarded)")
+        self.size = size
+        self.limit = limit
+
+
+def _check_mode(what: str, mode, allowed) -> bytes:
+    if isinstance(mode, str):
+        mode = mode.encode()
+    if mode not in allowed:
+        raise ValueError(f"unknown {what} mode {mode!r}; one of {', '.join(m.decode() for m in allowed)}")
+    return mode
+
+
+def flood_packets(soft=None, hard=None, order=None) -> list[bytes]:
+    """The control packets that select these flood-control modes (None: leave as is)."""
+    packets = []
+    if soft is not None:
+        packets.append(codec.encode_cmsg(b"blocking/soft/" + _check_mode("soft", soft, codec.SOFT_MODES)))
+    if hard is not None:
+        packets.append(codec.encode_cmsg(b"blocking/hard/" + _check_mode("hard", hard, codec.HARD_MODES)))
+    if order is not None:
+        packets.append(codec.encode_cmsg(b"order/" + _check_mode("order", order, codec.ORDERS)))
+    return packets
+
+
+def echo_packet(on: bool) -> bytes:
+    return codec.encode_cmsg(codec.ECHO_ON if on else codec.ECHO_OFF)
+
+
+class Client:
+    """A connection to an sbus server.
+
+    `Client(address)` connects (see `sbus.client.address` for the forms and
+    the default); `Client(sock=s)` wraps an already connected socket.
+    """
+
+    def __init__(self, address=None, *, sock: socket.socket | None = None, max_packet: int = MAX_PACKET):
+        self.max_packet = max_packet
+        if sock is None:
+            sock = open_socket(address, max_packet=max_packet)
+        else:
+            size_buffers(sock, max_packet)
+        self.socket: socket.socket = sock
+        self._buf = bytearray(max_packet)
+        self._view = memoryview(self._buf)
+        self._pending: deque = deque()
+
+    # -- plumbing
+
+    def fileno(self) -> int:
+        return self.socket.fileno()
+
+    def close(self) -> None:
+        self.socket.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.socket.fileno() < 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"<sbus Client fd={self.socket.fileno()}>"
+
+    def send_packet(self, packet: bytes, flags: int = 0) -> int:
+        """Send one encoded packet (one `send`); return its size."""
+        if not packet:
+            raise ProtocolError("refusing to send an empty packet (it reads as end of file)")
+        try:
+            return self.socket.send(packet, flags | _MSG_NOSIGNAL)
+        except (BrokenPipeError, ConnectionResetError):
+            raise ConnectionClosed() from None
+
+    # -- the four packet types
+
+    def subscribe(self, pattern, flags: int = 0) -> None:
+        self.send_packet(codec.encode_sub(pattern, self.max_packet), flags)
+
+    def unsubscribe(self, pattern, flags: int = 0) -> None:
+        self.send_packet(codec.encode_unsub(pattern, self.max_packet), flags)
+
+    def publish(self, key, payload=b"", flags: int = 0) -> int:
+        return self.send_packet(codec.encode_msg(key, payload, self.max_packet), flags)
+
+    def send_control(self, key, payload=None, flags: int = 0) -> int:
+        return self.send_packet(codec.encode_cmsg(key, payload, self.max_packet), flags)
+
+    # -- receiving
+
+    def pending(self) -> int:
+        """How many packets `whoami()`/`request()` set aside for `receive()`."""
+        return len(self._pending)
+
+    def _wait_readable(self, timeout: float | None) -> bool:
+        p = select.poll()
+        p.register(self.socket.fileno(), select.POLLIN)
+        ms = -1 if timeout is None else max(0, int(timeout * 1000 + 0.999))
+        return bool(p.poll(ms))
+
+    def _recv(self, flags: int = 0):
+        try:
+            n = self.socket.recv_into(self._view, self.max_packet, flags | _MSG_TRUNC)
+        except ConnectionResetError:
+            raise ConnectionClosed() from None
+        if n == 0:
+            raise ConnectionClosed()
+        if n > self.max_packet:
+            raise PacketTooLarge(n, self.max_packet)
+        return codec.parse(self._view[:n].tobytes(), self.max_packet)
+
+    def receive(self, flags: int = 0, timeout: float | None = None):
+        """Return the next `Message` or `Control`.
+
+        `flags` go to `recv` (``MSG_DONTWAIT`` raises `BlockingIOError` when
+        nothing is there, ``MSG_PEEK`` leaves the packet queued). `timeout`
+        (seconds) raises `TimeoutError`. Raises `ConnectionClosed` at end of
+        connection, `PacketTooLarge` for a packet over the limit (which is
+        consumed: the next receive gets the next packet).
+        """
+        if self._pending:
+            return self._pending[0] if flags & _MSG_PEEK else self._pending.popleft()
+        if timeout is not None and not self._wait_readable(timeout):
+            raise TimeoutError(f"no packet within {timeout} s")
+        while True:
+            packet = self._recv(flags)
+            if isinstance(packet, (Message, Control)):
+                return packet
+            # The server never sends SUB/UNSUB; skip anything else defensively.
+            if flags & _MSG_PEEK:
+                self._recv(flags & ~_MSG_PEEK)
+
+    def __iter__(self):
+        """Yield received packets until the server closes the connection."""
+        while True:
+            try:
+                yield self.receive()
+            except ConnectionClosed:
+                return
+
+    def messages(self, timeout: float | None = None):
+        """Yield only `Message`s (control messages are skipped); `timeout` per message."""
+        while True:
+            m = self.receive(timeout=timeout)
+            if isinstance(m, Message):
+                yield m
+
+    # -- request/reply with the server
+
+    def request(self, key, payload=None, timeout: float | None = None) -> bytes | None:
+        """Send `CMSG key` and return the payload of the server's `CMSG key` reply.
+
+        Anything else that arrives first is kept, in order, for `receive()`.
+        """
+        key = codec.encode_cmsg(key)[5:]  # validated bytes
+        self.send_control(key, payload)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"no reply to {key.decode('utf-8', 'replace')} within {timeout} s")
+            if not self._wait_readable(left):
+                continue
+            try:
+                packet = self._recv(_MSG_DONTWAIT)
+            except BlockingIOError:
+                continue
+            if isinstance(packet, Control) and packet.key == key:
+                return packet.payload
+            if isinstance(packet, (Message, Control)):
+                self._pending.append(packet)
+
+    def whoami(self, timeout: float | None = None) -> bytes:
+        """The client's credentials as the server sees them, e.g. ``b"!/cred/100/1000/1111"``."""
+        return self.request(codec.WHOAMI, timeout=timeout) or b""
+
+    def sync(self, timeout: float | None = None) -> None:
+        """Return once the server has processed everything sent before (a whoami round trip)."""
+        self.whoami(timeout)
+
+    def stats(self, timeout: float | None = None) -> dict:
+        """The server's statistics (``CMSG server/stats``) as a dict."""
+        return json.loads(self.request(codec.STATS, timeout=timeout) or b"{}")
+
+    # -- settings
+
+    def echo(self, on: bool = True) -> None:
+        """Receive (on, the default) or not (off) your own messages."""
+        self.send_packet(echo_packet(on))
+
+    def flood(self, soft=None, hard=None, order=None) -> None:
+        """Choose flood control: soft in queue/discard/block/error, hard in
+        discard/block/error, order in queue/stack/random (None: unchanged)."""
+        for packet in flood_packets(soft, hard, order):
+            self.send_packet(packet)
+
+
+def connect(address=None, **kwargs) -> Client:
+    """Connect to the bus at `address` (default: $SBUS_SOCKET, then ./sbus.socket)."""
+    return Client(address, **kwargs)

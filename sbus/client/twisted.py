@@ -1,0 +1,519 @@
+"""The Twisted client: a packet protocol with per-pattern callbacks.
+
+Twisted has no SOCK_SEQPACKET transport; this reuses the server's
+(`sbus.server.seqpacket.SeqPacketTransport`: one `write` is one packet and
+one `send`, several packets are read per wakeup, oversize is detected).
+
+    from twisted.internet import task
+    from sbus.client.twisted import connect
+
+    async def main(reactor):
+        bus = await connect(reactor, "/run/sbus.socket")
+        bus.subscribe("sensors/", lambda key, payload: print(key, payload))
+        await bus.sync()                      # the subscription is in place
+        bus.publish("sensors/a", b"21.5")
+        print(await bus.whoami())
+
+`ReconnectingClient` keeps a connection up with back-off and re-applies
+subscriptions, echo and flood settings after every reconnect.
+
+Services subclass `SbusProtocol` and override `messageReceived(key, payload,
+raw_packet)` (the raw packet is what to forward byte for byte) and perhaps
+`controlReceived`.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import random
+from collections import deque
+
+from twisted.internet import defer
+from twisted.internet.protocol import Protocol
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from sbus.core import codec
+from sbus.core.codec import MAX_PACKET, Control, Message, ProtocolError
+from sbus.core.credentials import CredentialError, Credentials, SECRET_ROOT, check_pattern
+from sbus.core.patterns import matches
+from sbus.server.seqpacket import SeqPacketTransport
+
+from .address import open_socket
+from .blocking import ConnectionClosed, echo_packet, flood_packets
+
+log = Logger()
+
+__all__ = ["SbusProtocol", "ReconnectingClient", "connect", "ConnectionClosed", "parse_whoami"]
+
+
+def parse_whoami(whoami: bytes) -> tuple[bytes, Credentials] | None:
+    """Split a whoami answer into (credential prefix, own Credentials); None if malformed."""
+    i = whoami.rfind(SECRET_ROOT)
+    if i < 0:
+        return None
+    parts = whoami[i + len(SECRET_ROOT):].split(b"/")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        return None
+    gid, uid, pid = (int(p) for p in parts)
+    return whoami[:i], Credentials(pid, uid, gid)
+
+
+class _Subscription:
+    __slots__ = ("pattern", "match", "callback")
+
+    def __init__(self, pattern: bytes, match: bytes, callback):
+        self.pattern = pattern
+        self.match = match
+        self.callback = callback
+
+
+class SbusProtocol(Protocol):
+    """One connection to an sbus server (a packet protocol, see `IPacketProtocol`).
+
+    Callbacks given to `subscribe` are called as ``callback(key, payload)``
+    (bytes, bytes) for each message whose key their pattern matches; a
+    callback registered under several matching patterns is called once per
+    message. Exceptions in callbacks are logged and do not hurt the
+    connection.
+    """
+
+    max_packet = MAX_PACKET
+
+    def __init__(self):
+        self._subs: list[_Subscription] = []
+        self._requests: dict[bytes, deque] = {}
+        self._lost: list[defer.Deferred] = []
+        self.connected = False
+        self.lostReason: Failure | None = None
+        #: The whoami answer, once known (`connect` asks for it).
+        self.credentials: bytes | None = None
+        self._cred: tuple[bytes, Credentials] | None = None
+        #: Last settings sent, for `ReconnectingClient` and inspection.
+        self.echoOn: bool | None = None
+        self.floodModes: dict[str, str] = {}
+
+    # -- connection
+
+    def connectionMade(self):
+        pass
+
+    def connectionLost(self, reason=None):
+        self.connected = False
+        self.lostReason = reason
+        requests, self._requests = self._requests, {}
+        for queue in requests.values():
+            for d in queue:
+                d.errback(ConnectionClosed())
+        why = reason.value if isinstance(reason, Failure) else reason
+        waiters, self._lost = self._lost, []
+        for d in waiters:
+            d.callback(why)
+
+    def whenLost(self) -> defer.Deferred:
+        """A Deferred that fires with the reason (an exception) when the connection is gone."""
+        if not self.connected and self.lostReason is not None:
+            reason = self.lostReason
+            return defer.succeed(reason.value if isinstance(reason, Failure) else reason)
+        d = defer.Deferred()
+        self._lost.append(d)
+        return d
+
+    def close(self) -> defer.Deferred:
+        """Close after what is queued has been sent; fires when the connection is gone."""
+        d = self.whenLost()
+        if self.transport is not None and self.connected:
+            self.transport.loseConnection()
+        return d
+
+    # -- sending
+
+    def sendPacket(self, packet: bytes) -> None:
+        """Send one encoded packet (queued, never dropped, if the socket is full)."""
+        if not self.connected:
+            raise ConnectionClosed("not connected")
+        if not packet:
+            raise ProtocolError("refusing to send an empty packet (it reads as end of file)")
+        self.transport.write(packet)
+
+    def subscribe(self, pattern, callback=None) -> None:
+        """Send `SUB pattern`; `callback(key, payload)` gets the messages it matches."""
+        packet = codec.encode_sub(pattern, self.max_packet)
+        pattern = packet[4:]
+        self.sendPacket(packet)
+        self._subs.append(_Subscription(pattern, self._matchPattern(pattern), callback))
+
+    def unsubscribe(self, pattern, callback=None) -> None:
+        """Send `UNSUB pattern` and forget one (pattern, callback) registration."""
+        packet = codec.encode_unsub(pattern, self.max_packet)
+        pattern = packet[6:]
+        self.sendPacket(packet)
+        for i in range(len(self._subs) - 1, -1, -1):
+            sub = self._subs[i]
+            if sub.pattern == pattern and (callback is None or sub.callback == callback):
+                del self._subs[i]
+                break
+
+    @property
+    def subscriptions(self) -> list[tuple[bytes, object]]:
+        """(pattern, callback) for each subscription held, in order."""
+        return [(s.pattern, s.callback) for s in self._subs]
+
+    def publish(self, key, payload=b"") -> None:
+        self.sendPacket(codec.encode_msg(key, payload, self.max_packet))
+
+    def sendControl(self, key, payload=None) -> None:
+        self.sendPacket(codec.encode_cmsg(key, payload, self.max_packet))
+
+    def request(self, key, payload=None) -> defer.Deferred:
+        """Send `CMSG key`; the Deferred fires with the payload of the server's `CMSG key` reply."""
+        packet = codec.encode_cmsg(key, payload, self.max_packet)
+        key = codec.classify(packet, self.max_packet)[1]
+        self.sendPacket(packet)
+        d = defer.Deferred()
+        self._requests.setdefault(key, deque()).append(d)
+        return d
+
+    def whoami(self) -> defer.Deferred:
+        """Deferred[bytes]: the credentials the server sees, e.g. ``b"!/cred/100/1000/1111"``."""
+
+        def got(payload):
+            payload = payload or b""
+            self._setCredentials(payload)
+            return payload
+
+        return self.request(codec.WHOAMI).addCallback(got)
+
+    def sync(self) -> defer.Deferred:
+        """Fires once the server has processed everything sent before (a whoami round trip)."""
+        return self.whoami().addCallback(lambda _: None)
+
+    def stats(self) -> defer.Deferred:
+        """Deferred[dict]: the server's statistics."""
+        return self.request(codec.STATS).addCallback(lambda p: json.loads(p or b"{}"))
+
+    def echo(self, on: bool = True) -> None:
+        self.sendPacket(echo_packet(on))
+        self.echoOn = bool(on)
+
+    def flood(self, soft=None, hard=None, order=None) -> None:
+        """Select flood-control modes (see `sbus.client.Client.flood`)."""
+        for packet in flood_packets(soft, hard, order):
+            self.sendPacket(packet)
+        for name, mode in (("soft", soft), ("hard", hard), ("order", order)):
+            if mode is not None:
+                self.floodModes[name] = mode.decode() if isinstance(mode, bytes) else mode
+
+    # -- receiving
+
+    def packetReceived(self, packet: bytes) -> None:
+        try:
+            parsed = codec.parse(packet, self.max_packet)
+        except ProtocolError as e:
+            log.warn("ignoring a malformed packet from the server: {err}", err=e)
+            return
+        if type(parsed) is Message:
+            self.messageReceived(parsed.key, parsed.payload, packet)
+        elif type(parsed) is Control:
+            self.controlReceived(parsed.key, parsed.payload, packet)
+
+    def packetTooLarge(self, size: int) -> None:
+        log.warn("discarded a packet of {size} bytes from the server (limit {limit})",
+                 size=size, limit=self.max_packet)
+
+    def outboxDrained(self) -> None:
+        pass
+
+    def messageReceived(self, key: bytes, payload: bytes, packet: bytes) -> None:
+        """A message arrived; the default calls the callbacks of the matching patterns."""
+        called = None
+        for sub in self._subs:
+            cb = sub.callback
+            if cb is None or not matches(sub.match, key):
+                continue
+            if called is None:
+                called = [cb]
+            elif cb in called:
+                continue
+            else:
+                called.append(cb)
+            try:
+                cb(key, payload)
+            except Exception:
+                log.failure("subscription callback {cb!r} failed on {key!r}", cb=cb, key=key)
+        if called is None:
+            self.unhandledMessage(key, payload, packet)
+
+    def unhandledMessage(self, key: bytes, payload: bytes, packet: bytes) -> None:
+        """A message no callback took (for example a subscription without one)."""
+
+    def controlReceived(self, key: bytes, payload: bytes | None, packet: bytes) -> None:
+        """A control message arrived: replies fire `request` Deferreds, in order."""
+        queue = self._requests.get(key)
+        if queue:
+            d = queue.popleft()
+            if not queue:
+                del self._requests[key]
+            d.callback(payload)
+        else:
+            self.unsolicitedControl(key, payload)
+
+    def unsolicitedControl(self, key: bytes, payload: bytes | None) -> None:
+        """A control message nobody asked for."""
+
+    # -- secret patterns
+
+    def _setCredentials(self, whoami: bytes) -> None:
+        self.credentials = whoami
+        cred = parse_whoami(whoami)
+        if cred != self._cred:
+            self._cred = cred
+            for sub in self._subs:
+                sub.match = self._matchPattern(sub.pattern)
+
+    def _matchPattern(self, pattern: bytes) -> bytes:
+        """The pattern the server stores: empty fields of a secret pattern filled in."""
+        if self._cred is None or SECRET_ROOT not in pattern:
+            return pattern
+        prefix, cred = self._cred
+        try:
+            return check_pattern(pattern, cred, prefix)
+        except CredentialError:
+            return pattern
+
+
+def _connect_socket(reactor, address, max_packet, timeout):
+    """Deferred[socket]: a nonblocking connect, retried while the server's backlog is full."""
+    d = defer.Deferred()
+    deadline = reactor.seconds() + timeout
+
+    def attempt():
+        try:
+            sock = open_socket(address, max_packet=max_packet, blocking=False)
+        except BlockingIOError as e:
+            if reactor.seconds() < deadline:
+                reactor.callLater(0.01, attempt)
+            else:
+                d.errback(TimeoutError(errno.ETIMEDOUT, f"connect timed out ({e.strerror})", e.filename))
+            return
+        except Exception:
+            d.errback()
+            return
+        d.callback(sock)
+
+    attempt()
+    return d
+
+
+async def _connect(reactor, address, protocolFactory, max_packet, timeout):
+    sock = await _connect_socket(reactor, address, max_packet, timeout)
+    proto = protocolFactory()
+    proto.max_packet = max_packet
+    transport = SeqPacketTransport(sock, proto, reactor, max_packet=max_packet)
+    proto.connected = True
+    proto.makeConnection(transport)
+    transport.startReading()
+    await proto.whoami()
+    return proto
+
+
+def connect(reactor, address=None, protocolFactory=SbusProtocol, *, max_packet: int = MAX_PACKET,
+            timeout: float = 10.0) -> defer.Deferred:
+    """Connect to the bus at `address`; Deferred[protocol], fired after a whoami round trip.
+
+    `protocolFactory` is called with no arguments (a `SbusProtocol` subclass
+    or any callable returning one). Errors: the `OSError` of the connect
+    (`FileNotFoundError`, `ConnectionRefusedError`, `PermissionError`, ...)
+    or `ConnectionClosed`.
+    """
+    return defer.ensureDeferred(_connect(reactor, address, protocolFactory, max_packet, timeout))
+
+
+class ReconnectingClient:
+    """Keep a connection to a bus up, and its subscriptions and settings with it.
+
+    Everything given to `subscribe`, `echo` and `flood` is remembered and
+    sent again on every new connection. While disconnected, `publish`
+    drops the message and returns False (a bus keeps no messages for
+    absent clients either). Override `connectionMade(protocol)` /
+    `connectionLost(reason)`, or pass `protocolFactory`, to build on it.
+    """
+
+    def __init__(self, reactor, address=None, protocolFactory=SbusProtocol, *,
+                 initialDelay: float = 0.1, maxDelay: float = 10.0, factor: float = 2.0,
+                 jitter: float = 0.1, max_packet: int = MAX_PACKET):
+        self.reactor = reactor
+        self.address = address
+        self.protocolFactory = protocolFactory
+        self.initialDelay = initialDelay
+        self.maxDelay = maxDelay
+        self.factor = factor
+        self.jitter = jitter
+        self.max_packet = max_packet
+        self.protocol: SbusProtocol | None = None
+        self.attempts = 0
+        self.lastError: Failure | None = None
+        self._subs: list[tuple[bytes, object]] = []
+        self._echo: bool | None = None
+        self._flood: dict[str, object] = {}
+        self._delay = initialDelay
+        self._call = None
+        self._connecting = False
+        self._inflight = None
+        self._running = False
+        self._waiters: list[defer.Deferred] = []
+
+    # -- life cycle
+
+    def start(self) -> "ReconnectingClient":
+        if not self._running:
+            self._running = True
+            self._attempt()
+        return self
+
+    def stop(self) -> defer.Deferred:
+        """Stop reconnecting and close; fires when the connection (if any) is gone."""
+        self._running = False
+        if self._call is not None and self._call.active():
+            self._call.cancel()
+        self._call = None
+        waiters, self._waiters = self._waiters, []
+        for d in waiters:
+            d.errback(ConnectionClosed("client stopped"))
+        if self._inflight is not None:
+            done = defer.Deferred()
+            self._inflight.addBoth(lambda _: done.callback(None))
+            return done
+        if self.protocol is not None:
+            return self.protocol.close().addCallback(lambda _: None)
+        return defer.succeed(None)
+
+    @property
+    def connected(self) -> bool:
+        return self.protocol is not None and self.protocol.connected
+
+    def whenConnected(self) -> defer.Deferred:
+        """Deferred[SbusProtocol]: the current connection, or the next one."""
+        if self.connected:
+            return defer.succeed(self.protocol)
+        d = defer.Deferred()
+        self._waiters.append(d)
+        return d
+
+    def _attempt(self):
+        self._call = None
+        if not self._running or self._connecting:
+            return
+        self._connecting = True
+        self.attempts += 1
+        d = self._inflight = connect(self.reactor, self.address, self.protocolFactory,
+                                     max_packet=self.max_packet)
+        d.addCallbacks(self._connected, self._failed)
+
+    def _connected(self, proto: SbusProtocol):
+        self._connecting = False
+        self._inflight = None
+        if not self._running:
+            return proto.close().addCallback(lambda _: None)
+        self.protocol = proto
+        self._delay = self.initialDelay
+        try:
+            for pattern, callback in self._subs:
+                proto.subscribe(pattern, callback)
+            if self._echo is not None:
+                proto.echo(self._echo)
+            if self._flood:
+                proto.flood(**self._flood)
+        except ConnectionClosed:
+            pass
+        proto.whenLost().addCallback(self._lost, proto)
+        self.connectionMade(proto)
+        waiters, self._waiters = self._waiters, []
+        for d in waiters:
+            d.callback(proto)
+
+    def _failed(self, reason: Failure):
+        self._connecting = False
+        self._inflight = None
+        self.lastError = reason
+        log.debug("sbus connect failed: {err}", err=reason.getErrorMessage())
+        self._schedule()
+
+    def _lost(self, reason, proto):
+        if self.protocol is proto:
+            self.protocol = None
+        self.connectionLost(reason)
+        self._schedule()
+
+    def _schedule(self):
+        if not self._running or self._call is not None:
+            return
+        delay = self._delay * random.uniform(1 - self.jitter, 1 + self.jitter)
+        self._delay = min(self._delay * self.factor, self.maxDelay)
+        self._call = self.reactor.callLater(delay, self._attempt)
+
+    # -- hooks
+
+    def connectionMade(self, protocol: SbusProtocol) -> None:
+        """Called after each (re)connection, once subscriptions and settings are re-sent."""
+
+    def connectionLost(self, reason) -> None:
+        """Called when a connection ends (a reconnect is scheduled unless stopped)."""
+
+    # -- the protocol's API, remembered across reconnects
+
+    def subscribe(self, pattern, callback=None) -> None:
+        pattern = codec.encode_sub(pattern)[4:]
+        self._subs.append((pattern, callback))
+        if self.connected:
+            self.protocol.subscribe(pattern, callback)
+
+    def unsubscribe(self, pattern, callback=None) -> None:
+        pattern = codec.encode_unsub(pattern)[6:]
+        for i in range(len(self._subs) - 1, -1, -1):
+            p, cb = self._subs[i]
+            if p == pattern and (callback is None or cb == callback):
+                del self._subs[i]
+                break
+        else:
+            return
+        if self.connected:
+            self.protocol.unsubscribe(pattern, callback)
+
+    def echo(self, on: bool = True) -> None:
+        self._echo = bool(on)
+        if self.connected:
+            self.protocol.echo(on)
+
+    def flood(self, soft=None, hard=None, order=None) -> None:
+        flood_packets(soft, hard, order)  # validate now
+        for name, mode in (("soft", soft), ("hard", hard), ("order", order)):
+            if mode is not None:
+                self._flood[name] = mode
+        if self.connected:
+            self.protocol.flood(soft, hard, order)
+
+    def publish(self, key, payload=b"") -> bool:
+        """Publish if connected (True); drop and return False otherwise."""
+        if not self.connected:
+            codec.encode_msg(key, payload, self.max_packet)  # still report bad input
+            return False
+        self.protocol.publish(key, payload)
+        return True
+
+    def sendControl(self, key, payload=None) -> bool:
+        if not self.connected:
+            return False
+        self.protocol.sendControl(key, payload)
+        return True
+
+    def whoami(self) -> defer.Deferred:
+        """Deferred[bytes], on the current connection or the next one."""
+        return self.whenConnected().addCallback(lambda p: p.whoami())
+
+    def sync(self) -> defer.Deferred:
+        return self.whenConnected().addCallback(lambda p: p.sync())
+
+    def stats(self) -> defer.Deferred:
+        return self.whenConnected().addCallback(lambda p: p.stats())

@@ -1,0 +1,331 @@
+"""The `sbus` command, run as a subprocess the way a user types it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import sbus.client
+from sbus.core.codec import MAX_PACKET
+
+TIMEOUT = 15.0
+SBUS = [sys.executable, "-m", "sbus.cli"]
+ENTRY_POINT = Path(sys.executable).parent / "sbus"
+
+
+def environ(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "SBUS_SOCKET"}
+    env.update(extra)
+    return env
+
+
+def sbus_run(*args, input=None, env=None, cwd=None, timeout=TIMEOUT, prefix=()):
+    return subprocess.run([*prefix, *SBUS, *args], input=input, capture_output=True,
+                          env=env if env is not None else environ(), cwd=cwd, timeout=timeout)
+
+
+def one_error_line(result, *needles, status=1):
+    """The command failed with `status` and exactly one `sbus: ...` line on stderr."""
+    err = result.stderr.decode()
+    assert result.returncode == status, (result.returncode, err)
+    assert err.count("\n") == 1 and err.startswith("sbus: "), err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+class Sub:
+    """`sbus sub ...` in the background, started and waited for like the docs show (--ready-file FIFO)."""
+
+    def __init__(self, tmp_path, address, *args, stdout=subprocess.PIPE):
+        self.fifo = str(tmp_path / f"ready-{time.monotonic_ns()}")
+        os.mkfifo(self.fifo)
+        fd = os.open(self.fifo, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            self.proc = subprocess.Popen([*SBUS, "--socket", address, "sub", *args, "--ready-file", self.fifo],
+                                         stdout=stdout, stderr=subprocess.PIPE, env=environ())
+            deadline = time.monotonic() + TIMEOUT
+            got = b""
+            while not got.endswith(b"\n"):
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([fd], [], [], left)[0]:
+                    self.proc.kill()
+                    raise AssertionError("sbus sub not ready in time")
+                chunk = os.read(fd, 64)
+                if not chunk:
+                    out, err = self.proc.communicate(timeout=TIMEOUT)
+                    raise AssertionError(f"sbus sub failed before ready: {err!r}")
+                got += chunk
+            assert got == b"ready\n"
+        finally:
+            os.close(fd)
+
+    def finish(self, timeout=TIMEOUT):
+        out, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out, err.decode()
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+@pytest.fixture
+def subs(tmp_path, bus):
+    started = []
+
+    def start(*args, **kw):
+        s = Sub(tmp_path, bus.address, *args, **kw)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.kill()
+
+
+def pub(bus, *args, input=None):
+    r = sbus_run("--socket", bus.address, "pub", *args, input=input)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == b""
+    return r
+
+
+# --- basics ---------------------------------------------------------------------
+
+
+def test_whoami(bus):
+    r = sbus_run("--socket", bus.address, "whoami")
+    assert r.returncode == 0, r.stderr
+    assert re.fullmatch(rb"!/cred/%d/%d/\d+\n" % (os.getgid(), os.getuid()), r.stdout)
+
+
+def test_entry_point(bus):
+    if not ENTRY_POINT.exists():
+        pytest.skip("the sbus console script is not installed (pip install -e .)")
+    r = subprocess.run([str(ENTRY_POINT), "whoami"], capture_output=True, timeout=TIMEOUT,
+                       env=environ(SBUS_SOCKET=bus.address))
+    assert r.returncode == 0 and r.stdout.startswith(b"!/cred/"), r.stderr
+
+
+def test_pub_sub_lines(bus, subs):
+    s = subs("sensors/", "--count", "3")
+    pub(bus, "sensors/a", "21.5")
+    pub(bus, "elsewhere", "no")
+    pub(bus, "sensors/b", "-", input=b"x y\nz\n")
+    assert s.finish() == (0, b"sensors/a 21.5\nsensors/b x y\nsensors/b z\n", "")
+
+
+def test_docs_pipeline(bus, tmp_path):
+    """The shell snippet of docs/clients.md, as written there."""
+    if not ENTRY_POINT.exists():
+        pytest.skip("the sbus console script is not installed (pip install -e .)")
+    script = """
+        mkfifo ready
+        sbus sub 'sensors/' --count 3 --ready-file ready > got.txt &
+        read _ < ready          # the subscription is in place now
+        sbus pub sensors/a 1; sbus pub sensors/b 2; sbus pub sensors/c 3
+        wait                    # for the subscriber: got.txt is complete
+        cat got.txt
+    """
+    env = environ(SBUS_SOCKET=bus.address, PATH=f"{ENTRY_POINT.parent}{os.pathsep}{os.environ['PATH']}")
+    r = subprocess.run(["sh", "-ec", script], cwd=tmp_path, env=env, capture_output=True, timeout=TIMEOUT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == b"sensors/a 1\nsensors/b 2\nsensors/c 3\n"
+
+
+def test_pub_sources(bus, subs, tmp_path):
+    s = subs("k", "--format", "json", "--count", "7")
+    data = tmp_path / "blob"
+    data.write_bytes(b"\xff\x00bin\n")
+    pub(bus, "k", "--file", str(data))
+    pub(bus, "k", "-", "--whole", input=b"all\nof it\n")
+    pub(bus, "k", input=b"one\n\nthree")  # no MESSAGE, stdin is a pipe: a message per line
+    pub(bus, "k", "twice", "--count", "2")
+    code, out, err = s.finish()
+    assert (code, err) == (0, "")
+    got = [json.loads(line) for line in out.splitlines()]
+    assert got[0] == {"key": "k", "payload": "/wBiaW4K", "payload_base64": True}
+    assert [g["payload"] for g in got[1:]] == ["all\nof it\n", "one", "", "three", "twice", "twice"]
+
+
+def test_pub_rate(bus, subs):
+    s = subs("r", "--count", "5")
+    t0 = time.monotonic()
+    pub(bus, "r", "m", "--count", "5", "--rate", "50")
+    assert time.monotonic() - t0 >= 4 / 50
+    assert s.finish()[1] == b"r m\n" * 5
+
+
+def test_sub_formats(bus, subs):
+    raw = subs("f", "--format", "raw", "--count", "2")
+    payload = subs("f", "--format", "payload", "--count", "2")
+    line = subs("f", "--format", "line", "--count", "2")
+    js = subs("f", "--format", "json", "--count", "2")
+    pub(bus, "f", "a")
+    pub(bus, "f", "b\u00e9")
+    assert raw.finish()[1] == "ab\u00e9".encode()
+    assert payload.finish()[1] == "a\nb\u00e9\n".encode()
+    assert line.finish()[1] == "f a\nf b\u00e9\n".encode()
+    assert [json.loads(x) for x in js.finish()[1].splitlines()] == [
+        {"key": "f", "payload": "a"}, {"key": "f", "payload": "b\u00e9"}]
+
+
+def test_sub_several_patterns_and_binary_key(bus, subs):
+    s = subs("a/", "b/*/c", "--format", "json", "--count", "2")
+    with sbus.client.connect(bus.address) as c:
+        c.publish(b"a/\xfe", b"1")
+        c.publish(b"b/x/c", b"2")
+        c.sync(TIMEOUT)
+    out = [json.loads(x) for x in s.finish()[1].splitlines()]
+    assert out == [{"key": "YS/+", "key_base64": True, "payload": "1"}, {"key": "b/x/c", "payload": "2"}]
+
+
+def test_sub_timeout(bus):
+    r = sbus_run("--socket", bus.address, "sub", "quiet", "--timeout", "0.2")
+    assert (r.returncode, r.stdout, r.stderr) == (0, b"", b"")
+    r = sbus_run("--socket", bus.address, "sub", "quiet", "--timeout", "0.2", "--count", "1")
+    one_error_line(r, "timed out", "0 of 1", status=124)
+
+
+def test_stats(bus):
+    r = sbus_run("--socket", bus.address, "stats")
+    assert r.returncode == 0, r.stderr
+    text = r.stdout.decode()
+    assert re.search(r"^clients\s+1$", text, re.M)
+    assert re.search(r"^packets_in\s+\d+$", text, re.M)
+    assert "queues:" in text and "QUEUED_BYTES" in text
+    r = sbus_run("--socket", bus.address, "stats", "--json")
+    stats = json.loads(r.stdout)
+    assert stats["clients"] == 1 and isinstance(stats["queues"], list)
+
+
+def test_ping(bus):
+    r = sbus_run("--socket", bus.address, "ping", "--count", "3")
+    assert r.returncode == 0, r.stderr
+    assert re.fullmatch(r"3 round trips: min [\d.]+ µs, median [\d.]+ µs, max [\d.]+ µs\n", r.stdout.decode())
+
+
+# --- addresses ------------------------------------------------------------------
+
+
+def test_address_order(start_bus, tmp_path):
+    bus = start_bus(address=str(tmp_path / "sbus.socket"))
+    missing = str(tmp_path / "missing.socket")
+    # --socket wins over $SBUS_SOCKET
+    r = sbus_run("--socket", bus.address, "whoami", env=environ(SBUS_SOCKET=missing))
+    assert r.returncode == 0, r.stderr
+    # after the command name too
+    r = sbus_run("whoami", "--socket", bus.address, env=environ(SBUS_SOCKET=missing))
+    assert r.returncode == 0, r.stderr
+    # $SBUS_SOCKET wins over ./sbus.socket
+    one_error_line(sbus_run("whoami", env=environ(SBUS_SOCKET=missing), cwd=tmp_path), missing)
+    r = sbus_run("whoami", env=environ(SBUS_SOCKET=bus.address), cwd="/")
+    assert r.returncode == 0, r.stderr
+    # then sbus.socket in the working directory
+    r = sbus_run("whoami", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    one_error_line(sbus_run("whoami", cwd="/"), "sbus.socket", "no such socket")
+
+
+def test_abstract_address(start_bus):
+    bus = start_bus(address="/dev/unix/abstract")
+    r = sbus_run("--socket", bus.printed.decode().strip(), "whoami")
+    assert r.returncode == 0, r.stderr
+
+
+# --- errors ------------------------------------------------------------------------
+
+
+def test_error_socket_missing(tmp_path):
+    path = str(tmp_path / "nothing.socket")
+    one_error_line(sbus_run("--socket", path, "whoami"), path, "no such socket")
+
+
+def test_error_connection_refused(tmp_path):
+    path = str(tmp_path / "dead.socket")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.bind(path)
+    s.close()  # the socket file stays behind, nobody listens
+    one_error_line(sbus_run("--socket", path, "pub", "k", "v"), "connection refused")
+
+
+def test_error_permission_denied(bus):
+    prefix = ()
+    if os.geteuid() == 0:
+        # root ignores file modes: run the command without capabilities
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root without setpriv: cannot lose CAP_DAC_OVERRIDE")
+        prefix = (setpriv, "--inh-caps=-all", "--bounding-set=-all")
+    os.chmod(bus.address, 0)
+    one_error_line(sbus_run("--socket", bus.address, "whoami", prefix=prefix), "permission denied")
+
+
+def test_error_server_closes_the_connection(bus, subs):
+    # a subscription in another process's secret space gets us disconnected
+    one_error_line(sbus_run("--socket", bus.address, "sub", "!/cred/1/2/3/x"),
+                   "the server closed the connection")
+    s = subs("x")
+    bus.stop()
+    code, out, err = s.finish()
+    assert code == 1 and err == "sbus: the server closed the connection\n"
+
+
+def test_error_message_too_large(bus, tmp_path):
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * MAX_PACKET)
+    one_error_line(sbus_run("--socket", bus.address, "pub", "k", "--file", str(big)), "too large", "409600")
+    one_error_line(sbus_run("--socket", bus.address, "pub", "k", input=b"ok\n" + b"y" * MAX_PACKET + b"\n"),
+                   "too large")
+    # exactly at the limit is fine
+    big.write_bytes(b"x" * (MAX_PACKET - len(b"MSG k\0")))
+    assert sbus_run("--socket", bus.address, "pub", "k", "--file", str(big)).returncode == 0
+
+
+def test_error_bad_address():
+    one_error_line(sbus_run("--socket", "/dev/unix/abstract/61", "whoami"), "abstract")
+
+
+def test_ready_fifo_gets_eof_on_failure(tmp_path):
+    fifo = str(tmp_path / "ready")
+    os.mkfifo(fifo)
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        r = sbus_run("--socket", str(tmp_path / "missing"), "sub", "x", "--ready-file", fifo)
+        one_error_line(r, "no such socket")
+        assert select.select([fd], [], [], TIMEOUT)[0] and os.read(fd, 64) == b""  # EOF, not "ready"
+    finally:
+        os.close(fd)
+
+
+# --- signals --------------------------------------------------------------------------
+
+
+def test_ctrl_c_exits_quietly(bus, subs):
+    s = subs("x")
+    s.proc.send_signal(signal.SIGINT)
+    code, out, err = s.finish()
+    assert (code, out, err) == (130, b"", "")
+
+
+def test_broken_pipe_exits_quietly(bus, subs):
+    s = subs("bp")
+    s.proc.stdout.close()  # like `sbus sub bp | head -0`
+    for _ in range(3):
+        pub(bus, "bp", "x")
+    code = s.proc.wait(TIMEOUT)
+    err = s.proc.stderr.read().decode()
+    assert (code, err) == (141, "")

@@ -1,0 +1,212 @@
+"""The asyncio client against a real server process (no pytest-asyncio: asyncio.run per test)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import textwrap
+
+import pytest
+
+import sbus.client.asyncio as aio
+from sbus.client import ConnectionClosed, Control, Message, ProtocolError
+from sbus.core.codec import MAX_PACKET
+
+TIMEOUT = 10.0
+
+
+def run(coro, timeout=30.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def own_whoami() -> bytes:
+    return b"!/cred/%d/%d/%d" % (os.getgid(), os.getuid(), os.getpid())
+
+
+def test_publish_subscribe_and_async_for(bus):
+    async def main():
+        async with await aio.connect(bus.address) as sub, await aio.connect(bus.address) as pub:
+            await sub.subscribe("sensors/")
+            await sub.sync(TIMEOUT)
+            for i in range(3):
+                await pub.publish("sensors/a", b"%d" % i)
+            await pub.publish("elsewhere", b"no")
+            await pub.publish(b"sensors/end", b"")
+            got = []
+            async for m in sub:
+                got.append(m)
+                if m.key == b"sensors/end":
+                    break
+            assert got == [Message(b"sensors/a", b"0"), Message(b"sensors/a", b"1"),
+                           Message(b"sensors/a", b"2"), Message(b"sensors/end", b"")]
+            await sub.unsubscribe("sensors/")
+            await sub.subscribe("x")
+            await sub.sync(TIMEOUT)
+            await pub.publish("sensors/a", b"gone")
+            await pub.publish("x", b"here")
+            assert await sub.receive(TIMEOUT) == Message(b"x", b"here")
+        assert sub.closed and pub.closed
+
+    run(main())
+
+
+def test_whoami_stats_and_control(bus):
+    async def main():
+        async with await aio.connect(bus.address) as c:
+            await c.subscribe("me")
+            await c.publish("me", b"before")
+            assert await c.whoami(TIMEOUT) == own_whoami()
+            assert await c.receive(TIMEOUT) == Message(b"me", b"before")  # kept in order
+            stats = await c.stats(TIMEOUT)
+            assert stats["clients"] >= 1 and "drops" in stats
+            await c.send_control("unknown/key")  # ignored by the server
+            # concurrent requests get their own replies
+            a, b = await asyncio.gather(c.whoami(TIMEOUT), c.whoami(TIMEOUT))
+            assert a == b == own_whoami()
+            with pytest.raises(TimeoutError):
+                await c.receive(0.05)
+
+    run(main())
+
+
+def test_largest_packet_and_limits(bus):
+    async def main():
+        async with await aio.connect(bus.address) as c:
+            await c.subscribe("big")
+            payload = os.urandom(MAX_PACKET - len(b"MSG big\0"))
+            await c.publish("big", payload)
+            assert await c.receive(TIMEOUT) == Message(b"big", payload)
+            with pytest.raises(ProtocolError):
+                await c.publish("big", payload + b"!")
+            with pytest.raises(ProtocolError):
+                await c.send_packet(b"")
+
+    run(main())
+
+
+def test_server_disconnect(bus):
+    async def main():
+        c = await aio.connect(bus.address)
+        await c.subscribe(b"!/cred/1/2/3/not-mine")
+        with pytest.raises(ConnectionClosed):
+            await c.whoami(TIMEOUT)
+        assert [m async for m in c] == []
+        with pytest.raises(ConnectionClosed):
+            await c.publish("a", b"")
+        c.close()
+
+    run(main())
+
+
+def test_connect_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        run(aio.connect(str(tmp_path / "missing.socket")))
+
+
+def test_echo_off(bus):
+    async def main():
+        async with await aio.connect(bus.address) as me, await aio.connect(bus.address) as other:
+            await me.subscribe("chat/")
+            await me.echo(False)
+            await me.publish("chat/me", b"mine")
+            await me.sync(TIMEOUT)
+            await other.publish("chat/other", b"theirs")
+            assert await me.receive(TIMEOUT) == Message(b"chat/other", b"theirs")
+
+    run(main())
+
+
+CHILD = textwrap.dedent(r"""
+    import asyncio, sys
+    import sbus.client.asyncio as aio
+
+    async def main(address, peer):
+        async with await aio.connect(address) as bus:
+            await bus.subscribe("!/cred////inbox/")
+            print((await bus.whoami(10)).decode(), flush=True)
+            secret = await bus.receive(10)
+            await bus.publish(peer + b"/reply", secret.payload[::-1])
+            await bus.sync(10)
+
+    asyncio.run(main(sys.argv[1], sys.argv[2].encode()))
+""")
+
+
+def test_secret_key_between_processes(bus):
+    async def main():
+        async with await aio.connect(bus.address) as me, await aio.connect(bus.address) as spy:
+            mine = await me.whoami(TIMEOUT)
+            await me.subscribe(mine + b"/reply")
+            await spy.subscribe("")
+            await spy.subscribe("!/")
+            await spy.sync(TIMEOUT)
+            await me.sync(TIMEOUT)
+            child = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", CHILD, bus.address, mine.decode(),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            try:
+                theirs = (await asyncio.wait_for(child.stdout.readline(), TIMEOUT)).strip()
+                assert theirs.startswith(b"!/cred/") and theirs != mine, await child.stderr.read()
+                await me.publish(theirs + b"/inbox/x", b"secret")
+                assert await me.receive(TIMEOUT) == Message(mine + b"/reply", b"terces")
+                assert await asyncio.wait_for(child.wait(), TIMEOUT) == 0
+            finally:
+                if child.returncode is None:
+                    child.kill()
+                    await child.wait()
+            await me.publish("marker", b"")
+            seen = []
+            while True:
+                m = await spy.receive(TIMEOUT)
+                if m.key == b"marker":
+                    break
+                seen.append(m.key)
+            assert not [k for k in seen if k.startswith(theirs)]
+
+    run(main())
+
+
+def test_flood_soft_discard_with_a_slow_reader(bus):
+    async def main():
+        # inbox_limit=1: the client stops reading after one packet, like a consumer that fell behind
+        async with await aio.connect(bus.address, inbox_limit=1) as reader, \
+                await aio.connect(bus.address) as writer:
+            await reader.subscribe("flood/")
+            await reader.flood(soft="discard")
+            await reader.sync(TIMEOUT)
+            chunk = b"x" * 100_000
+            for _ in range(100):
+                await writer.publish("flood/x", chunk)
+            stats = await writer.stats(TIMEOUT)
+            assert sum(stats["drops"].values()) > 0
+            assert await reader.receive(TIMEOUT) == Message(b"flood/x", chunk)
+
+    run(main())
+
+
+def test_backpressure_queue_mode_loses_nothing(bus):
+    """Default flood mode (queue): a slow asyncio reader gets everything, in order."""
+
+    async def main():
+        async with await aio.connect(bus.address, inbox_limit=8) as reader, \
+                await aio.connect(bus.address) as writer:
+            await reader.subscribe("q/")
+            await reader.sync(TIMEOUT)
+            n = 300
+            for i in range(n):
+                await writer.publish("q/x", b"%d" % i + b"." * 10_000)
+            for i in range(n):
+                m = await reader.receive(TIMEOUT)
+                assert m.payload.startswith(b"%d." % i)
+
+    run(main())
+
+
+def test_control_messages_reach_receive(bus):
+    async def main():
+        async with await aio.connect(bus.address) as c:
+            await c.send_control(b"!/cred/whoami")  # not through request(): lands in the inbox
+            assert await c.receive(TIMEOUT) == Control(b"!/cred/whoami", own_whoami())
+
+    run(main())

@@ -1,0 +1,367 @@
+"""The blocking client against a real server process (the `bus` fixture)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import select
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import sbus.client
+from sbus.client import ConnectionClosed, Control, Message, ProtocolError, address
+from sbus.core.codec import MAX_PACKET
+
+TIMEOUT = 10.0
+
+
+@pytest.fixture
+def clients(bus):
+    """Factory: clients(n=1) -> connected Clients, closed at teardown."""
+    made = []
+
+    def make(n=1, **kw):
+        new = [sbus.client.connect(bus.address, **kw) for _ in range(n)]
+        made.extend(new)
+        return new[0] if n == 1 else new
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def own_whoami() -> bytes:
+    return b"!/cred/%d/%d/%d" % (os.getgid(), os.getuid(), os.getpid())
+
+
+def readline(proc: subprocess.Popen, timeout: float = TIMEOUT) -> bytes:
+    """One line of a child's stdout, waiting for it without sleeping."""
+    fd = proc.stdout.fileno()
+    line = b""
+    deadline = time.monotonic() + timeout
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise AssertionError(f"no line from the child within {timeout}s (so far {line!r})")
+        chunk = os.read(fd, 1)
+        if not chunk:
+            raise AssertionError(f"child ended its output: {line!r}, stderr: {proc.stderr.read()!r}")
+        line += chunk
+    return line[:-1]
+
+
+# --- addresses (no server needed) --------------------------------------------------
+
+
+def test_parse_forms():
+    assert address.parse("/run/sbus.socket") == ("path", "/run/sbus.socket", "/run/sbus.socket")
+    kind, value, _ = address.parse("/dev/fd/7")
+    assert (kind, value) == ("fd", 7)
+    kind, value, _ = address.parse("/dev/unix/abstract/00616263")
+    assert kind == "abstract" and value == b"\0abc".ljust(108, b"\0")
+    full = "00" + "ab" * 107
+    assert address.parse("/dev/unix/abstract/" + full).value == bytes.fromhex(full)
+    # not hex: an ordinary path, as with the server
+    assert address.parse("/dev/unix/abstract/xyz").kind == "path"
+    with pytest.raises(address.AddressError):
+        address.parse("/dev/unix/abstract/61")  # would be a relative path to the kernel
+    with pytest.raises(address.AddressError):
+        address.parse("x" * 200)
+
+
+def test_default_address_order(monkeypatch):
+    monkeypatch.setenv("SBUS_SOCKET", "/from/env")
+    assert address.resolve("/given").text == "/given"
+    assert address.resolve(None).text == "/from/env"
+    monkeypatch.delenv("SBUS_SOCKET")
+    assert address.resolve(None).text == "sbus.socket"
+
+
+# --- connecting ----------------------------------------------------------------
+
+
+def test_connect_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        sbus.client.connect(str(tmp_path / "missing.socket"))
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    dead.bind(str(tmp_path / "dead.socket"))
+    dead.close()  # the file stays, nobody listens
+    with pytest.raises(ConnectionRefusedError):
+        sbus.client.connect(str(tmp_path / "dead.socket"))
+
+
+def test_connect_default_from_env_and_cwd(start_bus, tmp_path, monkeypatch):
+    bus = start_bus(address=str(tmp_path / "sbus.socket"))
+    monkeypatch.setenv("SBUS_SOCKET", bus.address)
+    with sbus.client.connect() as c:
+        assert c.whoami(TIMEOUT) == own_whoami()
+    monkeypatch.delenv("SBUS_SOCKET")
+    monkeypatch.chdir(tmp_path)
+    with sbus.client.connect() as c:
+        assert c.whoami(TIMEOUT) == own_whoami()
+
+
+def test_connect_abstract(start_bus):
+    bus = start_bus(address="/dev/unix/abstract")
+    printed = bus.printed.decode().strip()
+    assert printed.startswith("/dev/unix/abstract/00")
+    with sbus.client.connect(printed) as c:
+        assert c.whoami(TIMEOUT) == own_whoami()
+
+
+def test_connect_dev_fd(bus):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(bus.address)
+    fd = s.detach()
+    with sbus.client.connect(f"/dev/fd/{fd}") as c:
+        assert c.fileno() == fd
+        assert c.whoami(TIMEOUT) == own_whoami()
+    with pytest.raises(OSError):
+        os.fstat(fd)  # the client took the descriptor over and closed it
+
+
+def test_dev_fd_in_a_child(bus):
+    """The real use: a parent hands a connected socket down."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(bus.address)
+    code = "import sys, sbus.client; print(sbus.client.connect(sys.argv[1]).whoami(10).decode())"
+    out = subprocess.run([sys.executable, "-c", code, f"/dev/fd/{s.fileno()}"], pass_fds=[s.fileno()],
+                         capture_output=True, timeout=TIMEOUT, check=True).stdout
+    s.close()
+    # the credentials are the connecting process's: ours
+    assert out.strip() == own_whoami()
+
+
+# --- messaging -----------------------------------------------------------------
+
+
+def test_publish_subscribe(clients):
+    sub, pub = clients(2)
+    sub.subscribe("sensors/")
+    sub.subscribe(b"other")
+    sub.sync(TIMEOUT)
+    pub.publish("sensors/a", "21.5")
+    pub.publish(b"nope/a", b"x")
+    pub.publish(b"sensors/b/c", b"\0binary\xff")
+    pub.publish("other", b"")
+    assert sub.receive(timeout=TIMEOUT) == Message(b"sensors/a", b"21.5")
+    assert sub.receive(timeout=TIMEOUT) == Message(b"sensors/b/c", b"\0binary\xff")
+    assert sub.receive(timeout=TIMEOUT) == Message(b"other", b"")
+    sub.unsubscribe("sensors/")
+    sub.sync(TIMEOUT)
+    pub.publish("sensors/a", "gone")
+    pub.publish("other", "still")
+    assert sub.receive(timeout=TIMEOUT) == Message(b"other", b"still")
+
+
+def test_whoami_keeps_messages_in_order(clients):
+    c = clients()
+    assert c.whoami(TIMEOUT) == own_whoami()
+    c.subscribe("me/")
+    for i in range(5):
+        c.publish("me/x", b"%d" % i)
+    assert c.whoami(TIMEOUT) == own_whoami()
+    assert c.pending() == 5
+    assert [c.receive(timeout=TIMEOUT).payload for _ in range(5)] == [b"0", b"1", b"2", b"3", b"4"]
+
+
+def test_control_and_stats(clients):
+    c = clients()
+    c.send_control("unknown/key", b"ignored")  # unknown CMSGs are ignored
+    stats = c.stats(TIMEOUT)
+    for key in ("clients", "subscriptions", "packets_in", "packets_out", "drops", "disconnects", "queues"):
+        assert key in stats
+    assert stats["clients"] >= 1
+    c.send_control(b"!/cred/whoami")
+    got = c.receive(timeout=TIMEOUT)
+    assert got == Control(b"!/cred/whoami", own_whoami())
+
+
+def test_iteration_and_context_manager(clients):
+    c = clients()
+    c.subscribe("it/")
+    with sbus.client.connect(c.socket.getpeername()) as p:
+        for i in range(3):
+            p.publish("it/x", b"%d" % i)
+        p.sync(TIMEOUT)
+    assert p.closed
+    got = []
+    for m in c:
+        got.append(m.payload)
+        if len(got) == 3:
+            break
+    assert got == [b"0", b"1", b"2"]
+
+
+def test_largest_packet_and_over_the_limit(clients):
+    sub, pub = clients(2)
+    sub.subscribe("big")
+    sub.sync(TIMEOUT)
+    payload = os.urandom(MAX_PACKET - len(b"MSG big\0"))
+    assert pub.publish("big", payload) == MAX_PACKET
+    assert sub.receive(timeout=TIMEOUT) == Message(b"big", payload)
+    with pytest.raises(ProtocolError, match="exceeds"):
+        pub.publish("big", payload + b"!")
+    assert pub.whoami(TIMEOUT) == own_whoami()  # nothing was sent, still connected
+
+
+def test_never_sends_an_empty_packet(clients):
+    c = clients()
+    with pytest.raises(ProtocolError):
+        c.send_packet(b"")
+
+
+def test_server_disconnect_raises_connection_closed(clients):
+    c = clients()
+    c.subscribe(b"!/cred/1/2/3/not-mine")  # another pid's secret space: disconnected
+    with pytest.raises(ConnectionClosed):
+        c.whoami(TIMEOUT)
+    with pytest.raises(ConnectionClosed):
+        c.receive(timeout=TIMEOUT)
+    assert list(c) == []  # iteration just ends
+
+
+def test_echo_off(clients):
+    me, other = clients(2)
+    me.subscribe("chat/")
+    me.echo(False)
+    me.publish("chat/me", "mine")
+    me.sync(TIMEOUT)
+    other.publish("chat/other", "theirs")
+    assert me.receive(timeout=TIMEOUT) == Message(b"chat/other", b"theirs")
+    me.echo(True)
+    me.publish("chat/me", "again")
+    assert me.receive(timeout=TIMEOUT) == Message(b"chat/me", b"again")
+
+
+CHILD = textwrap.dedent(r"""
+    import sys
+    import sbus.client
+    address, peer = sys.argv[1], sys.argv[2].encode()
+    with sbus.client.connect(address) as bus:
+        bus.subscribe("!/cred////inbox/")   # empty fields: the server fills in our own ids
+        print(bus.whoami(10).decode(), flush=True)
+        secret = bus.receive(timeout=10)
+        bus.publish(peer + b"/reply", secret.payload[::-1])
+        bus.sync(10)
+""")
+
+
+def test_secret_key_between_processes(bus, clients):
+    me, spy = clients(2)
+    mine = me.whoami(TIMEOUT)
+    me.subscribe(mine + b"/reply")
+    me.sync(TIMEOUT)
+    for pattern in ("", "*/", "!/", "*/*/*/*/*/inbox/"):
+        spy.subscribe(pattern)
+    spy.sync(TIMEOUT)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, bus.address, mine.decode()],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        theirs = readline(child)
+        assert theirs.startswith(b"!/cred/") and theirs != mine
+        assert theirs.rsplit(b"/", 1)[1] == str(child.pid).encode()
+        me.publish(theirs + b"/inbox/x", b"secret")
+        assert me.receive(timeout=TIMEOUT) == Message(mine + b"/reply", b"terces")
+        assert child.wait(TIMEOUT) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+        child.stdout.close()
+        child.stderr.close()
+    # The spy saw everything up to this marker in order; the child's secret was not among it.
+    me.publish("marker", "end")
+    seen = []
+    while True:
+        m = spy.receive(timeout=TIMEOUT)
+        if m.key == b"marker":
+            break
+        seen.append(m.key)
+    assert not [k for k in seen if k.startswith(theirs)]
+
+
+def test_flood_soft_discard(clients):
+    reader, writer = clients(2)
+    reader.subscribe("flood/")
+    reader.flood(soft="discard")
+    reader.sync(TIMEOUT)
+    chunk = b"x" * 100_000
+    for _ in range(100):  # 10 MB at a reader that does not read
+        writer.publish("flood/x", chunk)
+    stats = writer.stats(TIMEOUT)
+    assert sum(stats["drops"].values()) > 0
+    assert writer.whoami(TIMEOUT) == own_whoami()  # the writer was never blocked or hurt
+    # the reader is still connected and gets what was not dropped
+    assert reader.receive(timeout=TIMEOUT) == Message(b"flood/x", chunk)
+
+
+def test_flood_modes_are_validated(clients):
+    c = clients()
+    c.flood(soft="queue", hard="discard", order="queue")
+    c.flood(soft=b"block", hard=b"block", order=b"random")
+    with pytest.raises(ValueError):
+        c.flood(soft="sometimes")
+    with pytest.raises(ValueError):
+        c.flood(hard="queue")
+    assert c.whoami(TIMEOUT)
+
+
+# --- the socket itself ------------------------------------------------------------
+
+
+def test_socket_buffers_fit_the_largest_packet(clients):
+    c = clients()
+    assert c.socket.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) > MAX_PACKET
+    assert c.socket.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) > MAX_PACKET
+    assert c.socket.type == socket.SOCK_SEQPACKET
+
+
+def test_epoll(clients):
+    sub, pub = clients(2)
+    sub.subscribe("ep/")
+    sub.sync(TIMEOUT)
+    ep = select.epoll()
+    try:
+        ep.register(sub.fileno(), select.EPOLLIN)
+        assert ep.poll(0) == []
+        pub.publish("ep/1", "a")
+        assert ep.poll(TIMEOUT) == [(sub.fileno(), select.EPOLLIN)]
+        assert sub.receive(socket.MSG_DONTWAIT) == Message(b"ep/1", b"a")
+        assert ep.poll(0) == []
+    finally:
+        ep.close()
+
+
+def test_dontwait_and_peek(clients):
+    sub, pub = clients(2)
+    sub.subscribe("pk/")
+    sub.sync(TIMEOUT)
+    with pytest.raises(BlockingIOError):
+        sub.receive(socket.MSG_DONTWAIT)
+    pub.publish("pk/1", "first")
+    pub.publish("pk/2", "second")
+    assert select.select([sub], [], [], TIMEOUT)[0] == [sub]
+    assert sub.receive(socket.MSG_PEEK) == Message(b"pk/1", b"first")
+    assert sub.receive(socket.MSG_PEEK | socket.MSG_DONTWAIT) == Message(b"pk/1", b"first")
+    assert sub.receive(socket.MSG_DONTWAIT) == Message(b"pk/1", b"first")
+    assert sub.receive(timeout=TIMEOUT) == Message(b"pk/2", b"second")
+    with pytest.raises(BlockingIOError):
+        sub.receive(socket.MSG_DONTWAIT)
+
+
+def test_nonblocking_with_fcntl_and_timeout(clients):
+    c = clients()
+    flags = fcntl.fcntl(c.socket, fcntl.F_GETFL)
+    fcntl.fcntl(c.socket, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+    with pytest.raises(BlockingIOError):
+        c.receive()
+    # whoami waits for its reply even on a nonblocking socket
+    assert c.whoami(TIMEOUT) == own_whoami()
+    with pytest.raises(TimeoutError):
+        c.receive(timeout=0.05)

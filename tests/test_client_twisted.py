@@ -1,0 +1,275 @@
+"""The Twisted client against a real server process.
+
+Needs the pytest-twisted plugin active (``-p pytest_twisted`` or
+``pytest_plugins = ["pytest_twisted"]`` in the root conftest).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+
+import pytest
+import pytest_twisted
+from twisted.internet import defer, protocol
+
+from sbus.client import ConnectionClosed
+from sbus.client.twisted import ReconnectingClient, SbusProtocol, connect, parse_whoami
+
+TIMEOUT = 10.0
+
+
+def reactor():
+    from twisted.internet import reactor as r
+
+    return r
+
+
+def own_whoami() -> bytes:
+    return b"!/cred/%d/%d/%d" % (os.getgid(), os.getuid(), os.getpid())
+
+
+def within(d, timeout=TIMEOUT):
+    """Wait for a Deferred, failing the test after `timeout` seconds instead of hanging."""
+    return d.addTimeout(timeout, reactor())
+
+
+class Clients:
+    """Connections made in a test, closed at its end."""
+
+    def __init__(self, address):
+        self.address = address
+        self.made = []
+
+    async def __call__(self, factory=SbusProtocol):
+        p = await within(connect(reactor(), self.address, factory))
+        self.made.append(p)
+        return p
+
+    async def close(self):
+        for p in self.made:
+            await within(p.close())
+
+
+@pytest.fixture
+def clients(bus):
+    c = Clients(bus.address)
+    yield c
+    pytest_twisted.blockon(defer.ensureDeferred(c.close()))
+
+
+@pytest.fixture(autouse=True)
+def clean_reactor():
+    """Fail a test that leaves connections or timers behind."""
+    r = reactor()
+    readers, writers = set(r.getReaders()), set(r.getWriters())
+    yield
+    left = [c for c in r.getDelayedCalls() if c.active()]
+    # (the reactor's own wakers appear when it starts during the first test)
+    new_readers = {x for x in set(r.getReaders()) - readers if not type(x).__name__.endswith("Waker")}
+    new_writers = set(r.getWriters()) - writers
+    assert not left and not new_readers and not new_writers, (left, new_readers, new_writers)
+
+
+def test_parse_whoami():
+    assert parse_whoami(b"!/cred/100/1000/1111") == (b"", (1111, 1000, 100))
+    prefix, cred = parse_whoami(b"!/cred/100/1000/1111/!/cred/1000/1000/19211")
+    assert prefix == b"!/cred/100/1000/1111/" and cred.pid == 19211
+    assert parse_whoami(b"nonsense") is None
+
+
+@pytest_twisted.ensureDeferred
+async def test_publish_subscribe_callbacks(clients):
+    sub, pub = await clients(), await clients()
+    qa, qb = defer.DeferredQueue(), defer.DeferredQueue()
+
+    def cb_b(key, payload):
+        qb.put((key, payload))
+
+    sub.subscribe("sensors/", lambda k, p: qa.put((k, p)))
+    sub.subscribe("sensors/*/temp", cb_b)
+    sub.subscribe("sensors/", cb_b)  # cb_b under two patterns: still once per message
+    await within(sub.sync())
+    pub.publish("sensors/x/temp", b"21.5")
+    pub.publish("elsewhere", b"no")
+    pub.publish("sensors/y", "text")
+    assert await within(qa.get()) == (b"sensors/x/temp", b"21.5")
+    assert await within(qb.get()) == (b"sensors/x/temp", b"21.5")
+    assert await within(qa.get()) == (b"sensors/y", b"text")
+    assert await within(qb.get()) == (b"sensors/y", b"text")
+    sub.unsubscribe("sensors/", cb_b)
+    await within(sub.sync())
+    pub.publish("sensors/z", b"only a")
+    assert await within(qa.get()) == (b"sensors/z", b"only a")
+    assert not qb.pending  # dispatch is synchronous: cb_b would have run by now
+    assert [p for p, _ in sub.subscriptions] == [b"sensors/", b"sensors/*/temp"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_whoami_and_stats(clients):
+    p = await clients()
+    assert p.credentials == own_whoami()  # connect() asked already
+    assert await within(p.whoami()) == own_whoami()
+    stats = await within(p.stats())
+    assert stats["clients"] >= 1 and "queues" in stats
+
+
+@pytest_twisted.ensureDeferred
+async def test_message_received_hook(clients):
+    seen = defer.DeferredQueue()
+
+    class Relay(SbusProtocol):
+        def messageReceived(self, key, payload, packet):
+            seen.put((key, payload, packet))
+
+    relay, pub = await clients(Relay), await clients()
+    relay.subscribe("", None)
+    await within(relay.sync())
+    pub.publish("a/b", b"\0raw")
+    assert await within(seen.get()) == (b"a/b", b"\0raw", b"MSG a/b\0\0raw")
+
+
+class Child(protocol.ProcessProtocol):
+    def __init__(self):
+        self.lines = defer.DeferredQueue()
+        self.ended = defer.Deferred()
+        self._buf = b""
+        self.err = b""
+
+    def outReceived(self, data):
+        self._buf += data
+        while b"\n" in self._buf:
+            line, self._buf = self._buf.split(b"\n", 1)
+            self.lines.put(line)
+
+    def errReceived(self, data):
+        self.err += data
+
+    def processEnded(self, reason):
+        self.ended.callback(reason.value.exitCode)
+
+
+CHILD = textwrap.dedent(r"""
+    import sys
+    import sbus.client
+    address, peer = sys.argv[1], sys.argv[2].encode()
+    with sbus.client.connect(address) as bus:
+        bus.subscribe("!/cred////inbox/")
+        print(bus.whoami(10).decode(), flush=True)
+        secret = bus.receive(timeout=10)
+        bus.publish(peer + b"/reply", secret.payload[::-1])
+        bus.sync(10)
+""")
+
+
+@pytest_twisted.ensureDeferred
+async def test_secret_key_between_processes(bus, clients):
+    me, spy = await clients(), await clients()
+    replies, leaked = defer.DeferredQueue(), []
+    # empty fields: the client fills them in (as the server does) to match the callback
+    me.subscribe("!/cred////reply", lambda k, p: replies.put((k, p)))
+    spy.subscribe("", lambda k, p: leaked.append(k))
+    spy.subscribe("!/", lambda k, p: leaked.append(k))
+    await within(me.sync())
+    await within(spy.sync())
+    child = Child()
+    reactor().spawnProcess(child, sys.executable, [sys.executable, "-c", CHILD, bus.address, me.credentials.decode()],
+                           env=dict(os.environ))
+    theirs = await within(child.lines.get())
+    assert theirs.startswith(b"!/cred/") and theirs != me.credentials
+    me.publish(theirs + b"/inbox/x", b"secret")
+    assert await within(replies.get()) == (me.credentials + b"/reply", b"terces")
+    assert await within(child.ended) == 0, child.err
+    await within(spy.sync())
+    assert not [k for k in leaked if k.startswith(theirs)]
+
+
+@pytest_twisted.ensureDeferred
+async def test_echo_off(clients):
+    me, other = await clients(), await clients()
+    q = defer.DeferredQueue()
+    me.subscribe("chat/", lambda k, p: q.put(k))
+    me.echo(False)
+    me.publish("chat/me", b"x")
+    await within(me.sync())
+    other.publish("chat/other", b"y")
+    assert await within(q.get()) == b"chat/other"
+    assert me.echoOn is False
+
+
+@pytest_twisted.ensureDeferred
+async def test_flood_soft_discard(clients):
+    reader, writer = await clients(), await clients()
+    q = defer.DeferredQueue()
+    reader.subscribe("flood/", lambda k, p: q.put(len(p)))
+    reader.flood(soft="discard")
+    await within(reader.sync())
+    reader.transport.pauseProducing()  # a reader that does not read
+    chunk = b"x" * 100_000
+    for _ in range(100):
+        writer.publish("flood/x", chunk)
+    stats = await within(writer.stats())
+    assert sum(stats["drops"].values()) > 0
+    reader.transport.resumeProducing()
+    assert await within(q.get()) == len(chunk)
+
+
+@pytest_twisted.ensureDeferred
+async def test_connect_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        await within(connect(reactor(), str(tmp_path / "missing.socket")))
+
+
+@pytest_twisted.ensureDeferred
+async def test_server_disconnect(clients):
+    p = await clients()
+    lost = p.whenLost()
+    p.subscribe(b"!/cred/1/2/3/not-mine")  # not our secret space: the server disconnects us
+    with pytest.raises(ConnectionClosed):
+        await within(p.whoami())
+    await within(lost)
+    assert not p.connected
+    with pytest.raises(ConnectionClosed):
+        p.publish("a", b"b")
+
+
+@pytest_twisted.ensureDeferred
+async def test_reconnecting_client(start_bus, tmp_path):
+    path = str(tmp_path / "re.socket")
+    bus = start_bus(address=path)
+    rc = ReconnectingClient(reactor(), path, initialDelay=0.02, maxDelay=0.2)
+    q = defer.DeferredQueue()
+    rc.subscribe("t/", lambda k, p: q.put(k))
+    rc.echo(False)
+    rc.flood(soft="discard")
+    assert rc.publish("t/early", b"") is False  # not connected yet: dropped
+    rc.start()
+    other = None
+    try:
+        first = await within(rc.whenConnected())
+        other = await within(connect(reactor(), path))
+        other.publish("t/1", b"")
+        assert await within(q.get()) == b"t/1"
+        lost = first.whenLost()
+        await within(other.close())
+        bus.stop()
+        await within(lost)
+        assert not rc.connected
+        bus = start_bus(address=path)
+        second = await within(rc.whenConnected())
+        assert second is not first and rc.attempts >= 2
+        other = await within(connect(reactor(), path))
+        assert rc.publish("t/self", b"") is True  # echo off was re-applied
+        await within(rc.sync())
+        other.publish("t/2", b"")
+        assert await within(q.get()) == b"t/2"  # the subscription was re-applied
+        stats = await within(other.stats())
+        mine = [c for c in stats["queues"] if c.get("subscriptions") == 1]
+        if mine and "soft" in mine[0]:
+            assert mine[0]["soft"] == "discard" and mine[0]["echo"] is False
+    finally:
+        await within(rc.stop())
+        if other is not None:
+            await within(other.close())
+    assert not rc.connected
