@@ -53,6 +53,19 @@ class IRouter(Interface):
         """Every client that must receive a message with `key`, each once."""
 
 
+class IUpstream(Interface):
+    """What a bus tells the link to its master (a relay), if it has one."""
+
+    def localPublish(packet, key, client):
+        """A local client published `packet`: carry it upward."""
+
+    def patternHeld(pattern):
+        """Some local client now holds `pattern` and nobody did before: subscribe upward."""
+
+    def patternReleased(pattern):
+        """The last local holder of `pattern` let it go: unsubscribe upward."""
+
+
 class IBus(Interface):
     """A running bus, as services beside it see it."""
 

@@ -90,6 +90,9 @@ class BrokerProtocol(protocol.Protocol):
                 if client is self and not self.echo:
                     continue
                 client.deliver(packet, self)
+            upstream = self.factory.upstream
+            if upstream is not None:
+                upstream.localPublish(packet, key, self)
             return None
         try:
             kind, key = codec.classify(packet, self.factory.config.max_packet)
@@ -167,7 +170,10 @@ class BrokerProtocol(protocol.Protocol):
         except CredentialError as e:
             reason = FORBIDDEN if pattern.startswith(b"!/cred/") else INVALID_BANG
             return self.misbehaved(reason, str(e))
-        self.factory.router.subscribe(self, pattern)
+        if self.factory.router.subscribe(self, pattern):
+            upstream = self.factory.upstream
+            if upstream is not None:
+                upstream.patternHeld(pattern)
         return None
 
     def unsubscribe(self, pattern: bytes):
@@ -176,7 +182,10 @@ class BrokerProtocol(protocol.Protocol):
             pattern = check_pattern(pattern, self.cred, self._prefix)
         except CredentialError:
             return
-        self.factory.router.unsubscribe(self, pattern)
+        if self.factory.router.unsubscribe(self, pattern):
+            upstream = self.factory.upstream
+            if upstream is not None:
+                upstream.patternReleased(pattern)
 
     def misbehaved(self, reason: str, detail: str):
         """Disconnect this client, with one log line naming it and why."""
@@ -225,6 +234,8 @@ class BrokerFactory(protocol.Factory):
 
     protocol = BrokerProtocol
     noisy = False
+    #: An `IUpstream` (a relay's link to its master), told about local traffic it must carry.
+    upstream = None
 
     def __init__(self, config: ServerConfig | None = None, on_empty=None, router=None):
         self.config = config or ServerConfig()
@@ -257,7 +268,10 @@ class BrokerFactory(protocol.Factory):
         log.info("client connected: {client}", client=client.label)
 
     def clientGone(self, client: BrokerProtocol):
-        self.router.remove_client(client)
+        released = self.router.remove_client(client)
+        if released and self.upstream is not None:
+            for pattern in released:
+                self.upstream.patternReleased(pattern)
         self.clients.discard(client)
         t = client.transport
         self.gone["packets_in"] += client.packets_in
@@ -270,6 +284,14 @@ class BrokerFactory(protocol.Factory):
         log.info("client disconnected: {client} ({reason})", client=client.label, reason=client.reason)
         if not self.clients and self.on_empty is not None:
             self.on_empty()
+
+    def deliverLocally(self, packet: bytes, key: bytes, feeder=None) -> None:
+        """Deliver a MSG packet that came from outside this bus (a relay's master).
+
+        `feeder`, if given, is paused like a local publisher when a subscriber in
+        `block` mode fills up: it needs `block_count` and a `transport`."""
+        for client in self.router.match(key):
+            client.deliver(packet, feeder)
 
     def stats(self) -> dict:
         clients = list(self.clients)
