@@ -65,6 +65,9 @@ class IUpstream(Interface):
     def patternReleased(pattern):
         """The last local holder of `pattern` let it go: unsubscribe upward."""
 
+    def stats():
+        """A JSON-able dict, shown as "upstream" in the bus's `server/stats`."""
+
 
 class IBus(Interface):
     """A running bus, as services beside it see it."""

@@ -315,7 +315,7 @@ class BrokerFactory(protocol.Factory):
                 "packets_in": c.packets_in, "packets_out": t.packets_out,
                 "drops": dict(c.drops or {}),
             })
-        return {
+        result = {
             "clients": len(clients),
             "subscriptions": self.router.subscription_count,
             "packets_in": totals["packets_in"],
@@ -330,6 +330,10 @@ class BrokerFactory(protocol.Factory):
             "limits": {"max_packet": self.config.max_packet, "queue_bytes": self.config.queue_bytes,
                        "queue_packets": self.config.queue_packets},
         }
+        upstream_stats = getattr(self.upstream, "stats", None)
+        if upstream_stats is not None:
+            result["upstream"] = upstream_stats()
+        return result
 
     def statsJSON(self) -> bytes:
         """The statistics as JSON that fits in one packet (busiest queues first if it must be cut)."""
