@@ -345,7 +345,8 @@ class SeqPacketPort:
     unlinks a socket file: whoever bound the path owns it.
     """
 
-    def __init__(self, sock: socket.socket, factory, reactor=None):
+    def __init__(self, sock: socket.socket, factory, reactor=None, *, max_packet: int | None = None,
+                 drain_cap: int | None = None, queue_bytes: int | None = None, queue_packets: int | None = None):
         if reactor is None:
             from twisted.internet import reactor
         self.socket = sock
@@ -354,7 +355,15 @@ class SeqPacketPort:
         self.connected = False
         self._backoff = None
         self._fd = sock.fileno()
-        self._config = getattr(factory, "config", None)
+        # Per-connection settings: explicit ones win, else the factory's ServerConfig, else defaults.
+        cfg = getattr(factory, "config", None)
+        self._settings = {
+            name: value if value is not None else getattr(cfg, name, default)
+            for name, value, default in (
+                ("max_packet", max_packet, 409600), ("drain_cap", drain_cap, 64),
+                ("queue_bytes", queue_bytes, 4 << 20), ("queue_packets", queue_packets, 16384),
+            )
+        }
 
     def startListening(self):
         sock = self.socket
@@ -393,11 +402,6 @@ class SeqPacketPort:
         return SeqPacketAddress(self.socket.getsockname())
 
     def doRead(self):
-        cfg = self._config
-        max_packet = getattr(cfg, "max_packet", 409600)
-        drain_cap = getattr(cfg, "drain_cap", 64)
-        queue_bytes = getattr(cfg, "queue_bytes", 4 << 20)
-        queue_packets = getattr(cfg, "queue_packets", 16384)
         for _ in range(_ACCEPT_CAP):
             try:
                 conn, name = self.socket.accept()
@@ -423,10 +427,7 @@ class SeqPacketPort:
             if protocol is None:
                 conn.close()
                 continue
-            transport = SeqPacketTransport(
-                conn, protocol, self.reactor, max_packet=max_packet, drain_cap=drain_cap,
-                queue_bytes=queue_bytes, queue_packets=queue_packets, peer=cred,
-            )
+            transport = SeqPacketTransport(conn, protocol, self.reactor, peer=cred, **self._settings)
             protocol.makeConnection(transport)
             transport.startReading()
         return None
