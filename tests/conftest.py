@@ -23,18 +23,36 @@ READY_TIMEOUT = 10.0
 
 
 class BusProcess:
-    def __init__(self, args, address, log_path, env=None):
+    def __init__(self, args, address, log_path, env=None, command=None):
         self.address = address
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sbus.server.sbusd", *args],
+            command or [sys.executable, "-m", "sbus.server.sbusd", *args],
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
+            stdout=subprocess.PIPE if command is None else self._log,
             stderr=self._log,
             env=env,
         )
-        self.printed = self._wait_ready()
+        if command is None:
+            self.printed = self._wait_ready()
+        else:
+            self._wait_connectable()
+
+    def _wait_connectable(self):
+        """For servers without sbusd's readiness signal: wait until the socket accepts."""
+        deadline = time.monotonic() + READY_TIMEOUT
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log()}")
+            try:
+                self.connect().close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"server not connectable in {READY_TIMEOUT}s: {self.log()}")
+                time.sleep(0.02)
 
     def _wait_ready(self) -> bytes:
         """Read stdout until EOF: sbusd -f closes it once the socket listens."""
@@ -99,6 +117,24 @@ def start_bus(tmp_path):
         address = address or str(tmp_path / f"bus-{uuid.uuid4().hex[:8]}.socket")
         log_path = str(tmp_path / f"sbusd-{len(procs)}.log")
         p = BusProcess(["-f", "-a", address, *extra], address, log_path, env=env)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        p.stop()
+
+
+@pytest.fixture
+def start_twistd_bus(tmp_path):
+    """Factory: start_twistd_bus(*options) -> BusProcess running `twistd -n sbus` with those options."""
+    procs = []
+
+    def start(*options):
+        address = str(tmp_path / f"bus-{uuid.uuid4().hex[:8]}.socket")
+        log_path = str(tmp_path / f"twistd-{len(procs)}.log")
+        command = [sys.executable, "-m", "twisted", "--log-format", "text", "sbus", "--socket", address, *options]
+        p = BusProcess([], address, log_path, command=command)
         procs.append(p)
         return p
 

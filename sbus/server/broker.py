@@ -31,6 +31,8 @@ PROTOCOL_ERROR = "protocol_error"
 OVERSIZE = "oversize"
 FORBIDDEN = "forbidden_subscription"
 INVALID_BANG = "invalid_bang"
+TOO_MANY_SUBSCRIPTIONS = "too_many_subscriptions"
+STALLED = "stalled"
 CLOSED = "closed"
 
 
@@ -39,7 +41,8 @@ class BrokerProtocol(protocol.Protocol):
 
     __slots__ = (
         "factory", "cred", "label", "echo", "packets_in", "bytes_in", "drops",
-        "blocked_feeders", "block_count", "whoami_reply", "reason", "_match", "_prefix",
+        "blocked_feeders", "block_count", "whoami_reply", "reason", "subscriptions", "_stall",
+        "_match", "_prefix",
     )
 
     def __init__(self, factory: "BrokerFactory", cred):
@@ -56,6 +59,9 @@ class BrokerProtocol(protocol.Protocol):
         self.block_count = 0
         self.whoami_reply = _WHOAMI_REPLY + whoami(factory.config.cred_prefix, cred)
         self.reason = CLOSED
+        self.subscriptions = 0
+        #: Fires when this client has held publishers paused for too long.
+        self._stall = None
         self._match = factory.router.match
         self._prefix = factory.config.cred_prefix
 
@@ -146,13 +152,25 @@ class BrokerProtocol(protocol.Protocol):
         feeders = self.blocked_feeders
         if feeders is None:
             feeders = self.blocked_feeders = set()
+            if self._stall is None:
+                self._stall = self.factory.reactor.callLater(self.factory.config.stall_timeout, self._stalled)
         if feeder not in feeders:
             feeders.add(feeder)
             feeder.block_count += 1
             if feeder.block_count == 1:
                 feeder.transport.pauseProducing()
 
+    def _stalled(self):
+        self._stall = None
+        self.misbehaved(STALLED, f"held publishers paused for over {self.factory.config.stall_timeout:g} s "
+                                 f"({len(self.transport.outbox)} packets queued)")
+
     def _releaseFeeders(self):
+        stall = self._stall
+        if stall is not None:
+            self._stall = None
+            if stall.active():
+                stall.cancel()
         feeders = self.blocked_feeders
         if not feeders:
             return
@@ -170,6 +188,16 @@ class BrokerProtocol(protocol.Protocol):
         except CredentialError as e:
             reason = FORBIDDEN if pattern.startswith(b"!/cred/") else INVALID_BANG
             return self.misbehaved(reason, str(e))
+        factory = self.factory
+        limit = factory.config.max_subscriptions
+        if self.subscriptions >= limit:
+            return self.misbehaved(TOO_MANY_SUBSCRIPTIONS, f"over the limit of {limit} subscriptions per client")
+        uid = self.cred.uid
+        limit = factory.config.max_uid_subscriptions
+        if factory.uid_subscriptions[uid] >= limit:
+            return self.misbehaved(TOO_MANY_SUBSCRIPTIONS, f"uid {uid} is over its limit of {limit} subscriptions")
+        self.subscriptions += 1
+        factory.uid_subscriptions[uid] += 1
         if self.factory.router.subscribe(self, pattern):
             upstream = self.factory.upstream
             if upstream is not None:
@@ -182,7 +210,12 @@ class BrokerProtocol(protocol.Protocol):
             pattern = check_pattern(pattern, self.cred, self._prefix)
         except CredentialError:
             return
-        if self.factory.router.unsubscribe(self, pattern):
+        held = self.factory.router.unsubscribe(self, pattern)
+        if held is None:
+            return
+        self.subscriptions -= 1
+        self.factory.uid_subscriptions[self.cred.uid] -= 1
+        if held:
             upstream = self.factory.upstream
             if upstream is not None:
                 upstream.patternReleased(pattern)
@@ -237,7 +270,10 @@ class BrokerFactory(protocol.Factory):
     #: An `IUpstream` (a relay's link to its master), told about local traffic it must carry.
     upstream = None
 
-    def __init__(self, config: ServerConfig | None = None, on_empty=None, router=None):
+    def __init__(self, config: ServerConfig | None = None, on_empty=None, router=None, reactor=None):
+        if reactor is None:
+            from twisted.internet import reactor
+        self.reactor = reactor
         self.config = config or ServerConfig()
         self.router = router if router is not None else Router()
         self.clients: set[BrokerProtocol] = set()
@@ -250,19 +286,27 @@ class BrokerFactory(protocol.Factory):
         self.gone = Counter()
         self.drops = Counter()
         self.disconnects = Counter()
-        self.refused = 0
+        self.refused = Counter()
+        self.uid_connections = Counter()
+        self.uid_subscriptions = Counter()
 
     def buildProtocol(self, addr):
         cred = addr.cred
         if self.allowed_uids is not None and cred.uid not in self.allowed_uids:
-            self.refused += 1
+            self.refused["user_not_allowed"] += 1
             log.warn("refused connection from pid={pid} uid={uid}: user not allowed", pid=cred.pid, uid=cred.uid)
             return None
-        p = self.protocol(self, cred)
-        return p
+        limit = self.config.max_uid_connections
+        if self.uid_connections[cred.uid] >= limit:
+            self.refused["too_many_connections"] += 1
+            log.warn("refused connection from pid={pid} uid={uid}: uid has {n} connections, the limit",
+                     pid=cred.pid, uid=cred.uid, n=limit)
+            return None
+        return self.protocol(self, cred)
 
     def clientConnected(self, client: BrokerProtocol):
         self.clients.add(client)
+        self.uid_connections[client.cred.uid] += 1
         self.had_client = True
         self.router.add_client(client, secret_prefix(self.config.cred_prefix, client.cred))
         log.info("client connected: {client}", client=client.label)
@@ -273,6 +317,11 @@ class BrokerFactory(protocol.Factory):
             for pattern in released:
                 self.upstream.patternReleased(pattern)
         self.clients.discard(client)
+        uid = client.cred.uid
+        for counts, n in ((self.uid_connections, 1), (self.uid_subscriptions, client.subscriptions)):
+            counts[uid] -= n
+            if counts[uid] <= 0:
+                del counts[uid]
         t = client.transport
         self.gone["packets_in"] += client.packets_in
         self.gone["bytes_in"] += client.bytes_in
@@ -309,7 +358,7 @@ class BrokerFactory(protocol.Factory):
             ob = t.outbox
             queues.append({
                 "pid": c.cred.pid, "uid": c.cred.uid, "gid": c.cred.gid,
-                "subscriptions": sum(self.router.patterns_of(c).values()),
+                "subscriptions": c.subscriptions,
                 "queued_packets": len(ob), "queued_bytes": ob.nbytes,
                 "soft": ob.soft, "hard": ob.hard, "order": ob.order, "echo": c.echo,
                 "packets_in": c.packets_in, "packets_out": t.packets_out,
@@ -324,11 +373,12 @@ class BrokerFactory(protocol.Factory):
             "bytes_out": totals["bytes_out"],
             "drops": dict(drops),
             "disconnects": dict(self.disconnects),
-            "refused": self.refused,
+            "refused": dict(self.refused),
             "queues": queues,
             "uptime_s": round(time.time() - self.started, 3),
-            "limits": {"max_packet": self.config.max_packet, "queue_bytes": self.config.queue_bytes,
-                       "queue_packets": self.config.queue_packets},
+            "limits": {name: getattr(self.config, name) for name in (
+                "max_packet", "queue_bytes", "queue_packets", "stall_timeout", "max_subscriptions",
+                "max_uid_subscriptions", "max_uid_connections")},
         }
         upstream_stats = getattr(self.upstream, "stats", None)
         if upstream_stats is not None:

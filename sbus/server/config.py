@@ -9,6 +9,12 @@ from sbus.core.codec import MAX_PACKET
 #: What one client that never reads may pin in the server (NOTES §5).
 DEFAULT_QUEUE_BYTES = 4 * 1024 * 1024
 DEFAULT_QUEUE_PACKETS = 16384
+#: How long a client in a `block` mode may hold publishers paused before it is disconnected.
+DEFAULT_STALL_TIMEOUT = 30.0
+#: So that one client or one user cannot take the whole bus's memory or descriptors.
+DEFAULT_MAX_SUBSCRIPTIONS = 100_000
+DEFAULT_MAX_UID_SUBSCRIPTIONS = 1_000_000
+DEFAULT_MAX_UID_CONNECTIONS = 4096
 
 
 @dataclass
@@ -22,4 +28,10 @@ class ServerConfig:
     allowed_uids: frozenset[int] | None = None
     #: Packets read from one client per wakeup before others get a turn.
     drain_cap: int = 64
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT
+    #: Subscriptions one client may hold (duplicates count).
+    max_subscriptions: int = DEFAULT_MAX_SUBSCRIPTIONS
+    #: Subscriptions and connections all clients of one uid may hold together.
+    max_uid_subscriptions: int = DEFAULT_MAX_UID_SUBSCRIPTIONS
+    max_uid_connections: int = DEFAULT_MAX_UID_CONNECTIONS
     extra: dict = field(default_factory=dict)

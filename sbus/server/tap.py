@@ -16,7 +16,15 @@ from twisted.python import usage
 
 from sbus.server.address import AddressError, parse_address
 from sbus.server.sbusd import resolve_user
-from sbus.server.config import DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_PACKETS, ServerConfig
+from sbus.server.config import (
+    DEFAULT_MAX_SUBSCRIPTIONS,
+    DEFAULT_MAX_UID_CONNECTIONS,
+    DEFAULT_MAX_UID_SUBSCRIPTIONS,
+    DEFAULT_QUEUE_BYTES,
+    DEFAULT_QUEUE_PACKETS,
+    DEFAULT_STALL_TIMEOUT,
+    ServerConfig,
+)
 from sbus.core.codec import MAX_PACKET
 
 #: A credential prefix: empty, or one or more ``!/cred/GID/UID/PID/`` links.
@@ -66,6 +74,12 @@ class Options(usage.Options):
         ["max-packet", None, str(MAX_PACKET), "Largest packet accepted, in bytes (17 .. 16 MiB)."],
         ["queue-bytes", None, str(DEFAULT_QUEUE_BYTES), "Per-client output queue limit, bytes."],
         ["queue-packets", None, str(DEFAULT_QUEUE_PACKETS), "Per-client output queue limit, packets."],
+        ["stall-timeout", None, str(DEFAULT_STALL_TIMEOUT),
+         "Seconds a client in a block mode may hold publishers paused before it is disconnected."],
+        ["max-subscriptions", None, str(DEFAULT_MAX_SUBSCRIPTIONS), "Subscriptions one client may hold."],
+        ["max-uid-subscriptions", None, str(DEFAULT_MAX_UID_SUBSCRIPTIONS),
+         "Subscriptions all clients of one uid may hold together."],
+        ["max-uid-connections", None, str(DEFAULT_MAX_UID_CONNECTIONS), "Connections one uid may hold open."],
     ]
 
     def __init__(self):
@@ -105,6 +119,14 @@ class Options(usage.Options):
         self["max-packet"] = max_packet
         self["queue-bytes"] = _positive("queue-bytes", self["queue-bytes"])
         self["queue-packets"] = _positive("queue-packets", self["queue-packets"])
+        for name in ("max-subscriptions", "max-uid-subscriptions", "max-uid-connections"):
+            self[name] = _positive(name, self[name])
+        try:
+            self["stall-timeout"] = float(self["stall-timeout"])
+        except ValueError:
+            raise usage.UsageError(f"--stall-timeout: not a number: {self['stall-timeout']!r}") from None
+        if not self["stall-timeout"] > 0:
+            raise usage.UsageError(f"--stall-timeout: must be positive, got {self['stall-timeout']}")
 
 
 def config_from_options(options: Options) -> ServerConfig:
@@ -115,6 +137,10 @@ def config_from_options(options: Options) -> ServerConfig:
         queue_packets=options["queue-packets"],
         cred_prefix=options["cred-prefix"],
         allowed_uids=frozenset([*users, os.getuid()]) if users else None,
+        stall_timeout=options["stall-timeout"],
+        max_subscriptions=options["max-subscriptions"],
+        max_uid_subscriptions=options["max-uid-subscriptions"],
+        max_uid_connections=options["max-uid-connections"],
     )
 
 
