@@ -11,18 +11,23 @@ setup(
         "sbus.server",
         "sbus.client",
         "sbus.services",
+        "sbus.pipeline",
         "twisted.plugins",
     ],
-    package_data={"twisted": ["plugins/sbus_plugins.py"]},
     install_requires=["twisted>=24.3", "zope.interface>=6"],
     extras_require={
-        "test": ["pytest>=8", "pytest-twisted>=1.14", "hypothesis>=6", "pytest-timeout>=2"],
-        "pipeline": ["pyspark>=3.5", "pyarrow>=15", "matplotlib>=3.8"],
+        "test": [
+            "pytest>=8", "pytest-twisted>=1.14", "hypothesis>=6", "pytest-timeout>=2",
+            "pyspark>=4.0", "pyarrow>=15", "matplotlib>=3.8",
+        ],
+        "pipeline": ["pyspark>=4.0", "pyarrow>=15", "matplotlib>=3.8"],
     },
     entry_points={
         "console_scripts": [
             "sbusd = sbus.server.sbusd:main",
             "sbus = sbus.cli:main",
+            "sbus-replay = sbus.pipeline.replay:main",
+            "sbus-pipeline = sbus.pipeline.cli:main",
         ],
     },
 )

@@ -1,0 +1,5 @@
+import sys
+
+from sbus.pipeline.cli import main
+
+sys.exit(main())

@@ -1,0 +1,152 @@
+"""``sbus-pipeline``: the Spark jobs' command line (``python -m sbus.pipeline``).
+
+    sbus-pipeline report DIR --out REPORT_DIR [--window 60s] [--depth 1] [--top 20] [--master URL]
+    sbus-pipeline stream DIR --out OUT --checkpoint CP [--window 60s] [--watermark 0s]
+                         [--max-files-per-trigger 10] [--trigger 10s | --available-now]
+                         [--publish-to KEY_PREFIX --bus ADDRESS] [--master URL]
+
+Also runs under ``spark-submit sbus/pipeline/cli.py report ...`` (the master
+then comes from spark-submit unless --master is given). Errors: one line
+on standard error, exit status 2 (usage, missing or empty directory) or 1
+(the job failed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __package__ in (None, ""):  # spark-submit sbus/pipeline/cli.py: make the package importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from sbus.pipeline.schema import RecordingError, check_recording  # noqa: E402
+from sbus.pipeline.units import parse_duration  # noqa: E402
+
+PROG = "sbus-pipeline"
+EXIT_FAILED, EXIT_USAGE = 1, 2
+
+
+def _duration(text):
+    try:
+        v = parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Analyse sbus recordings on Apache Spark.")
+    p.add_argument("--master", default=None,
+                   help="Spark master URL (default: spark-submit's, else local[*])")
+    p.add_argument("--quiet", "-q", action="store_true", help="no Spark progress bar")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{report,stream}")
+
+    def common(sp):
+        sp.add_argument("directory", metavar="DIR", help="recording directory (rec-*.parquet)")
+        sp.add_argument("--window", type=_duration, default=60.0, help="window length (default 60s)")
+        sp.add_argument("--depth", type=int, default=1,
+                        help="key prefix depth: the first N '/'-separated parts (default 1)")
+        sp.add_argument("--master", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        sp.add_argument("--quiet", "-q", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+    r = sub.add_parser("report", help="batch report: Parquet tables + HTML page with charts")
+    common(r)
+    r.add_argument("--out", "-o", required=True, metavar="REPORT_DIR")
+    r.add_argument("--top", type=int, default=20, help="how many top keys (default 20)")
+    r.add_argument("--top-prefixes", type=int, default=6, help="prefixes drawn in the rate chart")
+    r.add_argument("--html-dir", default=None,
+                   help="local directory for index.html and the PNGs (default REPORT_DIR; "
+                        "needed when REPORT_DIR is not a local path)")
+
+    s = sub.add_parser("stream", help="Structured Streaming window aggregates into a Parquet sink")
+    common(s)
+    s.add_argument("--out", "-o", required=True, metavar="OUT")
+    s.add_argument("--checkpoint", required=True, metavar="CP")
+    s.add_argument("--watermark", type=_duration, default=0.0,
+                   help="how late a message may be recorded and still count (default 0s)")
+    s.add_argument("--max-files-per-trigger", type=int, default=10)
+    t = s.add_mutually_exclusive_group()
+    t.add_argument("--trigger", default=None, metavar="INTERVAL", help="micro-batch interval, e.g. '10 seconds'")
+    t.add_argument("--available-now", action="store_true",
+                   help="process the files present now, then stop (for cron)")
+    s.add_argument("--publish-to", default=None, metavar="KEY_PREFIX",
+                   help="also publish each finished window on the bus under KEY_PREFIX/<prefix>")
+    s.add_argument("--bus", default=None, help="bus address for --publish-to")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from sbus.pipeline.spark import is_remote
+
+    if args.depth < 0:
+        print(f"{PROG}: --depth must be 0 or more", file=sys.stderr)
+        return EXIT_USAGE
+    if args.window <= 0:
+        print(f"{PROG}: --window must be positive", file=sys.stderr)
+        return EXIT_USAGE
+    if not is_remote(args.directory):
+        try:
+            check_recording(args.directory[7:] if args.directory.startswith("file://") else args.directory)
+        except RecordingError as e:
+            print(f"{PROG}: {e}", file=sys.stderr)
+            return EXIT_USAGE
+    if args.command == "report" and is_remote(args.out) and not args.html_dir:
+        print(f"{PROG}: --out {args.out} is not a local path: give --html-dir for the HTML page",
+              file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        from sbus.pipeline.spark import session
+
+        from sbus.pipeline.spark import under_spark_submit
+
+        conf = {}
+        local = args.master.startswith("local") if args.master else not under_spark_submit()
+        if local or "SBUS_SHUFFLE_PARTITIONS" in os.environ:
+            # Spark's 200 shuffle partitions are for clusters; a local run wants few
+            conf["spark.sql.shuffle.partitions"] = os.environ.get("SBUS_SHUFFLE_PARTITIONS", "8")
+        spark = session(args.master, app_name=f"sbus-pipeline {args.command}", progress=not args.quiet,
+                        conf=conf)
+        spark.sparkContext.setLogLevel("WARN")
+    except Exception as e:
+        print(f"{PROG}: cannot start Spark: {_one_line(e)}", file=sys.stderr)
+        return EXIT_FAILED
+    try:
+        if args.command == "report":
+            from sbus.pipeline import report
+
+            report.run(spark, args.directory, args.out, window_seconds=args.window, depth=args.depth,
+                       top=args.top, top_prefixes=args.top_prefixes, html_dir=args.html_dir)
+            print(f"{PROG}: report written to {args.html_dir or args.out}/index.html", file=sys.stderr)
+        else:
+            from sbus.pipeline import stream
+
+            stream.run(spark, args.directory, args.out, args.checkpoint, window_seconds=args.window,
+                       depth=args.depth, watermark_seconds=args.watermark,
+                       max_files_per_trigger=args.max_files_per_trigger, trigger=args.trigger,
+                       available_now=args.available_now, publish_to=args.publish_to, bus=args.bus)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if os.environ.get("SBUS_DEBUG"):
+            raise
+        print(f"{PROG}: {args.command} failed: {_one_line(e)}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        try:
+            spark.stop()
+        except Exception:
+            pass
+    return 0
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    first = text[0] if text else type(e).__name__
+    return first[:500]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""``sbus-pipeline stream DIR --out OUT --checkpoint CP``: window aggregates, continuously.
+
+Structured Streaming over the recording directory (the file source picks up
+each file the recorder publishes; ``_tmp/`` is never listed), the same
+per-(window, prefix) aggregation as the report, with a watermark on
+``recv_time``, written in append mode to a Parquet file sink at OUT.
+
+Exactly once: the file source's offsets, the aggregation state and the
+sink's commit log (``OUT/_spark_metadata``) all live under the checkpoint;
+after a crash or a stop, a restart with the same ``--checkpoint`` resumes
+from the last committed batch. Read OUT with ``spark.read.parquet(OUT)``
+(it honours ``_spark_metadata``), not by listing files.
+
+A window is emitted once the watermark (latest ``recv_time`` seen minus
+``--watermark``) passes its end, i.e. after traffic newer than that has
+been recorded; files arriving later than the watermark are dropped by Spark.
+
+``--publish-to KEY_PREFIX --bus ADDRESS`` also publishes each finished
+window on the bus from a second query (``foreachBatch``, its own
+checkpoint under ``CP/publish``): key ``KEY_PREFIX/<prefix>``, payload JSON
+``{"window_start", "window_end", "prefix", "messages", "bytes", "batch"}``.
+Idempotent by batch id: the last published batch id is kept in
+``CP/publish/sbus-published`` and a re-run batch at or below it is skipped.
+(A crash between publishing and noting the id can repeat that one batch;
+the ``batch`` field lets consumers discard the duplicate.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timezone
+
+from .spark import local_path, read_schema, window_aggregates
+from .units import spark_interval
+
+
+def aggregated_stream(spark, directory: str, *, window_seconds: float, depth: int,
+                      watermark_seconds: float, max_files_per_trigger: int | None):
+    from pyspark.sql import functions as F
+
+    reader = spark.readStream.schema(read_schema())
+    if max_files_per_trigger:
+        reader = reader.option("maxFilesPerTrigger", int(max_files_per_trigger))
+    src = reader.parquet(directory).select("recv_time", "key", "size")
+    src = src.withWatermark("recv_time", spark_interval(watermark_seconds) if watermark_seconds > 0 else "0 seconds")
+    out = window_aggregates(src, spark_interval(window_seconds), depth)
+    return out.withColumn("window_seconds", F.lit(float(window_seconds)))
+
+
+class Publisher:
+    """foreachBatch function: publish each row of a batch once, keyed by batch id."""
+
+    def __init__(self, bus: str | None, key_prefix: str, state_file: str):
+        self.bus = bus
+        self.key_prefix = key_prefix.rstrip("/")
+        self.state_file = state_file
+
+    def last_batch(self) -> int:
+        try:
+            with open(self.state_file) as f:
+                return int(f.read().strip() or -1)
+        except FileNotFoundError:
+            return -1
+
+    def _note(self, batch_id: int) -> None:
+        tmp = self.state_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{batch_id}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.state_file)
+
+    def __call__(self, df, batch_id: int) -> None:
+        if batch_id <= self.last_batch():
+            return  # already published (a re-run after a restart)
+        rows = df.orderBy("window_start", "prefix").collect()
+        if rows:
+            import sbus.client
+
+            with sbus.client.connect(self.bus) as bus:
+                for r in rows:
+                    payload = {  # PySpark gives naive local times: send aware UTC ones
+                        "window_start": r["window_start"].astimezone(timezone.utc).isoformat(),
+                        "window_end": r["window_end"].astimezone(timezone.utc).isoformat(),
+                        "prefix": r["prefix"],
+                        "messages": r["messages"],
+                        "bytes": r["bytes"],
+                        "batch": batch_id,
+                    }
+                    bus.publish(f"{self.key_prefix}/{r['prefix']}".encode("utf-8", "surrogateescape"),
+                                json.dumps(payload).encode())
+                bus.sync(timeout=30)
+        self._note(batch_id)
+
+
+def start(spark, directory: str, out: str, checkpoint: str, *, window_seconds: float = 60.0,
+          depth: int = 1, watermark_seconds: float = 0.0, max_files_per_trigger: int | None = 10,
+          trigger: str | None = None, available_now: bool = False, publish_to: str | None = None,
+          bus: str | None = None, query_name: str = "sbus-windows"):
+    """Start the query (and the publisher, if asked); return the started StreamingQuery objects."""
+    def build():
+        return aggregated_stream(spark, directory, window_seconds=window_seconds, depth=depth,
+                                 watermark_seconds=watermark_seconds,
+                                 max_files_per_trigger=max_files_per_trigger)
+
+    def triggered(writer):
+        if available_now:
+            return writer.trigger(availableNow=True)
+        if trigger:
+            return writer.trigger(processingTime=trigger)
+        return writer
+
+    cp = checkpoint.rstrip("/")
+    queries = []
+    w = (build().writeStream.format("parquet").outputMode("append")
+         .option("checkpointLocation", f"{cp}/sink").option("path", out)
+         .queryName(query_name))
+    queries.append(triggered(w).start())
+    if publish_to:
+        state_dir = local_path(f"{cp}/publish")
+        os.makedirs(state_dir, exist_ok=True)
+        pub = Publisher(bus, publish_to, os.path.join(state_dir, "sbus-published"))
+        w = (build().writeStream.outputMode("append").foreachBatch(pub)
+             .option("checkpointLocation", f"{cp}/publish/query").queryName(query_name + "-publish"))
+        queries.append(triggered(w).start())
+    return queries
+
+
+def run(spark, directory: str, out: str, checkpoint: str, *, timeout: float | None = None, **kw) -> None:
+    """Start and wait: until done (``available_now``), `timeout` seconds, or Ctrl-C."""
+    queries = start(spark, directory, out, checkpoint, **kw)
+    try:
+        if kw.get("available_now"):
+            for q in queries:
+                q.awaitTermination()
+        elif timeout is not None:
+            queries[0].awaitTermination(timeout)
+        else:
+            spark.streams.awaitAnyTermination()
+    finally:
+        for q in queries:
+            if q.isActive:
+                q.stop()
+        for q in queries:
+            if q.exception() is not None:
+                raise q.exception()
