@@ -128,7 +128,7 @@ def write_truncated(path):
 
 @pytest.fixture(scope="session")
 def spark():
-    pytest.importorskip("pyspark", reason="pip install -e '.[test]' installs pyspark")
+    import pyspark  # noqa: F401
     os.environ["PYSPARK_PYTHON"] = sys.executable
     from sbus.pipeline.spark import session
 
