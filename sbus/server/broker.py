@@ -8,13 +8,17 @@ Nothing here logs per packet or creates a Deferred per packet.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import select
+import socket
 import time
 from collections import Counter
 
-from twisted.internet import protocol
+from twisted.internet import interfaces, protocol
 from twisted.logger import Logger
+from zope.interface import implementer
 
 from sbus.core import codec, flood
 from sbus.core.credentials import CredentialError, check_key, check_pattern, secret_prefix, whoami
@@ -22,6 +26,9 @@ from sbus.core.router import Router
 from sbus.server.config import ServerConfig
 
 log = Logger()
+
+#: Linux 6.5+: a pidfd for the process that connected (not in Python 3.11's socket module).
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
 
 _WHOAMI_REPLY = b"CMSG " + codec.WHOAMI + b"\0"
 _STATS_REPLY = b"CMSG " + codec.STATS + b"\0"
@@ -31,6 +38,7 @@ PROTOCOL_ERROR = "protocol_error"
 OVERSIZE = "oversize"
 FORBIDDEN = "forbidden_subscription"
 INVALID_BANG = "invalid_bang"
+OWNER_GONE = "owner_exited"
 TOO_MANY_SUBSCRIPTIONS = "too_many_subscriptions"
 STALLED = "stalled"
 CLOSED = "closed"
@@ -42,7 +50,7 @@ class BrokerProtocol(protocol.Protocol):
     __slots__ = (
         "factory", "cred", "label", "echo", "packets_in", "bytes_in", "drops",
         "blocked_feeders", "block_count", "whoami_reply", "reason", "subscriptions", "_stall",
-        "_match", "_prefix",
+        "_owner", "_match", "_prefix",
     )
 
     def __init__(self, factory: "BrokerFactory", cred):
@@ -62,6 +70,8 @@ class BrokerProtocol(protocol.Protocol):
         self.subscriptions = 0
         #: Fires when this client has held publishers paused for too long.
         self._stall = None
+        #: Watches the process that connected once the client holds secret patterns.
+        self._owner = None
         self._match = factory.router.match
         self._prefix = factory.config.cred_prefix
 
@@ -75,6 +85,8 @@ class BrokerProtocol(protocol.Protocol):
 
     def connectionLost(self, reason=None):
         self._releaseFeeders()
+        if self._owner is not None:
+            self._owner.close()
         self.factory.clientGone(self)
 
     # -- incoming packets: the hot path
@@ -188,6 +200,10 @@ class BrokerProtocol(protocol.Protocol):
         except CredentialError as e:
             reason = FORBIDDEN if pattern.startswith(b"!/cred/") else INVALID_BANG
             return self.misbehaved(reason, str(e))
+        if pattern.startswith(b"!/cred/") and not self._ownerAlive():
+            return self.misbehaved(OWNER_GONE, f"secret pattern refused: the process that connected "
+                                               f"(pid {self.cred.pid}) has exited, its pid is not this "
+                                               f"connection's any more")
         factory = self.factory
         limit = factory.config.max_subscriptions
         if self.subscriptions >= limit:
@@ -220,6 +236,27 @@ class BrokerProtocol(protocol.Protocol):
             if upstream is not None:
                 upstream.patternReleased(pattern)
 
+    def _ownerAlive(self) -> bool:
+        """Is the process that connected still alive? (pids get reused: its secrets are not inherited)"""
+        owner = self._owner
+        if owner is None:
+            try:
+                fd = self.transport.socket.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+            except OSError as e:
+                # ESRCH: already gone. Kernels before 6.5 have no pidfds: credentials alone, as in C.
+                return e.errno != errno.ESRCH
+            owner = self._owner = OwnerWatch(fd, self)
+            if not owner.alive():
+                return False
+            self.factory.reactor.addReader(owner)
+        return not owner.exited
+
+    def ownerExited(self):
+        """The process that connected is gone; whoever holds the socket now is someone else."""
+        log.info("client {client}: the process that connected has exited; "
+                 "no secret key is delivered to this connection any more", client=self.label)
+        self.factory.router.add_client(self, None)
+
     def misbehaved(self, reason: str, detail: str):
         """Disconnect this client, with one log line naming it and why."""
         if self.transport.disconnecting:
@@ -241,6 +278,44 @@ class BrokerProtocol(protocol.Protocol):
 
     def _echo_off(self):
         self.echo = False
+
+
+@implementer(interfaces.IReadDescriptor)
+class OwnerWatch:
+    """A pidfd of a client's connecting process: readable once that process exits."""
+
+    __slots__ = ("fd", "client", "exited", "__weakref__")
+
+    def __init__(self, fd: int, client: BrokerProtocol):
+        self.fd = fd
+        self.client = client
+        self.exited = False
+
+    def alive(self) -> bool:
+        if not self.exited and select.select([self.fd], [], [], 0)[0]:
+            self.exited = True
+        return not self.exited
+
+    def fileno(self):
+        return self.fd
+
+    def logPrefix(self):
+        return "OwnerWatch"
+
+    def doRead(self):
+        if not self.exited:
+            self.exited = True
+            self.client.factory.reactor.removeReader(self)
+            self.client.ownerExited()
+
+    def connectionLost(self, reason):
+        self.close()
+
+    def close(self):
+        if self.fd >= 0:
+            self.client.factory.reactor.removeReader(self)
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _control_table():
