@@ -11,6 +11,7 @@ are detected with MSG_TRUNC, never silently cut.
 from __future__ import annotations
 
 import errno
+import select
 import socket
 import struct
 
@@ -89,7 +90,7 @@ class SeqPacketTransport:
         "socket", "protocol", "reactor", "peer", "outbox", "max_packet", "drain_cap",
         "connected", "disconnecting", "_fd", "_reading", "_writing", "_send", "_recv_into",
         "_buf", "_packetReceived", "_producer", "_producerPaused", "_host", "packets_out", "bytes_out",
-        "__weakref__",
+        "_hungUp", "__weakref__",
     )
 
     def __init__(self, sock, protocol, reactor, *, max_packet, drain_cap=64,
@@ -117,6 +118,8 @@ class SeqPacketTransport:
         self._host = None
         self.packets_out = 0
         self.bytes_out = 0
+        #: The peer hung up while we were not reading: read what it sent, pause or no pause.
+        self._hungUp = False
 
     # -- startup / descriptors
 
@@ -275,6 +278,7 @@ class SeqPacketTransport:
     def connectionLost(self, reason):
         if not self.connected:
             return
+        _hangups(self.reactor).unwatch(self)
         self.stopReading()
         self.stopWriting()
         self.connected = False
@@ -310,9 +314,20 @@ class SeqPacketTransport:
     # -- IPushProducer: pausing stops reading, which back-pressures the peer
 
     def pauseProducing(self):
+        if self._hungUp or not self.connected:
+            return
         self.stopReading()
+        _hangups(self.reactor).watch(self)
 
     def resumeProducing(self):
+        _hangups(self.reactor).unwatch(self)
+        if self.connected and not self.disconnecting:
+            self.startReading()
+
+    def peerHungUp(self):
+        """While paused, the peer closed: what it sent before is all it will send, so read it
+        (it lands in subscribers' queues), then its end of file, and let the connection go."""
+        self._hungUp = True
         if self.connected and not self.disconnecting:
             self.startReading()
 
@@ -334,6 +349,60 @@ class SeqPacketTransport:
 
     def unregisterProducer(self):
         self._producer = None
+
+
+@implementer(interfaces.IReadDescriptor)
+class HangupWatch:
+    """Paused transports are out of the reactor, so nothing would notice their peer
+    leaving; one epoll set per reactor watches them for EPOLLRDHUP/EPOLLHUP instead."""
+
+    def __init__(self, reactor):
+        self.reactor = reactor
+        self.epoll = select.epoll()
+        self.transports: dict[int, SeqPacketTransport] = {}
+        self.reading = False
+
+    def watch(self, transport: SeqPacketTransport):
+        fd = transport.fileno()
+        if fd < 0 or fd in self.transports:
+            return
+        self.epoll.register(fd, select.EPOLLRDHUP)
+        self.transports[fd] = transport
+        if not self.reading:
+            self.reading = True
+            self.reactor.addReader(self)
+
+    def unwatch(self, transport: SeqPacketTransport):
+        fd = transport.fileno()
+        if self.transports.get(fd) is transport:
+            del self.transports[fd]
+            self.epoll.unregister(fd)
+
+    def fileno(self):
+        return self.epoll.fileno()
+
+    def logPrefix(self):
+        return "HangupWatch"
+
+    def doRead(self):
+        for fd, _events in self.epoll.poll(0):
+            transport = self.transports.pop(fd, None)
+            if transport is not None:
+                self.epoll.unregister(fd)
+                transport.peerHungUp()
+
+    def connectionLost(self, reason):
+        self.reading = False
+
+
+_watches: dict[int, HangupWatch] = {}
+
+
+def _hangups(reactor) -> HangupWatch:
+    watch = _watches.get(id(reactor))
+    if watch is None:
+        watch = _watches[id(reactor)] = HangupWatch(reactor)
+    return watch
 
 
 @implementer(interfaces.IListeningPort, interfaces.IReadDescriptor)
