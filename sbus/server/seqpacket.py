@@ -377,6 +377,13 @@ class HangupWatch:
         if self.transports.get(fd) is transport:
             del self.transports[fd]
             self.epoll.unregister(fd)
+            self._idle()
+
+    def _idle(self):
+        # Out of the reactor when there is nothing to watch: no stray reader left behind.
+        if not self.transports and self.reading:
+            self.reading = False
+            self.reactor.removeReader(self)
 
     def fileno(self):
         return self.epoll.fileno()
@@ -390,6 +397,7 @@ class HangupWatch:
             if transport is not None:
                 self.epoll.unregister(fd)
                 transport.peerHungUp()
+        self._idle()
 
     def connectionLost(self, reason):
         self.reading = False
