@@ -25,67 +25,33 @@ from __future__ import annotations
 import errno
 import os
 import socket
-from typing import NamedTuple
 
+from sbus.address import (  # noqa: F401  (re-exported for clients)
+    ABSTRACT_PREFIX,
+    FD_PREFIX,
+    SUN_PATH_SIZE,
+    Address,
+    AddressError,
+    parse_address,
+    size_buffers,
+)
 from sbus.core.codec import MAX_PACKET
 
-#: Size of ``sockaddr_un.sun_path`` on Linux.
-SUN_PATH_SIZE = 108
-ABSTRACT_PREFIX = "/dev/unix/abstract/"
-FD_PREFIX = "/dev/fd/"
 #: The environment variable consulted when no address is given.
 ENV_VAR = "SBUS_SOCKET"
 #: The last resort: a socket file in the working directory.
 DEFAULT_ADDRESS = "sbus.socket"
-_HEX = frozenset("0123456789abcdefABCDEF")
-#: Kernel bookkeeping per SEQPACKET packet on top of the payload (DESIGN.md: 32 bytes; keep room).
-_SKB_OVERHEAD = 32 * 1024
-
-
-class AddressError(ValueError):
-    """An address that cannot name a bus; ``str()`` is one line."""
-
-
-class Address(NamedTuple):
-    """A parsed client address.
-
-    ``kind`` is ``"path"`` (value: str), ``"abstract"`` (value: the 108-byte
-    ``sun_path``) or ``"fd"`` (value: int); ``text`` is what was parsed.
-    """
-
-    kind: str
-    value: object
-    text: str
-
-    def __str__(self) -> str:
-        return self.text
 
 
 def parse(text: str | bytes | os.PathLike) -> Address:
-    """Parse an address string; raise `AddressError` for a bad one."""
+    """Parse an address a client can connect to; raise `AddressError` for a bad one."""
     if isinstance(text, Address):
         return text
-    text = os.fsdecode(os.fspath(text))
-    if not text:
-        raise AddressError("empty socket address")
-    if text.startswith(FD_PREFIX):
-        digits = text[len(FD_PREFIX):]
-        if digits.isascii() and digits.isdigit():
-            return Address("fd", int(digits), text)
-    elif text.startswith(ABSTRACT_PREFIX):
-        digits = text[len(ABSTRACT_PREFIX):]
-        if digits and len(digits) % 2 == 0 and all(c in _HEX for c in digits):
-            if len(digits) > 2 * SUN_PATH_SIZE:
-                raise AddressError(f"{text}: more than {2 * SUN_PATH_SIZE} hex digits")
-            raw = bytes.fromhex(digits)
-            if raw[0] != 0:
-                raise AddressError(f"{text}: an abstract address starts with 00")
-            return Address("abstract", raw.ljust(SUN_PATH_SIZE, b"\0"), text)
-    if "\0" in text:
-        raise AddressError(f"{text!r}: a path may not contain NUL")
-    if len(os.fsencode(text)) >= SUN_PATH_SIZE:
-        raise AddressError(f"{text}: path too long for a unix socket (max {SUN_PATH_SIZE - 1} bytes)")
-    return Address("path", text, text)
+    addr = parse_address(os.fsdecode(os.fspath(text)))
+    if addr.kind in ("random", "systemd"):
+        raise AddressError(f"{addr.text}: a server-side address; clients connect to a path, "
+                           "/dev/unix/abstract/HEX or /dev/fd/N")
+    return addr
 
 
 def resolve(address: str | bytes | os.PathLike | Address | None = None, environ=None) -> Address:
@@ -94,21 +60,6 @@ def resolve(address: str | bytes | os.PathLike | Address | None = None, environ=
         env = os.environ if environ is None else environ
         address = env.get(ENV_VAR) or DEFAULT_ADDRESS
     return parse(address)
-
-
-def size_buffers(sock: socket.socket, max_packet: int = MAX_PACKET) -> None:
-    """Raise SO_SNDBUF/SO_RCVBUF so a `max_packet`-byte packet can be sent and received.
-
-    The kernel refuses a SEQPACKET packet bigger than SO_SNDBUF - 32 bytes
-    (about 212 kB by default) with EMSGSIZE.
-    """
-    want = max_packet + _SKB_OVERHEAD
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            if sock.getsockopt(socket.SOL_SOCKET, opt) < want:
-                sock.setsockopt(socket.SOL_SOCKET, opt, want)
-        except OSError:
-            pass
 
 
 def _adopt_fd(addr: Address) -> socket.socket:

@@ -13,25 +13,22 @@ from __future__ import annotations
 import errno
 import select
 import socket
-import struct
 
 from twisted.internet import error, interfaces, main
 from twisted.logger import Logger
 from twisted.python import failure
 from zope.interface import implementer
 
+from sbus.address import peer_credentials, size_buffers
 from sbus.core.credentials import Credentials
 from sbus.core.flood import Outbox
 from sbus.interfaces import IPacketTransport
 
 log = Logger()
 
-_UCRED = struct.Struct("3i")
 _MSG_TRUNC = socket.MSG_TRUNC
 _ACCEPT_CAP = 64
 _ACCEPT_ERRORS_BACKOFF = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
-#: Kernel bookkeeping per SEQPACKET skb on top of the payload (DESIGN.md).
-_SKB_OVERHEAD = 32 * 1024
 
 _buffers: dict[int, memoryview] = {}
 
@@ -42,22 +39,6 @@ def receive_buffer(size: int) -> memoryview:
     if buf is None:
         buf = _buffers[size] = memoryview(bytearray(size))
     return buf
-
-
-def size_buffers(sock: socket.socket, max_packet: int) -> None:
-    """Let a packet of `max_packet` bytes be sent and received on `sock`."""
-    want = max_packet + _SKB_OVERHEAD
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            if sock.getsockopt(socket.SOL_SOCKET, opt) < want:
-                sock.setsockopt(socket.SOL_SOCKET, opt, want)
-        except OSError:
-            pass
-
-
-def peer_credentials(sock: socket.socket) -> Credentials:
-    pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-    return Credentials(pid, uid, gid)
 
 
 @implementer(interfaces.IAddress)
