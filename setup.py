@@ -18,8 +18,11 @@ setup(
     extras_require={
         "test": [
             "pytest>=8", "pytest-twisted>=1.14", "hypothesis>=6", "pytest-timeout>=2",
-            "pyspark>=4.0", "pyarrow>=15", "matplotlib>=3.8",
+            "pyspark>=4.0", "pyarrow>=15", "matplotlib>=3.8", "twisted[tls]>=24.3",
         ],
+        # TLS for `twistd sbus-link` across hosts (kept out of the base install: the
+        # OpenSSL import costs the server ~50 ms of start-up).
+        "link": ["twisted[tls]>=24.3"],
         "pipeline": ["pyspark>=4.0", "pyarrow>=15", "matplotlib>=3.8"],
     },
     entry_points={

@@ -1,0 +1,743 @@
+"""``twistd sbus-link``: carry a bus between hosts over a Twisted stream endpoint.
+
+    # host A
+    twistd -n sbus-link --bus /run/sbus.socket \\
+        --listen ssl:7010:privateKey=a.key:certKey=a.pem:caCertsDir=/etc/sbus/ca
+    # host B
+    twistd -n sbus-link --bus /run/sbus.socket \\
+        --connect ssl:host=a.example:port=7010:caCertsDir=/etc/sbus/ca:certKey=b.pem:privateKey=b.key
+
+Each side is one client of its local bus and of one peer link (the
+``--listen`` side serves one peer at a time: a newer authenticated peer
+replaces the older one; run one link process per remote host).
+
+**Framing.** Each frame on the stream is a 4-byte big-endian length and one
+sbus packet: ``MSG key\\0payload`` (a message), ``CMSG link/hello\\0<json>``
+(``{"version": 1, "whoami": ..., "max_packet": ...}``, sent on connection
+and again when the local whoami changes) and ``CMSG link/ping`` (keepalive).
+A frame over ``--max-packet`` is refused with one log line and the
+connection is closed; a sender never sends a frame over the peer's announced
+``max_packet`` (it drops and counts it instead).
+
+**What crosses.** Local messages whose key matches one of the ``--pattern``
+(default: the empty pattern, everything) are sent to the peer as they are,
+and the peer publishes them on its bus. The patterns are what *this* side
+exports; each side chooses its own.
+
+**No loops.** The link turns echo off on its bus, so a message it publishes
+(one that came from the peer) never comes back to it and is never sent
+back. Links (and bridges, and relays) must form a tree: two paths between
+the same buses deliver twice; a cycle loops forever.
+
+**Secret keys across hosts.** A client of the remote bus whose whoami there
+is ``W`` appears here as ``<this link's whoami here>/W``. A message published
+here to ``<link>/W/rest`` is a secret key of the link process (nobody else
+here may receive it): the link strips ``<link>/`` and sends ``W/rest``,
+which the peer publishes on its bus, where only ``W``'s owner receives it.
+Whatever follows the link's own prefix must itself be a secret key
+(``!/cred/...``); anything else is dropped. Over several links the prefixes
+nest (``<link1>/<link2>/W``).
+
+**Learning one's cross-host identity.** Publish ``MSG sbus-link/whoami\\0<own
+whoami>`` on the local bus (and subscribe to ``!/cred////sbus-link/whoami``,
+i.e. ``<own whoami>/sbus-link/whoami``): every link on the bus answers on
+``<own whoami>/sbus-link/whoami`` with the name the peer's bus knows you by
+(``<peer link's whoami there>/<own whoami>``), or with an empty payload while
+its peer is not connected.
+
+**Security.** TLS with client certificates: on ``--listen``, ``ssl:`` takes
+``caCertsDir=DIR`` (every ``*.pem`` in it is a trusted CA) and then requires
+and verifies a client certificate; on ``--connect``, ``ssl:`` takes
+``caCertsDir``, ``certKey`` and ``privateKey`` (and ``hostname`` to check the
+server's name). Plain TCP, and TLS that authenticates nobody (a ``ssl:``
+listener without ``caCertsDir``, a ``ssl:`` connection without
+``caCertsDir``), are refused unless on a loopback address or
+``--allow-plain-tcp`` is given. ``unix:`` paths are always accepted.
+
+**Down sides.** While the peer is not connected, local messages are dropped
+(``drops.peer_down``); while the bus is not connected, messages from the
+peer are dropped (``drops.bus_down``). Both sides reconnect with back-off
+(the ``--connect`` side reconnects to the peer). A stats line is logged
+every ``--stats-interval`` seconds.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+from collections import Counter
+
+from twisted.application import service
+from twisted.application.internet import ClientService, StreamServerEndpointService, backoffPolicy
+from twisted.internet import defer, endpoints, protocol
+from twisted.internet.interfaces import IHandshakeListener, IPushProducer
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.protocols.basic import Int32StringReceiver
+from twisted.protocols.policies import TimeoutMixin
+from twisted.python import usage
+from twisted.python.filepath import FilePath
+from zope.interface import implementer
+
+from sbus.client import address as client_address
+from sbus.client.twisted import ReconnectingClient, SbusProtocol, parse_whoami
+from sbus.core import codec
+from sbus.core.codec import MAX_PACKET
+from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key
+from sbus.core.patterns import matches
+
+log = Logger(namespace="sbus.link")
+
+VERSION = 1
+HELLO = b"link/hello"
+PING = b"link/ping"
+#: The key clients publish their whoami on to learn their identity across the link.
+WHOAMI_REQUEST = b"sbus-link/whoami"
+_WHOAMI_REPLY_SUFFIX = b"/" + WHOAMI_REQUEST
+
+
+def _show(b: bytes | None) -> str:
+    return "" if b is None else b.decode("utf-8", "replace")
+
+
+# ---------------------------------------------------------------- endpoints
+
+
+class EndpointError(ValueError):
+    """An endpoint string we refuse; `str()` is one line."""
+
+
+_TLS_KINDS = {"ssl", "tls"}
+_PLAIN_TCP = {"tcp", "tcp6"}
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() in ("localhost", "localhost.", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _kind(description: str) -> tuple[str, list, dict]:
+    try:
+        args, kw = endpoints._parse(description)
+    except Exception as e:  # pragma: no cover - _parse is lenient
+        raise EndpointError(f"cannot parse endpoint {description!r}: {e}") from None
+    if not args or not args[0]:
+        raise EndpointError(f"endpoint {description!r} has no type (tcp:, ssl:, unix:, ...)")
+    return args[0].lower(), args[1:], kw
+
+
+def check_endpoint(description: str, listen: bool, allow_plain: bool) -> None:
+    """Raise `EndpointError` if `description` would carry the bus unprotected over a network."""
+    kind, args, kw = _kind(description)
+    if kind == "unix" or allow_plain:
+        return
+    flag = "use ssl: with client certificates, a loopback address, or --allow-plain-tcp"
+    if listen:
+        if kind in _PLAIN_TCP:
+            default = "" if kind == "tcp" else "::"
+            interface = kw.get("interface", args[1] if len(args) > 1 else default)
+            if not _is_loopback(interface):
+                raise EndpointError(f"refusing plain TCP listening on {interface or 'all interfaces'!s} "
+                                    f"({description}): {flag}")
+            return
+        if kind == "ssl":
+            interface = kw.get("interface", args[4] if len(args) > 4 else "")
+            if "caCertsDir" not in kw and not _is_loopback(interface):
+                raise EndpointError(f"refusing ssl: listening without caCertsDir= on "
+                                    f"{interface or 'all interfaces'} (anyone could join the bus): {flag}")
+            return
+        raise EndpointError(f"refusing {kind}: listening: not known to be loopback or authenticated TLS; {flag}")
+    if kind in _PLAIN_TCP:
+        host = kw.get("host", args[0] if args else "")
+        if not _is_loopback(host):
+            raise EndpointError(f"refusing plain TCP to {host} ({description}): {flag}")
+        return
+    if kind == "ssl":
+        host = kw.get("host", args[0] if args else "")
+        if "caCertsDir" not in kw and "hostname" not in kw and not _is_loopback(host):
+            raise EndpointError(f"refusing ssl: to {host} without caCertsDir= (the server would not be "
+                                f"verified): {flag}")
+        return
+    if kind == "tls":
+        return
+    raise EndpointError(f"refusing {kind}: connections: not known to be loopback or TLS; {flag}")
+
+
+def _load_cas(directory: str) -> list:
+    from twisted.internet import ssl
+
+    cas = []
+    path = FilePath(directory)
+    if not path.isdir():
+        raise EndpointError(f"caCertsDir={directory}: not a directory")
+    for child in sorted(path.children(), key=lambda p: p.path):
+        if child.basename().endswith(".pem"):
+            try:
+                cas.append(ssl.Certificate.loadPEM(child.getContent()).original)
+            except Exception:
+                continue
+    if not cas:
+        raise EndpointError(f"caCertsDir={directory}: no CA certificate (*.pem) found")
+    return cas
+
+
+def server_endpoint(reactor, description: str):
+    """`serverFromString`, plus ``caCertsDir=`` on ``ssl:`` (require and verify client certificates)."""
+    kind, args, kw = _kind(description)
+    if kind != "ssl" or "caCertsDir" not in kw:
+        return endpoints.serverFromString(reactor, description)
+    from twisted.internet import ssl
+
+    kw = dict(kw)
+    names = ["port", "privateKey", "certKey", "sslmethod", "interface", "backlog", "extraCertChain",
+             "dhParameters"]
+    for name, value in zip(names, args):
+        kw.setdefault(name, value)
+    cas = _load_cas(kw.pop("caCertsDir"))
+    unknown = set(kw) - set(names)
+    if unknown:
+        raise EndpointError(f"ssl: does not take {', '.join(sorted(unknown))}")
+    if "port" not in kw:
+        raise EndpointError("ssl: needs a port")
+    private_key = kw.get("privateKey", "server.pem")
+    cert_key = kw.get("certKey") or private_key
+    pem = FilePath(cert_key).getContent() + b"\n" + FilePath(private_key).getContent()
+    cert = ssl.PrivateCertificate.loadPEM(pem)
+    chain = None
+    if kw.get("extraCertChain"):
+        chain = [ssl.Certificate.loadPEM(c).original
+                 for c in _split_pem(FilePath(kw["extraCertChain"]).getContent())]
+    extra = {}
+    if kw.get("sslmethod"):
+        extra["method"] = getattr(ssl.SSL, kw["sslmethod"])
+    if kw.get("dhParameters"):
+        extra["dhParameters"] = ssl.DiffieHellmanParameters.fromFile(FilePath(kw["dhParameters"]))
+    options = ssl.CertificateOptions(
+        privateKey=cert.privateKey.original, certificate=cert.original, extraCertChain=chain,
+        verify=True, caCerts=cas, requireCertificate=True, **extra,
+    )
+    return endpoints.SSL4ServerEndpoint(reactor, int(kw["port"]), options,
+                                        backlog=int(kw.get("backlog", 50)), interface=kw.get("interface", ""))
+
+
+def _split_pem(data: bytes) -> list[bytes]:
+    end = b"-----END CERTIFICATE-----"
+    return [part + end for part in data.split(end) if b"-----BEGIN CERTIFICATE-----" in part]
+
+
+# ---------------------------------------------------------------- options
+
+
+def _positive_float(name: str, value: str, zero_ok: bool = False) -> float:
+    try:
+        n = float(value)
+    except ValueError:
+        raise usage.UsageError(f"--{name}: not a number: {value!r}") from None
+    if n < 0 or (n == 0 and not zero_ok):
+        raise usage.UsageError(f"--{name}: must be positive, got {value}")
+    return n
+
+
+class Options(usage.Options):
+    synopsis = "--bus ADDRESS (--listen ENDPOINT | --connect ENDPOINT) [--pattern P ...] [--allow-plain-tcp]"
+    longdesc = (
+        "Carry an sbus bus to another host's bus over a Twisted stream endpoint (ssl:, tcp:, unix:). "
+        "Run --listen on one host and --connect on the other. See docs/relay-link.md."
+    )
+    optFlags = [
+        ["allow-plain-tcp", None, "Allow plain TCP (and TLS that authenticates nobody) on non-loopback addresses."],
+    ]
+    optParameters = [
+        ["bus", "b", None, "The local bus: PATH, /dev/unix/abstract/HEX or /dev/fd/N (default: $SBUS_SOCKET)."],
+        ["listen", "l", None, "Server endpoint to accept the peer link on, e.g. ssl:7010:...:caCertsDir=DIR."],
+        ["connect", "c", None, "Client endpoint of the peer link, e.g. ssl:host=H:port=7010:caCertsDir=...:certKey=...:privateKey=..."],
+        ["max-packet", None, str(MAX_PACKET), "Largest packet carried, bytes (frames above it close the link)."],
+        ["initial-delay", None, "0.2", "First reconnection delay, seconds (bus and --connect peer)."],
+        ["max-delay", None, "30", "Longest reconnection delay, seconds."],
+        ["keepalive", None, "30", "Ping the peer this often; drop it after 3 silent intervals (0: off)."],
+        ["stats-interval", None, "60", "Log a statistics line this often, seconds (0: only at exit)."],
+    ]
+
+    def __init__(self):
+        super().__init__()
+        self["patterns"] = []
+
+    def opt_pattern(self, value: str) -> None:
+        """Export local messages matching this pattern to the peer; repeatable (default: everything)."""
+        pattern = os.fsencode(value)
+        if b"\0" in pattern:
+            raise usage.UsageError("--pattern: NUL in pattern")
+        if pattern.startswith(SECRET_ROOT):
+            raise usage.UsageError("--pattern: secret patterns cannot be exported (they are mapped by identity)")
+        self["patterns"].append(pattern)
+
+    opt_p = opt_pattern
+
+    def postOptions(self) -> None:
+        if bool(self["listen"]) == bool(self["connect"]):
+            raise usage.UsageError("give exactly one of --listen ENDPOINT and --connect ENDPOINT")
+        try:
+            self["bus"] = str(client_address.resolve(self["bus"]))
+        except client_address.AddressError as e:
+            raise usage.UsageError(f"--bus: {e}") from None
+        listen = bool(self["listen"])
+        desc = self["listen"] or self["connect"]
+        try:
+            check_endpoint(desc, listen, bool(self["allow-plain-tcp"]))
+        except EndpointError as e:
+            # One line on stderr and a non-zero status, not the whole usage text.
+            raise SystemExit(f"sbus-link: --{'listen' if listen else 'connect'}: {e}") from None
+        try:
+            self["max-packet"] = int(self["max-packet"])
+        except ValueError:
+            raise usage.UsageError(f"--max-packet: not an integer: {self['max-packet']!r}") from None
+        if not 17 <= self["max-packet"] <= 16 << 20:
+            raise usage.UsageError("--max-packet: must be > 16 and <= 16 MiB")
+        for name in ("initial-delay", "max-delay"):
+            self[name] = _positive_float(name, self[name])
+        for name in ("keepalive", "stats-interval"):
+            self[name] = _positive_float(name, self[name], zero_ok=True)
+        if not self["patterns"]:
+            self["patterns"] = [b""]
+
+
+# ---------------------------------------------------------------- protocols
+
+
+class LocalProtocol(SbusProtocol):
+    link: "Link | None" = None
+
+    def packetReceived(self, packet: bytes) -> None:
+        if packet[:4] == b"MSG ":
+            end = packet.find(b"\0", 4)
+            if end >= 0:
+                self.link.fromLocal(packet[4:end], packet, end)
+                return
+        SbusProtocol.packetReceived(self, packet)
+
+
+@implementer(IHandshakeListener)
+class PeerProtocol(Int32StringReceiver, TimeoutMixin):
+    """One stream connection to the peer link."""
+
+    def __init__(self, link: "Link"):
+        self.link = link
+        self.MAX_LENGTH = link.max_packet
+        self.ready = False
+        self.remote_max = MAX_PACKET
+        self.remote_whoami: bytes | None = None
+        self.name = "?"
+        self._ping = None
+
+    def connectionMade(self):
+        peer = self.transport.getPeer()
+        self.name = f"{getattr(peer, 'host', peer)}:{getattr(peer, 'port', '')}".rstrip(":")
+        if self.link.keepalive:
+            self.setTimeout(self.link.keepalive * 3)
+            self._ping = LoopingCall(self.sendFrame, b"CMSG " + PING)
+            self._ping.clock = self.link.reactor
+            self._ping.start(self.link.keepalive, now=False)
+        self.link.peerConnected(self)
+
+    def handshakeCompleted(self):
+        cert = None
+        try:
+            cert = self.transport.getPeerCertificate()
+        except Exception:
+            pass
+        subject = cert.get_subject().CN if cert is not None else None
+        log.info("sbus-link: TLS handshake with {peer} done (certificate CN={cn})", peer=self.name, cn=subject)
+
+    def sendFrame(self, frame: bytes) -> None:
+        if self.transport is not None and self.transport.connected:
+            self.sendString(frame)
+
+    def stringReceived(self, frame: bytes):
+        self.resetTimeout()
+        self.link.fromPeer(self, frame)
+
+    def lengthLimitExceeded(self, length: int):
+        log.warn("sbus-link: peer {peer} sent a frame of {n} bytes, over the {limit}-byte limit; closing",
+                 peer=self.name, n=length, limit=self.MAX_LENGTH)
+        self.transport.abortConnection()
+
+    def timeoutConnection(self):
+        log.warn("sbus-link: peer {peer} silent for {t:.0f}s; closing", peer=self.name,
+                 t=self.link.keepalive * 3)
+        self.transport.abortConnection()
+
+    def connectionLost(self, reason=protocol.connectionDone):
+        self.setTimeout(None)
+        if self._ping is not None and self._ping.running:
+            self._ping.stop()
+        self.link.peerLost(self, reason)
+
+
+class PeerFactory(protocol.Factory):
+    noisy = False
+
+    def __init__(self, link: "Link"):
+        self.link = link
+
+    def buildProtocol(self, addr):
+        return PeerProtocol(self.link)
+
+
+@implementer(IPushProducer)
+class _Pauser:
+    """Pause/resume one side when the other side's output backs up (ignores stopProducing)."""
+
+    def __init__(self, pause, resume):
+        self.pauseProducing = pause
+        self.resumeProducing = resume
+
+    def stopProducing(self):
+        pass
+
+
+class _BusClient(ReconnectingClient):
+    def __init__(self, link, *args, **kw):
+        super().__init__(*args, **kw)
+        self.link = link
+
+    def connectionMade(self, proto):
+        self.link.busUp(proto)
+
+    def connectionLost(self, reason):
+        self.link.busDown(reason)
+
+    def _failed(self, reason):
+        super()._failed(reason)
+        self.link.busUnreachable(reason)
+
+
+# ---------------------------------------------------------------- the link
+
+
+class Link(service.MultiService):
+    def __init__(self, bus: str, listen: str | None = None, connect: str | None = None,
+                 patterns=(b"",), max_packet: int = MAX_PACKET, initialDelay: float = 0.2,
+                 maxDelay: float = 30.0, keepalive: float = 30.0, statsInterval: float = 60.0,
+                 reactor=None):
+        super().__init__()
+        if reactor is None:
+            from twisted.internet import reactor as default_reactor
+            reactor = default_reactor
+        self.reactor = reactor
+        self.bus_address = bus
+        self.listen = listen
+        self.connect = connect
+        self.patterns = list(patterns)
+        self.export_all = b"" in self.patterns
+        self.max_packet = max_packet
+        self.keepalive = keepalive
+        self.statsInterval = statsInterval
+        self.local: LocalProtocol | None = None
+        self.whoami: bytes | None = None
+        self._own_secret: bytes | None = None
+        self.peer: PeerProtocol | None = None
+        #: Every open stream connection (the active peer, and any still saying hello).
+        self.conns: set[PeerProtocol] = set()
+        self._local_paused = False
+        self._peer_paused = False
+        self.to_remote = 0
+        self.from_remote = 0
+        self.whoami_answers = 0
+        self.peer_connects = 0
+        self.bus_connects = 0
+        self.drops = Counter()
+        self._warned = set()
+
+        def localFactory():
+            p = LocalProtocol()
+            p.link = self
+            return p
+
+        self.bus = _BusClient(self, reactor, bus, localFactory, initialDelay=initialDelay,
+                              maxDelay=maxDelay, max_packet=max_packet)
+        self.bus.echo(False)
+        for pattern in self.patterns:
+            self.bus.subscribe(pattern)
+        self.bus.subscribe(WHOAMI_REQUEST)
+
+        factory = PeerFactory(self)
+        if listen:
+            self.endpoint = server_endpoint(reactor, listen)
+            self.server = StreamServerEndpointService(self.endpoint, factory)
+            self.server._raiseSynchronously = True
+            self.server.setServiceParent(self)
+        else:
+            self.endpoint = endpoints.clientFromString(reactor, connect)
+            self.server = ClientService(self.endpoint, factory,
+                                        retryPolicy=backoffPolicy(initialDelay, maxDelay))
+            self.server.setServiceParent(self)
+        self._stats = LoopingCall(self.logStats)
+        self._stats.clock = reactor
+
+    # -- service life
+
+    def startService(self):
+        log.info("sbus-link: bus {bus}, {how} {where}, exporting {patterns}", bus=self.bus_address,
+                 how="listening on" if self.listen else "connecting to", where=self.listen or self.connect,
+                 patterns=", ".join(repr(_show(p)) for p in self.patterns))
+        super().startService()
+        if self.listen:
+            d = self.server._waitingForPort
+            if d is not None:
+                d.addCallback(lambda port: log.info("sbus-link: listening on {host}", host=port.getHost()))
+        self.bus.start()
+        if self.statsInterval:
+            self._stats.start(self.statsInterval, now=False)
+
+    def stopService(self):
+        if self._stats.running:
+            self._stats.stop()
+        self.logStats()
+        ds = [defer.maybeDeferred(super().stopService), self.bus.stop()]
+        for conn in list(self.conns):
+            conn.transport.loseConnection()
+        return defer.DeferredList(ds)
+
+    def stats(self) -> dict:
+        return {
+            "bus_connected": self.local is not None,
+            "peer_connected": self.peer is not None,
+            "whoami": _show(self.whoami),
+            "peer_whoami": _show(self.peer.remote_whoami) if self.peer is not None else None,
+            "to_remote": self.to_remote,
+            "from_remote": self.from_remote,
+            "bus_reconnects": max(0, self.bus_connects - 1),
+            "peer_connects": self.peer_connects,
+            "whoami_answers": self.whoami_answers,
+            "drops": dict(self.drops),
+        }
+
+    def logStats(self):
+        log.info("sbus-link stats: {stats}", stats=json.dumps(self.stats(), separators=(",", ":")))
+
+    # -- the local bus
+
+    def busUnreachable(self, reason):
+        if self.local is None and "bus" not in self._warned:
+            self._warned.add("bus")
+            log.warn("sbus-link: bus {bus} not reachable ({err}); retrying", bus=self.bus_address,
+                     err=reason.getErrorMessage())
+
+    def busUp(self, proto: LocalProtocol):
+        whoami = proto.credentials
+        if parse_whoami(whoami or b"") is None:
+            log.error("sbus-link: the bus answered whoami with {w!r}; disconnecting", w=whoami)
+            proto.transport.abortConnection()
+            return
+        self._warned.discard("bus")
+        self.bus_connects += 1
+        self.local = proto
+        changed = whoami != self.whoami
+        self.whoami = whoami
+        self._own_secret = whoami + b"/"
+        # Our own secret space: the keys other clients use to reach the peer's clients.
+        proto.subscribe(self._own_secret)
+        proto.transport.registerProducer(_Pauser(self._pausePeer, self._resumePeer), True)
+        if self._local_paused:
+            proto.transport.pauseProducing()
+        log.info("sbus-link: connected to bus {bus} as {who}", bus=self.bus_address, who=_show(whoami))
+        if changed:
+            for conn in self.conns:
+                conn.sendFrame(self._hello())
+
+    def busDown(self, reason):
+        self.local = None
+        if self._peer_paused:
+            self._resumePeer()
+        if self.running:
+            log.warn("sbus-link: lost bus {bus} ({why}); reconnecting", bus=self.bus_address, why=reason)
+
+    def _pausePeer(self):
+        self._peer_paused = True
+        if self.peer is not None:
+            self.peer.transport.pauseProducing()
+
+    def _resumePeer(self):
+        self._peer_paused = False
+        if self.peer is not None:
+            self.peer.transport.resumeProducing()
+
+    def _pauseLocal(self):
+        self._local_paused = True
+        if self.local is not None:
+            self.local.transport.pauseProducing()
+
+    def _resumeLocal(self):
+        self._local_paused = False
+        if self.local is not None:
+            self.local.transport.resumeProducing()
+
+    def fromLocal(self, key: bytes, packet: bytes, end: int) -> None:
+        own = self._own_secret
+        if key.startswith(SECRET_ROOT):
+            if own is None or not key.startswith(own):
+                self.drops["foreign_secret"] += 1
+                return
+            rest = key[len(own):]
+            if not rest.startswith(SECRET_ROOT):
+                self.drops["bad_mapped_key"] += 1
+                return
+            # <link>/W/x here is W/x on the peer's bus.
+            packet = b"MSG " + packet[4 + len(own):]
+        elif key == WHOAMI_REQUEST:
+            self._answerWhoami(packet[end + 1:])
+            return
+        elif not self.export_all:
+            for p in self.patterns:
+                if matches(p, key):
+                    break
+            else:
+                return
+        peer = self.peer
+        if peer is None:
+            self.drops["peer_down"] += 1
+            return
+        if len(packet) > peer.remote_max:
+            self.drops["too_large_for_peer"] += 1
+            return
+        peer.sendString(packet)
+        self.to_remote += 1
+
+    def _answerWhoami(self, asker: bytes) -> None:
+        if parse_whoami(asker) is None or self.local is None:
+            self.drops["bad_whoami_request"] += 1
+            return
+        peer = self.peer
+        remote = peer.remote_whoami if peer is not None else None
+        answer = remote + b"/" + asker if remote else b""
+        key = asker + _WHOAMI_REPLY_SUFFIX
+        try:
+            check_key(key)
+        except CredentialError:
+            self.drops["bad_whoami_request"] += 1
+            return
+        self.local.sendPacket(b"MSG " + key + b"\0" + answer)
+        self.whoami_answers += 1
+
+    # -- the peer
+
+    def _hello(self) -> bytes:
+        body = {"version": VERSION, "whoami": _show(self.whoami) if self.whoami else None,
+                "max_packet": self.max_packet}
+        return b"CMSG " + HELLO + b"\0" + json.dumps(body).encode()
+
+    def peerConnected(self, peer: PeerProtocol):
+        log.info("sbus-link: connection from/to {peer}", peer=peer.name)
+        self.conns.add(peer)
+        peer.sendFrame(self._hello())
+
+    def peerLost(self, peer: PeerProtocol, reason):
+        why = reason.getErrorMessage() if hasattr(reason, "getErrorMessage") else reason
+        self.conns.discard(peer)
+        if peer is self.peer:
+            self.peer = None
+            if self._local_paused:
+                self._resumeLocal()
+            log.warn("sbus-link: link to {peer} down ({why}); local messages are dropped until it is back",
+                     peer=peer.name, why=why)
+        else:
+            log.warn("sbus-link: connection {peer} closed before the link was up ({why})", peer=peer.name, why=why)
+
+    def _activate(self, peer: PeerProtocol):
+        old = self.peer
+        if old is peer:
+            return
+        if old is not None:
+            log.warn("sbus-link: {new} replaces the link to {old}", new=peer.name, old=old.name)
+            self.peer = None
+            old.transport.abortConnection()
+        self.peer = peer
+        self.peer_connects += 1
+        peer.ready = True
+        peer.transport.registerProducer(_Pauser(self._pauseLocal, self._resumeLocal), True)
+        if self._peer_paused:
+            peer.transport.pauseProducing()
+        log.info("sbus-link: link up with {peer}; its clients appear here as {mine}/<their whoami>, "
+                 "ours there as {theirs}/<our whoami>", peer=peer.name, mine=_show(self.whoami),
+                 theirs=_show(peer.remote_whoami))
+
+    def fromPeer(self, peer: PeerProtocol, frame: bytes) -> None:
+        if frame[:4] == b"MSG " and peer.ready:
+            end = frame.find(b"\0", 4)
+            if end < 0:
+                return self._peerError(peer, "MSG without a NUL")
+            key = frame[4:end]
+            if b"!" in key:
+                try:
+                    check_key(key)
+                except CredentialError as e:
+                    self.drops["invalid_key"] += 1
+                    if "invalid_key" not in self._warned:
+                        self._warned.add("invalid_key")
+                        log.warn("sbus-link: dropping a message from {peer}: {err}", peer=peer.name, err=e)
+                    return None
+            local = self.local
+            if local is None:
+                self.drops["bus_down"] += 1
+                return None
+            local.transport.write(frame)
+            self.from_remote += 1
+            return None
+        if frame[:5] == b"CMSG ":
+            try:
+                kind, key = codec.classify(frame, self.max_packet)
+            except codec.ProtocolError as e:
+                return self._peerError(peer, str(e))
+            if key == PING:
+                return None
+            if key == HELLO:
+                return self._hello_received(peer, frame[len(b"CMSG " + HELLO) + 1:])
+            return None  # unknown control: ignored, for later versions
+        if frame[:4] == b"MSG ":
+            return self._peerError(peer, "MSG before hello")
+        return self._peerError(peer, f"unexpected frame {frame[:12]!r}")
+
+    def _hello_received(self, peer: PeerProtocol, body: bytes):
+        try:
+            hello = json.loads(body)
+            version = int(hello.get("version", 0))
+            remote_max = int(hello.get("max_packet", MAX_PACKET))
+            whoami = hello.get("whoami")
+        except (ValueError, TypeError, AttributeError) as e:
+            return self._peerError(peer, f"bad hello: {e}")
+        if version != VERSION:
+            return self._peerError(peer, f"unsupported link protocol version {version}")
+        if whoami is not None:
+            whoami = whoami.encode()
+            if parse_whoami(whoami) is None:
+                return self._peerError(peer, f"bad whoami in hello: {whoami!r}")
+        peer.remote_max = remote_max
+        peer.remote_whoami = whoami
+        if not peer.ready:
+            self._activate(peer)
+        elif whoami is not None:
+            log.info("sbus-link: peer {peer} is now {who} on its bus", peer=peer.name, who=_show(whoami))
+        return None
+
+    def _peerError(self, peer: PeerProtocol, detail: str):
+        log.warn("sbus-link: protocol error from peer {peer}: {detail}; closing", peer=peer.name, detail=detail)
+        peer.transport.abortConnection()
+
+
+def makeService(options: Options) -> Link:
+    try:
+        return Link(
+            options["bus"], listen=options["listen"], connect=options["connect"],
+            patterns=options["patterns"], max_packet=options["max-packet"],
+            initialDelay=options["initial-delay"], maxDelay=options["max-delay"],
+            keepalive=options["keepalive"], statsInterval=options["stats-interval"],
+        )
+    except EndpointError as e:
+        raise usage.UsageError(str(e)) from None
+    except Exception as e:  # unreadable or malformed certificate files, bad endpoint arguments
+        raise usage.UsageError(f"{'--listen' if options['listen'] else '--connect'}: {e}") from None

@@ -1,0 +1,365 @@
+"""``twistd sbus-relay``: a slave bus server below a master (NOTES §7).
+
+    twistd -n sbus-relay --upstream /run/sbus.socket --socket /run/user/1000/sbus.socket
+
+It serves its own clients exactly like ``twistd sbus`` (same options) and is
+itself one client of the master:
+
+* **Prefix first.** The credential prefix is the relay's own whoami on the
+  master followed by ``/``. The relay connects to the master *before* it
+  opens its socket: until the master has answered, the socket does not exist
+  (clients get ``ENOENT``/``ECONNREFUSED``, never a wrong whoami). Every
+  failed attempt is logged (``waiting for the master ...``) and retried with
+  back-off. ``--cred-prefix`` is refused: the master decides.
+* **Subscriptions.** One upward ``SUB`` per distinct pattern held by local
+  clients (the broker tells us when a pattern gets its first holder and
+  loses its last: `IUpstream.patternHeld` / `patternReleased`); on every
+  (re)connection the relay subscribes to the router's held set as it is at
+  that moment, so nothing is missed or left over.
+* **Echo off upward**, so what the relay publishes never comes back to it.
+* **Publishes.** Every local publish is routed locally by the broker and then
+  written upward once; what the master sends down is delivered to local
+  subscribers once (each client gets each message on one path only: locally
+  if it is on the publisher's bus, from above otherwise). A key in the
+  relay's own secret space (``<prefix>!/cred/...``) is not sent upward: only
+  local clients can own it.
+* **Master away.** The relay keeps serving locally; local publishes are not
+  sent upward (counted as ``drops.master_down`` in statistics); it
+  reconnects with exponential back-off (``--initial-delay`` to
+  ``--max-delay``) and re-subscribes everything held.
+* **Prefix changes.** If the whoami on the master changes after a reconnect
+  (the master is itself a relay that was restarted), local clients keep the
+  prefix they were given: the relay translates secret patterns upward and
+  secret keys downward between the two, and logs it once. Peers elsewhere
+  that learned the old identities must ask again.
+* **Flow control.** Downward: a local subscriber in ``block`` mode that fills
+  up pauses reading from the master (then the master's flood settings for
+  the relay apply). Upward: when more than ``--queue-bytes`` wait to go to
+  the master, the local publishers feeding it are paused until it drains.
+
+Statistics: ``CMSG server/stats`` on the relay shows an ``"upstream"``
+object (see `Relay.stats`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+from twisted.application import service
+from twisted.internet import defer
+from twisted.logger import Logger
+from twisted.python import usage
+from zope.interface import implementer
+
+from sbus.client import address as client_address
+from sbus.client.twisted import ReconnectingClient, SbusProtocol, parse_whoami
+from sbus.core.credentials import SECRET_ROOT
+from sbus.interfaces import IUpstream
+from sbus.server import tap
+from sbus.server.address import parse_address
+from sbus.server.config import ServerConfig
+
+log = Logger(namespace="sbus.relay")
+
+_ECHO_OFF = b"CMSG echo/off"
+
+
+def _show(b: bytes) -> str:
+    return b.decode("utf-8", "replace")
+
+
+class Options(tap.Options):
+    synopsis = "--upstream ADDRESS [--socket PATH] [twistd sbus options]"
+    longdesc = (
+        "Run an sbus slave server (relay): it serves local clients like `twistd sbus` and is a "
+        "client of the master at --upstream, from which it takes its credential prefix. "
+        "The socket is opened once the master has answered whoami."
+    )
+    optParameters = [
+        ["upstream", None, None, "The master bus: PATH, /dev/unix/abstract/HEX or /dev/fd/N (required)."],
+        ["initial-delay", None, "0.1", "First reconnection delay to the master, seconds."],
+        ["max-delay", None, "10", "Longest reconnection delay to the master, seconds."],
+    ]
+
+    def postOptions(self) -> None:
+        super().postOptions()
+        if not self["upstream"]:
+            raise usage.UsageError("--upstream: the master's address is required")
+        try:
+            client_address.parse(self["upstream"])
+        except client_address.AddressError as e:
+            raise usage.UsageError(f"--upstream: {e}") from None
+        if self["cred-prefix"]:
+            raise usage.UsageError("--cred-prefix: a relay takes its prefix from its whoami on the master")
+        for name in ("initial-delay", "max-delay"):
+            try:
+                value = float(self[name])
+            except ValueError:
+                raise usage.UsageError(f"--{name}: not a number: {self[name]!r}") from None
+            if value <= 0:
+                raise usage.UsageError(f"--{name}: must be positive, got {value}")
+            self[name] = value
+        if self["max-delay"] < self["initial-delay"]:
+            raise usage.UsageError("--max-delay: must not be below --initial-delay")
+        addr = parse_address(self["socket"])
+        if addr.kind == "path" and not self["reuse"] and os.path.lexists(addr.value):
+            # Say so now rather than after waiting for the master.
+            raise usage.UsageError(f"--socket: {addr.value} exists (use --reuse to replace it)")
+
+
+class UpstreamProtocol(SbusProtocol):
+    """The relay's connection to its master."""
+
+    relay: "Relay | None" = None
+    #: How many local subscribers hold this connection's reading paused (broker feeder protocol).
+    block_count = 0
+
+    def packetReceived(self, packet: bytes) -> None:
+        if packet[:4] == b"MSG ":
+            end = packet.find(b"\0", 4)
+            if end >= 0:
+                self.relay.fromMaster(self, packet[4:end], packet)
+                return
+        SbusProtocol.packetReceived(self, packet)
+
+    def outboxDrained(self) -> None:
+        self.relay.upstreamDrained(self)
+
+
+class _MasterClient(ReconnectingClient):
+    def __init__(self, relay: "Relay", *args, **kw):
+        super().__init__(*args, **kw)
+        self.relay = relay
+
+    def connectionMade(self, protocol):
+        self.relay.masterUp(protocol)
+
+    def connectionLost(self, reason):
+        self.relay.masterDown(reason)
+
+    def _failed(self, reason):
+        super()._failed(reason)
+        self.relay.masterUnreachable(reason)
+
+
+@implementer(IUpstream)
+class Relay(service.Service):
+    """A bus (`BusService`) opened once the master has given us our prefix, plus the link to the master."""
+
+    def __init__(self, upstream: str, address: str, config: ServerConfig, mode: int = 0o700,
+                 reuse: bool = False, initialDelay: float = 0.1, maxDelay: float = 10.0, reactor=None):
+        self.upstream = upstream
+        self.address = address
+        self.config = config
+        self.mode = mode
+        self.reuse = reuse
+        self.initialDelay = initialDelay
+        self.maxDelay = maxDelay
+        self.reactor = reactor
+        self.bus = None
+        self.factory = None
+        self.client: _MasterClient | None = None
+        self.up: UpstreamProtocol | None = None
+        #: Prefix given to local clients (fixed once serving) and our current one on the master.
+        self.local_prefix: bytes | None = None
+        self.up_prefix: bytes | None = None
+        self._local_secret = None
+        self._up_secret = None
+        self._translate = False
+        self.up_limit = config.queue_bytes
+        self.blocked: set = set()
+        # counters
+        self.forwarded_up = 0
+        self.forwarded_down = 0
+        self.connects = 0
+        self.disconnects = 0
+        self.failed_attempts = 0
+        self.drops = Counter()
+        self.subscribed_up = 0
+
+    # -- service life
+
+    def startService(self):
+        service.Service.startService(self)
+        if self.reactor is None:
+            from twisted.internet import reactor
+            self.reactor = reactor
+        log.info("sbus-relay: connecting to the master at {up}; {where} opens once it has answered "
+                 "whoami (the credential prefix comes from the master)", up=self.upstream, where=self.address)
+
+        def protocolFactory():
+            p = UpstreamProtocol()
+            p.relay = self
+            return p
+
+        self.client = _MasterClient(self, self.reactor, self.upstream, protocolFactory,
+                                    initialDelay=self.initialDelay, maxDelay=self.maxDelay,
+                                    max_packet=self.config.max_packet)
+        self.client.start()
+
+    def stopService(self):
+        service.Service.stopService(self)
+        ds = []
+        if self.client is not None:
+            ds.append(self.client.stop())
+        if self.bus is not None and self.bus.running:
+            ds.append(defer.maybeDeferred(self.bus.stopService))
+        return defer.DeferredList(ds)
+
+    def _serve(self, prefix: bytes) -> bool:
+        self.config.cred_prefix = prefix
+        self.local_prefix = prefix
+        self._local_secret = prefix + SECRET_ROOT
+        from sbus.server.service import BusService
+
+        bus = BusService(self.address, self.config, mode=self.mode, reuse=self.reuse, reactor=self.reactor)
+        try:
+            bus.startService()
+        except Exception as e:
+            log.critical("sbus-relay: cannot serve on {where}: {err}; stopping", where=self.address, err=e)
+            self.reactor.callLater(0, self.reactor.stop)
+            return False
+        self.bus = bus
+        self.factory = bus.factory
+        self.factory.upstream = self
+        log.info("sbus-relay: serving on {where} with credential prefix {prefix}",
+                 where=bus.printed_address or self.address, prefix=_show(prefix))
+        return True
+
+    # -- the master connection
+
+    def masterUnreachable(self, reason):
+        self.failed_attempts += 1
+        if self.factory is None:
+            log.warn("sbus-relay: waiting for the master at {up} ({err}); not serving yet, retrying",
+                     up=self.upstream, err=reason.getErrorMessage())
+
+    def masterUp(self, proto: UpstreamProtocol):
+        parsed = parse_whoami(proto.credentials or b"")
+        if parsed is None:
+            log.error("sbus-relay: the master answered whoami with {w!r}; disconnecting", w=proto.credentials)
+            proto.transport.abortConnection()
+            return
+        prefix = proto.credentials + b"/"
+        if self.factory is None and not self._serve(prefix):
+            proto.transport.abortConnection()
+            return
+        self.connects += 1
+        self.up_prefix = prefix
+        self._up_secret = prefix + SECRET_ROOT
+        if prefix != self.local_prefix and not self._translate:
+            log.warn("sbus-relay: our prefix on the master is now {new} (local clients keep {old}); "
+                     "translating secret keys between them", new=_show(prefix), old=_show(self.local_prefix))
+        self._translate = prefix != self.local_prefix
+        proto.sendPacket(_ECHO_OFF)
+        held = self.factory.router.held_patterns()
+        for pattern in held:
+            proto.sendPacket(b"SUB " + self._upPattern(pattern))
+        self.subscribed_up = len(held)
+        self.up = proto
+        if self.connects > 1:
+            log.info("sbus-relay: reconnected to the master at {up}; re-subscribed {n} patterns",
+                     up=self.upstream, n=len(held))
+        else:
+            log.info("sbus-relay: connected to the master at {up} as {who}", up=self.upstream,
+                     who=_show(proto.credentials))
+
+    def masterDown(self, reason):
+        self.up = None
+        self.subscribed_up = 0
+        self._releasePublishers()
+        if self.factory is None:
+            return
+        self.disconnects += 1
+        if self.running:
+            log.warn("sbus-relay: lost the master at {up} ({why}); serving locally (publishes are not "
+                     "sent upward meanwhile), reconnecting with back-off", up=self.upstream, why=reason)
+
+    def _upPattern(self, pattern: bytes) -> bytes:
+        if self._translate and pattern.startswith(self._local_secret):
+            return self.up_prefix + pattern[len(self.local_prefix):]
+        return pattern
+
+    # -- IUpstream: what the local bus tells us
+
+    def localPublish(self, packet: bytes, key: bytes, client) -> None:
+        if key.startswith(self._local_secret):
+            return  # only local clients can own it: never useful upward
+        up = self.up
+        if up is None:
+            self.drops["master_down"] += 1
+            return
+        transport = up.transport
+        transport.write(packet)
+        self.forwarded_up += 1
+        if transport.outbox.nbytes > self.up_limit and client not in self.blocked:
+            self.blocked.add(client)
+            client.block_count += 1
+            if client.block_count == 1:
+                client.transport.pauseProducing()
+
+    def patternHeld(self, pattern: bytes) -> None:
+        up = self.up
+        if up is not None:
+            up.sendPacket(b"SUB " + self._upPattern(pattern))
+            self.subscribed_up += 1
+
+    def patternReleased(self, pattern: bytes) -> None:
+        up = self.up
+        if up is not None:
+            up.sendPacket(b"UNSUB " + self._upPattern(pattern))
+            self.subscribed_up -= 1
+
+    def stats(self) -> dict:
+        up = self.up
+        return {
+            "master": self.upstream,
+            "connected": up is not None,
+            "whoami": _show(self.up_prefix[:-1]) if self.up_prefix else None,
+            "prefix": _show(self.local_prefix or b""),
+            "translating": self._translate,
+            "forwarded_up": self.forwarded_up,
+            "forwarded_down": self.forwarded_down,
+            "subscriptions_up": self.subscribed_up,
+            "connects": self.connects,
+            "reconnects": max(0, self.connects - 1),
+            "disconnects": self.disconnects,
+            "failed_attempts": self.failed_attempts,
+            "drops": dict(self.drops),
+            "queued_up_bytes": up.transport.outbox.nbytes if up is not None else 0,
+            "blocked_publishers": len(self.blocked),
+        }
+
+    # -- from the master
+
+    def fromMaster(self, proto: UpstreamProtocol, key: bytes, packet: bytes) -> None:
+        if self._translate and key.startswith(self._up_secret):
+            rest = packet[4 + len(self.up_prefix):]
+            packet = b"MSG " + self.local_prefix + rest
+            key = self.local_prefix + key[len(self.up_prefix):]
+        self.forwarded_down += 1
+        self.factory.deliverLocally(packet, key, proto)
+
+    def upstreamDrained(self, proto) -> None:
+        if proto is self.up:
+            self._releasePublishers()
+
+    def _releasePublishers(self):
+        blocked, self.blocked = self.blocked, set()
+        for client in blocked:
+            client.block_count -= 1
+            if client.block_count == 0:
+                client.transport.resumeProducing()
+
+
+def makeService(options: Options) -> Relay:
+    return Relay(
+        options["upstream"],
+        options["socket"],
+        tap.config_from_options(options),
+        mode=options["mode"],
+        reuse=bool(options["reuse"]),
+        initialDelay=options["initial-delay"],
+        maxDelay=options["max-delay"],
+    )

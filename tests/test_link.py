@@ -1,0 +1,364 @@
+"""``twistd sbus-link`` with real processes: two buses (sbusd) joined by two link processes.
+
+Certificates (a CA, a server and a client certificate, and a client
+certificate from another CA) are generated at test time in tmp_path with
+the `cryptography` package; nothing secret is committed.
+
+Readiness: the listener's port is read from its log ("listening on"), the
+link is up when both logs say so, and traffic flows once a probe published
+on one bus is received on the other (published again every 50 ms until it
+is, with a timeout): no sleep is used as synchronisation.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import os
+import re
+import socket
+import struct
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from helpers import Agent, connect, msg, recv, send, sub, sync
+from test_relay import TIMEOUT, Twistd, child_env, drain_until_all, wait_until
+
+WHOAMI_REPLY = b"CMSG !/cred/whoami\0"
+
+
+# ---------------------------------------------------------------- certificates
+
+
+def _certs(tmp_path):
+    # The test extra installs twisted[tls]: a missing TLS stack fails here, it never skips.
+    import OpenSSL  # noqa: F401
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(cn):
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def key():
+        return ec.generate_private_key(ec.SECP256R1())
+
+    def write_key(k, path):
+        path.write_bytes(k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                         serialization.NoEncryption()))
+        os.chmod(path, 0o600)
+
+    def write_cert(c, path):
+        path.write_bytes(c.public_bytes(serialization.Encoding.PEM))
+
+    def ca(cn):
+        k = key()
+        c = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(name(cn))
+             .public_key(k.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(minutes=5))
+             .not_valid_after(now + datetime.timedelta(days=1))
+             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+             .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                          content_commitment=False, key_encipherment=False,
+                                          data_encipherment=False, key_agreement=False,
+                                          encipher_only=False, decipher_only=False), critical=True)
+             .sign(k, hashes.SHA256()))
+        return k, c
+
+    def leaf(ca_key, ca_cert, cn, server):
+        k = key()
+        b = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(ca_cert.subject)
+             .public_key(k.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(minutes=5))
+             .not_valid_after(now + datetime.timedelta(days=1))
+             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH if server
+                                                   else ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False))
+        if server:
+            b = b.add_extension(x509.SubjectAlternativeName([
+                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        return k, b.sign(ca_key, hashes.SHA256())
+
+    d = tmp_path / "pki"
+    (d / "ca").mkdir(parents=True)
+    ca_key, ca_cert = ca("sbus test CA")
+    write_cert(ca_cert, d / "ca" / "ca.pem")
+    out = {"cadir": str(d / "ca")}
+    for label, server in (("server", True), ("client", False)):
+        k, c = leaf(ca_key, ca_cert, f"sbus-link {label}", server)
+        write_key(k, d / f"{label}.key")
+        write_cert(c, d / f"{label}.pem")
+        out[label] = (str(d / f"{label}.pem"), str(d / f"{label}.key"))
+    rogue_key, rogue_cert = ca("rogue CA")
+    k, c = leaf(rogue_key, rogue_cert, "intruder", False)
+    write_key(k, d / "rogue.key")
+    write_cert(c, d / "rogue.pem")
+    out["rogue"] = (str(d / "rogue.pem"), str(d / "rogue.key"))
+    return out
+
+
+@pytest.fixture
+def pki(tmp_path):
+    return _certs(tmp_path)
+
+
+# ---------------------------------------------------------------- processes
+
+
+class LinkProc(Twistd):
+    def __init__(self, tmp_path, bus, *args, name=None):
+        self.bus = bus
+        super().__init__("sbus-link", ["--bus", bus.address, "--initial-delay", "0.05", "--max-delay", "0.5",
+                                       "--stats-interval", "0", *args], tmp_path, name=name)
+
+    def port(self) -> int:
+        text = self.wait_log("listening on")
+        return int(re.search(r"listening on .*port=(\d+)", text).group(1))
+
+    def stats(self) -> dict:
+        """The last statistics line (one is logged at exit)."""
+        return json.loads(self.log().rsplit("sbus-link stats: ", 1)[1].splitlines()[0])
+
+
+@pytest.fixture
+def procs():
+    started = []
+    yield started
+    for p in reversed(started):
+        p.stop()
+
+
+def tls_pair(tmp_path, procs, bus_a, bus_b, pki, *extra_a, client_cert="client"):
+    server_cert, server_key = pki["server"]
+    listen = (f"ssl:0:interface=127.0.0.1:privateKey={server_key}:certKey={server_cert}"
+              f":caCertsDir={pki['cadir']}")
+    a = LinkProc(tmp_path, bus_a, "--listen", listen, *extra_a, name="link-a")
+    procs.append(a)
+    connect_to = f"ssl:host=127.0.0.1:port={a.port()}:caCertsDir={pki['cadir']}:hostname=localhost"
+    if client_cert:
+        cert, key = pki[client_cert]
+        connect_to += f":certKey={cert}:privateKey={key}"
+    b = LinkProc(tmp_path, bus_b, "--connect", connect_to, name="link-b")
+    procs.append(b)
+    return a, b
+
+
+def wait_flow(pub_address: str, receiver: socket.socket, timeout: float = TIMEOUT) -> None:
+    """Publish probes on `pub_address` every 50 ms until `receiver` (subscribed to probe/) gets one."""
+    key = f"probe/{uuid.uuid4().hex[:8]}"
+    deadline = time.monotonic() + timeout
+    with connect(pub_address) as p:
+        while time.monotonic() < deadline:
+            send(p, msg(key))
+            try:
+                while True:
+                    got = recv(receiver, 0.05)
+                    if got.startswith(b"MSG " + key.encode()):
+                        return
+            except TimeoutError:
+                continue
+    raise AssertionError(f"no probe from {pub_address} within {timeout}s")
+
+
+def without_probes(packets):
+    return [p for p in packets if not p.startswith(b"MSG probe/")]
+
+
+def cross_identity(agent: Agent) -> bytes:
+    """Ask the links on the agent's bus for its identity across (the documented way)."""
+    w = agent.call("whoami")[1]
+    reply_key = w + b"/sbus-link/whoami"
+    agent.send(sub(reply_key))
+    agent.sync()
+    agent.send(msg("sbus-link/whoami", w))
+    p = agent.recv(TIMEOUT)
+    assert p and p.startswith(b"MSG " + reply_key + b"\0"), p
+    return p[len(b"MSG " + reply_key + b"\0"):]
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_tls_link_both_ways_exactly_once_and_secret_keys(start_bus, tmp_path, procs, pki):
+    bus_a, bus_b = start_bus(), start_bus()
+    a, b = tls_pair(tmp_path, procs, bus_a, bus_b, pki)
+    a.wait_log("link up")
+    b.wait_log("link up")
+    assert "certificate CN=sbus-link client" in a.wait_log("TLS handshake")
+    assert "certificate CN=sbus-link server" in b.wait_log("TLS handshake")
+
+    subs = {"a": connect(bus_a.address), "b": connect(bus_b.address)}
+    spies = {"a": connect(bus_a.address), "b": connect(bus_b.address)}
+    pubs = {"a": connect(bus_a.address), "b": connect(bus_b.address)}
+    owner_b = Agent(bus_b.address)
+    owner_a = Agent(bus_a.address)
+    try:
+        for side in "ab":
+            send(subs[side], sub("x/"), sub("probe/"))
+            send(spies[side], sub(""))
+            sync(subs[side]), sync(spies[side])
+        wait_flow(bus_a.address, subs["b"])
+        wait_flow(bus_b.address, subs["a"])
+
+        N = 50
+        sent = []
+        for i in range(N):
+            for side in "ab":
+                sent.append(msg(f"x/{side}", b"%d" % i))
+                send(pubs[side], sent[-1])
+        markers = [msg("x/marker/a"), msg("x/marker/b")]
+        send(pubs["a"], markers[0])
+        send(pubs["b"], markers[1])
+        for side in "ab":
+            for s in (subs[side], spies[side]):
+                got = [p for p in without_probes(drain_until_all(s, markers)) if p not in markers]
+                assert sorted(got) == sorted(sent), (side, len(got))
+            # no loop: nothing comes back later
+            final = msg(f"x/final/{side}")
+            send(pubs[side], final)
+        finals = [msg("x/final/a"), msg("x/final/b")]
+        for side in "ab":
+            assert sorted(without_probes(drain_until_all(subs[side], finals))) == sorted(finals)
+            assert without_probes(sync(subs[side])) == []
+
+        # Cross-host identities: <link on this bus>/<whoami there>.
+        ident_b = cross_identity(owner_b)  # how bus A knows owner_b
+        ident_a = cross_identity(owner_a)  # how bus B knows owner_a
+        w_b, w_a = owner_b.call("whoami")[1], owner_a.call("whoami")[1]
+        gid, uid = os.getgid(), os.getuid()
+        assert ident_b == b"!/cred/%d/%d/%d/" % (gid, uid, a.pid) + w_b
+        assert ident_a == b"!/cred/%d/%d/%d/" % (gid, uid, b.pid) + w_a
+        owner_b.send(sub(w_b + b"/private/"))
+        owner_a.send(sub(w_a + b"/private/"))
+        owner_b.sync(), owner_a.sync()
+        send(pubs["a"], msg(ident_b + b"/private/1", b"for b only"))
+        send(pubs["b"], msg(ident_a + b"/private/2", b"for a only"))
+        assert owner_b.recv(TIMEOUT) == msg(w_b + b"/private/1", b"for b only")
+        assert owner_a.recv(TIMEOUT) == msg(w_a + b"/private/2", b"for a only")
+        markers = [msg("x/marker2/a"), msg("x/marker2/b")]
+        send(pubs["a"], markers[0])
+        send(pubs["b"], markers[1])
+        for side in "ab":  # the spies (subscribed to everything) saw nothing secret on either bus
+            got = drain_until_all(spies[side], markers)
+            assert [p for p in got if b"!/cred/" in p.split(b"\0", 1)[0]] == [], got
+        assert owner_b.sync() == [] and owner_a.sync() == []
+    finally:
+        owner_a.kill()
+        owner_b.kill()
+        for d in (subs, spies, pubs):
+            for s in d.values():
+                s.close()
+    a.stop(), b.stop()
+    sa, sb = a.stats(), b.stats()  # the exit stats lines: counted both ways, nothing dropped
+    assert sa["drops"] == {} and sb["drops"] == {}, (sa, sb)
+    assert sa["to_remote"] == sb["from_remote"] >= N + 4  # N, 3 markers, 1 secret (+ probes)
+    assert sb["to_remote"] == sa["from_remote"] >= N + 4
+    assert sa["whoami_answers"] == 1 and sb["whoami_answers"] == 1
+
+
+def test_tls_refuses_client_without_certificate(start_bus, tmp_path, procs, pki):
+    bus_a, bus_b = start_bus(), start_bus()
+    a, b = tls_pair(tmp_path, procs, bus_a, bus_b, pki, client_cert=None)
+    # the listener saw the TLS handshake fail, and says why
+    assert "certificate" in a.wait_log("closed before the link was up").split("closed before the link was up")[1]
+    b.wait_log("closed before the link was up")
+    assert "link up" not in a.log() and "link up" not in b.log()
+    b.stop()
+    # A certificate from another CA is refused too.
+    cert, key = pki["rogue"]
+    port = a.port()
+    r = LinkProc(tmp_path, bus_b, "--connect",
+                 f"ssl:host=127.0.0.1:port={port}:caCertsDir={pki['cadir']}:hostname=localhost"
+                 f":certKey={cert}:privateKey={key}", name="link-rogue")
+    procs.append(r)
+    wait_until(lambda: a.log().count("closed before the link was up") >= 2, "the rogue connection refused")
+    assert "link up" not in a.log() and "link up" not in r.log()
+    # and a good client still gets in
+    good = LinkProc(tmp_path, bus_b, "--connect",
+                    f"ssl:host=127.0.0.1:port={port}:caCertsDir={pki['cadir']}:hostname=localhost"
+                    f":certKey={pki['client'][0]}:privateKey={pki['client'][1]}", name="link-good")
+    procs.append(good)
+    r.stop()
+    good.wait_log("link up")
+
+
+def test_plain_tcp_refused_off_loopback_without_flag(tmp_path, pki):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "twisted", "sbus-link", "--bus", "x.sock", *args],
+                              capture_output=True, timeout=TIMEOUT, cwd=tmp_path, env=child_env(),
+                              stdin=subprocess.DEVNULL)
+
+    for args in (["--listen", "tcp:7999:interface=0.0.0.0"], ["--listen", "tcp:7999"],
+                 ["--connect", "tcp:host=192.0.2.1:port=7999"], ["--connect", "tcp:example.org:7999"],
+                 ["--listen", f"ssl:7999:privateKey={pki['server'][1]}:certKey={pki['server'][0]}"]):
+        r = run(*args)
+        err = r.stderr.decode().strip()
+        assert r.returncode != 0, args
+        assert len(err.splitlines()) == 1 and "refusing" in err and "--allow-plain-tcp" in err, (args, err)
+    r = run("--listen", "tcp:1", "--connect", "tcp:2")
+    assert r.returncode != 0
+
+
+def test_plain_tcp_allowed_with_flag_and_on_loopback(start_bus, tmp_path, procs):
+    bus_a, bus_b = start_bus(), start_bus()
+    a = LinkProc(tmp_path, bus_a, "--listen", "tcp:0:interface=0.0.0.0", "--allow-plain-tcp", name="link-a")
+    procs.append(a)
+    port = a.port()
+    b = LinkProc(tmp_path, bus_b, "--connect", f"tcp:host=127.0.0.1:port={port}",
+                 "--pattern", "only/", name="link-b")
+    procs.append(b)
+    a.wait_log("link up"), b.wait_log("link up")
+    with connect(bus_a.address) as ra, connect(bus_b.address) as rb, \
+            connect(bus_b.address) as pb:
+        send(ra, sub("only/"), sub("probe/"), sub("not/"))
+        send(rb, sub("probe/"))
+        sync(ra), sync(rb)
+        wait_flow(bus_a.address, rb)
+        # B exports only/ (its --pattern): not/ stays on B.
+        send(pb, msg("not/1"), msg("only/1", b"yes"))
+        got = []
+        while not got or got[-1] != msg("only/1", b"yes"):
+            p = recv(ra, TIMEOUT)
+            if not p.startswith(b"MSG probe/"):
+                got.append(p)
+        assert got == [msg("only/1", b"yes")]
+    # An oversize frame closes the connection with a clear log line.
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as s:
+        s.sendall(struct.pack(">I", 409601) + b"x" * 100)
+        a.wait_log("over the 409600-byte limit; closing")
+
+
+def test_link_survives_a_bus_restart(start_bus, tmp_path, procs):
+    bus_a, bus_b = start_bus(), start_bus()
+    a = LinkProc(tmp_path, bus_a, "--listen", f"unix:{tmp_path / 'link.sock'}", name="link-a")
+    procs.append(a)
+    a.wait_log("listening on")
+    b = LinkProc(tmp_path, bus_b, "--connect", f"unix:{tmp_path / 'link.sock'}", name="link-b")
+    procs.append(b)
+    a.wait_log("link up"), b.wait_log("link up")
+    with connect(bus_a.address) as ra:
+        send(ra, sub("probe/"))
+        sync(ra)
+        wait_flow(bus_b.address, ra)
+    path = bus_b.address
+    bus_b.stop()
+    b.wait_log("lost bus")
+    bus_b2 = start_bus(address=path)
+    wait_until(lambda: b.log().count("connected to bus") == 2, "link-b back on its bus")
+    with connect(bus_a.address) as ra, connect(path) as rb:
+        send(ra, sub("probe/"))
+        send(rb, sub("probe/"))
+        sync(ra), sync(rb)
+        wait_flow(path, ra)           # B -> A again
+        wait_flow(bus_a.address, rb)  # A -> B again
+    b.stop()
+    assert b.stats()["bus_reconnects"] == 1
+    bus_b2.stop()

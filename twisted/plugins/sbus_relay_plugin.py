@@ -1,0 +1,10 @@
+"""twistd plugin ``sbus-relay``: a slave sbus server below a master (lazy: module named only)."""
+
+from twisted.application.service import ServiceMaker
+
+sbus_relay = ServiceMaker(
+    "sbus-relay",
+    "sbus.services.relay",
+    "sbus slave server (relay) below a master bus (see docs/relay-link.md)",
+    "sbus-relay",
+)
