@@ -438,7 +438,11 @@ class ReconnectingClient:
         self._inflight = None
         self.lastError = reason
         log.debug("sbus connect failed: {err}", err=reason.getErrorMessage())
+        self.connectionFailed(reason)
         self._schedule()
+
+    def connectionFailed(self, reason: Failure):
+        """Hook: an attempt to connect failed (another follows after the back-off)."""
 
     def _lost(self, reason, proto):
         if self.protocol is proto:

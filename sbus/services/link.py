@@ -411,8 +411,7 @@ class _BusClient(ReconnectingClient):
     def connectionLost(self, reason):
         self.link.busDown(reason)
 
-    def _failed(self, reason):
-        super()._failed(reason)
+    def connectionFailed(self, reason):
         self.link.busUnreachable(reason)
 
 

@@ -138,8 +138,7 @@ class _MasterClient(ReconnectingClient):
     def connectionLost(self, reason):
         self.relay.masterDown(reason)
 
-    def _failed(self, reason):
-        super()._failed(reason)
+    def connectionFailed(self, reason):
         self.relay.masterUnreachable(reason)
 
 
