@@ -1,0 +1,563 @@
+"""``twistd sbus-bridge``: join two buses, forwarding what the rules select.
+
+    twistd -n sbus-bridge --a /run/user/1000/sbus.socket --b /run/user/1001/sbus.socket \\
+        --rule 'share/ both' \\
+        --rule 'sensors/ a>b "" alice/' \\
+        --rule 'cmd/ b>a alice/ bob/'
+
+The bridge is an ordinary client of each bus (side ``a`` and side ``b``).
+
+Rules
+-----
+
+A rule is ``PATTERN DIRECTION [A_PREFIX B_PREFIX]`` (split like a shell line,
+so ``''`` or ``""`` is an empty prefix):
+
+* ``DIRECTION`` is ``a>b``, ``b>a`` or ``both``;
+* the prefixes work like the local/remote prefixes of Mosquitto's bridge
+  ``topic`` lines, and are always written **A side first, B side second**,
+  whatever the direction. The bridge subscribes to ``A_PREFIX + PATTERN`` on
+  bus A (for ``a>b``/``both``) and to ``B_PREFIX + PATTERN`` on bus B (for
+  ``b>a``/``both``); a key ``A_PREFIX + rest`` taken from A is published on B
+  as ``B_PREFIX + rest``, and a key ``B_PREFIX + rest`` taken from B is
+  published on A as ``A_PREFIX + rest``. Without prefixes keys cross
+  unchanged (and the packet is forwarded byte for byte).
+
+Examples: ``sensors/ a>b '' site1/`` sends A's ``sensors/t`` to B as
+``site1/sensors/t``; ``'' both alice/ bob/`` maps all of A's ``alice/...`` to
+B's ``bob/...`` and back.
+
+A message matched by several rules of the same direction is forwarded once
+per distinct resulting key (so two overlapping rules without rewrite forward
+it once). A prefix may not contain ``*`` (it is cut off literally).
+
+Secret keys
+-----------
+
+Keys starting with ``!/cred/`` are never forwarded unless the rule's source
+pattern (prefix + pattern) itself starts with ``!/cred/``. The bridge can only
+ever receive its own secret keys anyway (the server enforces that), so such a
+rule means "what is sent privately to the bridge on A goes to ... on B".
+Empty credential fields in a source prefix are filled in with the bridge's own
+ids, as the server does for patterns (``!/cred////inbox/``).
+
+Why nothing loops
+-----------------
+
+By construction: the bridge has exactly one connection per bus and switches
+echo off on both (``CMSG echo/off`` is sent, in order, before anything is
+published on that connection). A message it publishes on bus B is therefore
+never delivered back to its own B connection, whatever rules and rewrites
+match there: only messages published by *other* clients of a bus enter the
+bridge. So a ``both`` rule, or an ``a>b`` rule whose rewritten keys match a
+``b>a`` rule, cannot bounce a message back and forth, and every message
+crosses at most once.
+
+Because a server may ignore ``echo/off`` (the protocol allows it), each
+new connection checks it: the bridge subscribes to a private (secret) key
+of its own, publishes on it and round-trips a whoami. If the probe came back,
+echo off is not honoured, and the bridge falls back to remembering the
+packets it published on that connection (a bounded multiset, a few seconds)
+and dropping them when the server echoes them back. Until the probe answers,
+that memory is on, so there is no window either.
+
+What this does not prevent is a loop through *several* bridges (A-B, B-C,
+C-A with overlapping rules): each bridge only knows its own two buses. Do
+not build cycles, or give each hop a disjoint key prefix.
+
+Reconnection, back-pressure, statistics
+---------------------------------------
+
+Each side is a `ReconnectingClient`: it reconnects independently with
+back-off and re-subscribes; while one side is down, messages for it are
+dropped and counted (a bus keeps nothing for absent clients). When the
+connection to one side has more than its queue limit waiting (the transport
+limit, 4 MiB), the bridge stops reading from the other side until it drains;
+the other server then applies its own flood control to the bridge.
+
+A stats line is logged every ``--stats-interval`` seconds (if anything
+changed) and at stop: messages forwarded each way, reconnects per side,
+drops (other side down, rewritten key invalid or too long for a packet) and
+secret keys filtered.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from twisted.application import service
+from twisted.internet import defer
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python import usage
+
+from sbus.core import codec
+from sbus.core.codec import MAX_PACKET, ProtocolError
+from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key
+from sbus.core.patterns import matches
+
+log = Logger(namespace="sbus.bridge")
+
+DIRECTIONS = ("a>b", "b>a", "both")
+SIDES = ("a", "b")
+OTHER = {"a": "b", "b": "a"}
+PROBE_SEGMENT = b"/sbus-bridge/echo-probe/"
+
+
+class RuleError(ValueError):
+    """A rule that cannot be parsed; `str()` is one line."""
+
+
+def _b(text) -> bytes:
+    return os.fsencode(text) if isinstance(text, str) else bytes(text)
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: bytes
+    direction: str
+    a_prefix: bytes = b""
+    b_prefix: bytes = b""
+
+    def routes(self):
+        """(source side, subscription pattern, source prefix, destination prefix) per direction."""
+        prefix = {"a": self.a_prefix, "b": self.b_prefix}
+        for src in SIDES:
+            if self.direction in (f"{src}>{OTHER[src]}", "both"):
+                yield src, prefix[src] + self.pattern, prefix[src], prefix[OTHER[src]]
+
+    def __str__(self):
+        parts = [self.pattern, self.direction.encode()]
+        if self.a_prefix or self.b_prefix:
+            parts += [self.a_prefix, self.b_prefix]
+        return " ".join(shlex.quote(os.fsdecode(p)) for p in parts)
+
+
+def parse_rule(text: str) -> Rule:
+    """Parse ``PATTERN DIRECTION [A_PREFIX B_PREFIX]``; raise `RuleError`."""
+    try:
+        words = shlex.split(text, comments=False, posix=True)
+    except ValueError as e:
+        raise RuleError(f"rule {text!r}: {e}") from None
+    if len(words) not in (2, 4):
+        raise RuleError(f"rule {text!r}: expected 'PATTERN DIRECTION [A_PREFIX B_PREFIX]'")
+    pattern, direction = _b(words[0]), words[1].lower()
+    if direction not in DIRECTIONS:
+        raise RuleError(f"rule {text!r}: direction must be one of a>b, b>a, both, not {words[1]!r}")
+    a_prefix, b_prefix = (_b(w) for w in words[2:]) if len(words) == 4 else (b"", b"")
+    for what, value in (("pattern", pattern), ("A prefix", a_prefix), ("B prefix", b_prefix)):
+        if b"\0" in value:
+            raise RuleError(f"rule {text!r}: {what} contains a NUL")
+    for what, value in (("A prefix", a_prefix), ("B prefix", b_prefix)):
+        if b"*" in value:
+            raise RuleError(f"rule {text!r}: {what} may not contain '*'")
+    return Rule(pattern, direction, a_prefix, b_prefix)
+
+
+@dataclass
+class Route:
+    """One direction of one rule, as seen from its source side."""
+
+    pattern: bytes       # subscribed on the source bus
+    src_prefix: bytes
+    dst_prefix: bytes
+    secret: bool         # the rule names !/cred/ explicitly
+
+    @property
+    def rewrites(self) -> bool:
+        return self.src_prefix != self.dst_prefix
+
+
+class RecentPackets:
+    """A bounded multiset of packets published lately (only for servers that ignore echo/off)."""
+
+    def __init__(self, max_items: int = 8192, max_age: float = 10.0, clock=time.monotonic):
+        self.max_items = max_items
+        self.max_age = max_age
+        self.clock = clock
+        self._counts: dict[bytes, int] = {}
+        self._order: deque = deque()
+
+    def __len__(self):
+        return len(self._order)
+
+    def add(self, packet: bytes) -> None:
+        now = self.clock()
+        self._expire(now)
+        if len(self._order) >= self.max_items:
+            self._forget(self._order.popleft()[1])
+        self._order.append((now, packet))
+        self._counts[packet] = self._counts.get(packet, 0) + 1
+
+    def take(self, packet: bytes) -> bool:
+        """True (and forget one copy) if `packet` was published lately."""
+        n = self._counts.get(packet)
+        if not n:
+            return False
+        self._forget(packet)
+        return True
+
+    def _forget(self, packet: bytes) -> None:
+        n = self._counts.get(packet, 0)
+        if n <= 1:
+            self._counts.pop(packet, None)
+        else:
+            self._counts[packet] = n - 1
+
+    def _expire(self, now: float) -> None:
+        order = self._order
+        while order and now - order[0][0] > self.max_age:
+            _, packet = order.popleft()
+            if self._counts.get(packet):
+                self._forget(packet)
+
+
+class _Pauser:
+    """IPushProducer registered on one side's transport, pausing reads from the other side.
+
+    `stopProducing` (the destination connection went away) only resumes the
+    source: losing one side must never close the other.
+    """
+
+    def __init__(self, bridge: "BridgeService", source: str):
+        self.bridge = bridge
+        self.source = source
+
+    def pauseProducing(self):
+        self.bridge._paused[self.source] = True
+        proto = self.bridge.clients[self.source].protocol
+        if proto is not None and proto.transport is not None:
+            proto.transport.pauseProducing()
+
+    def resumeProducing(self):
+        self.bridge._paused[self.source] = False
+        proto = self.bridge.clients[self.source].protocol
+        if proto is not None and proto.transport is not None:
+            proto.transport.resumeProducing()
+
+    def stopProducing(self):
+        self.resumeProducing()
+
+
+class BridgeService(service.Service):
+    name = "sbus-bridge"
+
+    def __init__(self, a, b, rules: list[Rule], *, stats_interval: float = 60.0,
+                 initial_delay: float = 0.1, max_delay: float = 10.0,
+                 max_packet: int = MAX_PACKET, reactor=None):
+        if not rules:
+            raise ValueError("a bridge needs at least one rule")
+        self.address = {"a": a, "b": b}
+        self.rules = list(rules)
+        self.stats_interval = stats_interval
+        self.initial_delay = initial_delay
+        self.max_delay = max_delay
+        self.max_packet = max_packet
+        self._reactor = reactor
+        self.routes: dict[str, list[Route]] = {"a": [], "b": []}
+        for rule in self.rules:
+            for src, pattern, src_prefix, dst_prefix in rule.routes():
+                self.routes[src].append(Route(pattern, src_prefix, dst_prefix,
+                                              pattern.startswith(SECRET_ROOT)))
+        self.clients: dict = {}
+        self.forwarded = {"a": 0, "b": 0}        # by source side: a -> b, b -> a
+        self.dropped = {"a": 0, "b": 0}          # by source side
+        self.secret_filtered = 0
+        self.echoes_suppressed = 0
+        self.connects = {"a": 0, "b": 0}
+        self._paused = {"a": False, "b": False}
+        self._loop = None
+        self._last_stats = None
+
+    @property
+    def reactor(self):
+        if self._reactor is None:
+            from twisted.internet import reactor
+            self._reactor = reactor
+        return self._reactor
+
+    @property
+    def reconnects(self) -> dict[str, int]:
+        return {s: max(0, n - 1) for s, n in self.connects.items()}
+
+    # -- life cycle
+
+    def startService(self):
+        from sbus.client.twisted import ReconnectingClient, SbusProtocol
+
+        super().startService()
+        bridge = self
+
+        def protocol_factory(side):
+            class BridgeProtocol(SbusProtocol):
+                echo_filter: RecentPackets | None = None
+                probe_key: bytes | None = None
+                probe_seen = False
+
+                def messageReceived(self, key, payload, packet):
+                    bridge._received(side, self, key, payload, packet)
+
+            return BridgeProtocol
+
+        class Client(ReconnectingClient):
+            def __init__(self, side, *args, **kw):
+                super().__init__(*args, **kw)
+                self.side = side
+
+            def connectionMade(self, protocol):
+                bridge._connected(self.side, protocol)
+
+            def connectionLost(self, reason):
+                bridge._lost(self.side, reason)
+
+        for side in SIDES:
+            client = Client(side, self.reactor, self.address[side], protocol_factory(side),
+                            initialDelay=self.initial_delay, maxDelay=self.max_delay,
+                            max_packet=self.max_packet)
+            seen = set()
+            for route in self.routes[side]:
+                if route.pattern not in seen:  # one SUB per distinct pattern
+                    seen.add(route.pattern)
+                    client.subscribe(route.pattern)
+            client.echo(False)
+            self.clients[side] = client
+        for rule in self.rules:
+            log.info("rule: {rule}", rule=str(rule))
+        for side in SIDES:
+            log.info("side {side}: {addr}, subscribing {n} pattern(s)", side=side,
+                     addr=self.address[side] or "(default address)",
+                     n=len({r.pattern for r in self.routes[side]}))
+            self.clients[side].start()
+        self._loop = LoopingCall(self._report, False)
+        self._loop.clock = self.reactor
+        self._loop.start(self.stats_interval, now=False)
+
+    def stopService(self):
+        super().stopService()
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        ds = [c.stop() for c in self.clients.values()]
+        return defer.DeferredList(ds, consumeErrors=True).addCallback(lambda _: self._report(True))
+
+    # -- connections
+
+    def _connected(self, side: str, proto) -> None:
+        self.connects[side] += 1
+        other = OTHER[side]
+        proto.echo_filter = RecentPackets()  # until the probe shows echo/off is honoured
+        # back-pressure: when this side's queue is full, stop reading the other side
+        proto.transport.registerProducer(_Pauser(self, other), True)
+        if self._paused[side]:
+            proto.transport.pauseProducing()
+        who = proto.credentials or b""
+        what = "connected" if self.connects[side] == 1 else f"reconnected (reconnect {self.connects[side] - 1})"
+        if SECRET_ROOT not in who:
+            log.warn("side {side}: {what} to {addr}; no usable whoami, cannot check echo/off",
+                     side=side, what=what, addr=self.address[side])
+            return
+        proto.probe_key = who + PROBE_SEGMENT + os.urandom(6).hex().encode()
+        try:
+            proto.subscribe(proto.probe_key)
+            proto.publish(proto.probe_key, b"")
+        except Exception:
+            return
+
+        def probed(_):
+            try:
+                proto.unsubscribe(proto.probe_key)
+            except Exception:
+                pass
+            if proto.probe_seen:
+                log.warn("side {side}: the server ignores echo/off; suppressing echoes of our own "
+                         "publishes by memory", side=side)
+            else:
+                proto.echo_filter = None
+            log.info("side {side}: {what} to {addr} as {who}; subscribed, echo off; ready",
+                     side=side, what=what, addr=self.address[side],
+                     who=who.decode("utf-8", "replace"))
+
+        proto.sync().addCallbacks(probed, lambda f: None)
+
+    def _lost(self, side: str, reason) -> None:
+        if self.running:
+            log.warn("side {side}: lost the connection to {addr} ({why}); reconnecting",
+                     side=side, addr=self.address[side], why=reason)
+
+    # -- forwarding
+
+    def _received(self, side: str, proto, key: bytes, payload: bytes, packet: bytes) -> None:
+        if proto.probe_key is not None and key == proto.probe_key:
+            proto.probe_seen = True
+            return
+        if proto.echo_filter is not None and proto.echo_filter.take(packet):
+            self.echoes_suppressed += 1
+            return
+        secret = key.startswith(SECRET_ROOT)
+        targets: list[bytes] = []
+        filtered = False
+        match = proto._matchPattern
+        for route in self.routes[side]:
+            if not matches(match(route.pattern), key):
+                continue
+            if secret and not route.secret:
+                filtered = True
+                continue
+            src = match(route.src_prefix) if route.secret else route.src_prefix
+            if not key.startswith(src):
+                continue
+            target = route.dst_prefix + key[len(src):]
+            if target not in targets:
+                targets.append(target)
+        if not targets:
+            if filtered:
+                self.secret_filtered += 1
+            return
+        dest = self.clients[OTHER[side]].protocol
+        for target in targets:
+            if target == key:
+                out = packet
+            else:
+                try:
+                    check_key(target)
+                    out = codec.encode_msg(target, payload, self.max_packet)
+                except (CredentialError, ProtocolError) as e:
+                    self.dropped[side] += 1
+                    log.warn("side {side}: not forwarding {key!r} as {target!r}: {err}",
+                             side=side, key=key, target=target, err=e)
+                    continue
+            if dest is None or not dest.connected:
+                self.dropped[side] += 1
+                continue
+            if dest.echo_filter is not None:
+                dest.echo_filter.add(out)
+            dest.sendPacket(out)
+            self.forwarded[side] += 1
+
+    # -- statistics
+
+    def stats(self) -> dict:
+        return {
+            "forwarded": {"a>b": self.forwarded["a"], "b>a": self.forwarded["b"]},
+            "reconnects": self.reconnects,
+            "drops": {"a>b": self.dropped["a"], "b>a": self.dropped["b"]},
+            "secret_filtered": self.secret_filtered,
+            "echoes_suppressed": self.echoes_suppressed,
+            "connected": {s: bool(c.connected) for s, c in self.clients.items()},
+        }
+
+    def _report(self, final: bool) -> None:
+        st = self.stats()
+        if not final and st == self._last_stats:
+            return
+        self._last_stats = st
+        log.info("{what}: forwarded a>b={ab} b>a={ba}; reconnects a={ra} b={rb}; drops a>b={dab} "
+                 "b>a={dba}; secret filtered={sf}; echoes suppressed={es}; connected a={ca} b={cb}",
+                 what="stopped" if final else "stats",
+                 ab=st["forwarded"]["a>b"], ba=st["forwarded"]["b>a"],
+                 ra=st["reconnects"]["a"], rb=st["reconnects"]["b"],
+                 dab=st["drops"]["a>b"], dba=st["drops"]["b>a"], sf=st["secret_filtered"],
+                 es=st["echoes_suppressed"],
+                 ca="yes" if st["connected"]["a"] else "no", cb="yes" if st["connected"]["b"] else "no")
+
+
+# -- twistd options
+
+
+def parse_config(path: str) -> tuple[dict, list[Rule]]:
+    """Read a config file: lines ``a ADDRESS``, ``b ADDRESS``, ``rule PATTERN DIRECTION [A_PREFIX B_PREFIX]``.
+
+    Blank lines and lines starting with ``#`` are ignored. Returns
+    ({"a": ..., "b": ...}, rules); raises `RuleError` naming the line.
+    """
+    addresses: dict = {}
+    rules = []
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+        for n, line in enumerate(f, 1):
+            text = line.strip()
+            if not text or text.startswith("#"):
+                continue
+            word, _, rest = text.partition(" ")
+            rest = rest.strip()
+            try:
+                if word in ("a", "b"):
+                    if not rest:
+                        raise RuleError(f"'{word}' needs an address")
+                    addresses[word] = rest
+                elif word == "rule":
+                    rules.append(parse_rule(rest))
+                else:
+                    raise RuleError(f"unknown keyword {word!r} (a, b or rule)")
+            except RuleError as e:
+                raise RuleError(f"{path}:{n}: {e}") from None
+    return addresses, rules
+
+
+class Options(usage.Options):
+    synopsis = "--a ADDRESS --b ADDRESS --rule 'PATTERN DIRECTION [A_PREFIX B_PREFIX]' ... | --config FILE"
+    longdesc = (
+        "Join two sbus buses as a client of each. A rule is PATTERN DIRECTION [A_PREFIX B_PREFIX]: "
+        "DIRECTION is a>b, b>a or both; the prefixes (A side first, always) rewrite keys going "
+        "across: A_PREFIX+rest on A is B_PREFIX+rest on B and back. Secret (!/cred/) keys cross "
+        "only for rules whose pattern names them. Config file lines: 'a ADDRESS', 'b ADDRESS', "
+        "'rule ...', '#' comments; options given on the command line win."
+    )
+    optParameters = [
+        ["a", None, None, "Address of bus A (path, /dev/unix/abstract/HEX)."],
+        ["b", None, None, "Address of bus B."],
+        ["config", "c", None, "Read addresses and rules from this file."],
+        ["stats-interval", None, "60", "Seconds between stats lines in the log (only if changed)."],
+        ["max-delay", None, "10", "Longest reconnect back-off, seconds."],
+    ]
+
+    def __init__(self):
+        super().__init__()
+        self["rules"] = []
+
+    def opt_rule(self, value: str) -> None:
+        """A forwarding rule 'PATTERN DIRECTION [A_PREFIX B_PREFIX]' (repeatable)."""
+        try:
+            self["rules"].append(parse_rule(value))
+        except RuleError as e:
+            raise usage.UsageError(f"--rule: {e}") from None
+
+    opt_r = opt_rule
+
+    def postOptions(self):
+        if self["config"]:
+            try:
+                addresses, rules = parse_config(self["config"])
+            except OSError as e:
+                raise usage.UsageError(f"--config: {e.filename}: {e.strerror}") from None
+            except RuleError as e:
+                raise usage.UsageError(f"--config: {e}") from None
+            for side in SIDES:
+                if not self[side] and side in addresses:
+                    self[side] = addresses[side]
+            self["rules"] = rules + self["rules"]
+        for side in SIDES:
+            if not self[side]:
+                raise usage.UsageError(f"--{side} ADDRESS is required (or '{side} ADDRESS' in --config)")
+            from sbus.client.address import AddressError, parse
+            try:
+                parse(self[side])
+            except AddressError as e:
+                raise usage.UsageError(f"--{side}: {e}") from None
+        if not self["rules"]:
+            raise usage.UsageError("at least one --rule is required")
+        for name in ("stats-interval", "max-delay"):
+            try:
+                value = float(self[name])
+            except ValueError:
+                raise usage.UsageError(f"--{name}: not a number: {self[name]!r}") from None
+            if not value > 0:
+                raise usage.UsageError(f"--{name}: must be positive")
+            self[name] = value
+
+
+def makeService(options) -> BridgeService:
+    return BridgeService(options["a"], options["b"], options["rules"],
+                         stats_interval=options["stats-interval"], max_delay=options["max-delay"])

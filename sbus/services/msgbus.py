@@ -1,0 +1,632 @@
+"""``twistd sbus-msgbus``: the msgbus line protocol, joined to an sbus bus.
+
+    twistd -n sbus-msgbus --bus /run/sbus.socket [--port tcp:11111]
+
+Serves the protocol of msgbus (``shared/seeds/msgbus-README.md``) on a Twisted
+stream endpoint and joins it to an sbus bus (NOTES §8).
+
+The protocol, as served
+-----------------------
+
+Commands are lines ending with ``\\n`` (a ``\\r`` before it is ignored);
+words are separated by runs of spaces or tabs.
+
+====================================  ==========================================
+client sends                          server answers
+====================================  ==========================================
+``sub CH1 CH2 ...``                   ``ack sub``
+``unsub CH1 CH2 ...``                 ``ack unsub`` (channels not held: ignored)
+``listen``                            ``ack listen``
+``unlisten``                          ``ack unlisten``
+``ping``                              ``pong``
+``send X CH1 CH2 ...`` + X bytes      nothing; see delivery
+anything else                         ``error <reason>``, the connection stays
+====================================  ==========================================
+
+Delivery: a message sent to channel ``s`` reaches every *listening* client
+registered on a channel ``c`` that starts with ``s`` (``s`` equal to ``c``
+included; the README's "substrings" are prefixes), as ``recv X\\n`` followed by
+the X bytes; once per client however many of its channels match, however
+many channels the send names, and never to the sender itself. Registering
+on a channel twice is the same as once.
+
+Malformed lines (unknown command, ``sub``/``unsub``/``send`` without channels,
+a bad length, arguments to ``ping``/``listen``/``unlisten``, an empty line, a
+NUL in a channel) get ``error ...`` and the connection stays usable. Two
+errors close the connection, after the error line: a command line longer
+than ``--max-line`` (64 KiB) and a ``send`` whose declared length is over the
+limit (below). A client that disconnects mid-message sends nothing.
+
+Joined to the bus
+-----------------
+
+* Every gateway ``send`` is also published on the bus as ``msgbus/<channel>``,
+  once per distinct channel named in it.
+* The gateway subscribes to ``msgbus/`` on the bus, with echo off (so its own
+  publishes do not come back); a bus message on ``msgbus/<name>`` is delivered
+  to the gateway's clients as if it had been sent to ``<name>``.
+* Several gateways may share a bus: each republishes only what its own
+  clients sent, so nothing loops.
+
+Size limit: a message must fit in one sbus packet with its key
+(``MSG msgbus/<channel>\\0``). By default (``--max-message`` not given) a
+``send`` is refused, and the connection closed, when X plus that overhead for
+its longest channel exceeds the bus's packet limit (``--max-packet``,
+409600). With ``--max-message N`` the limit is N; a message that is then too
+big for a packet is still delivered to the gateway's clients but not
+published on the bus (counted as a drop).
+
+Channels whose name would make an invalid sbus key (a ``!`` segment, as in
+``a/!/b``) are served to the gateway's clients but not published (a drop).
+
+Slow clients: each connection registers itself as a streaming producer on its
+transport; while the transport's buffer is full, messages for it wait in a
+per-client queue, and beyond ``--queue-bytes`` (4 MiB) they are dropped and
+counted.
+
+Data structure and cost
+-----------------------
+
+Channels live in a byte trie (`ChannelTrie`): one node per byte of every
+registered channel, each node holding the clients registered on exactly that
+channel. A ``sub``/``unsub`` of a channel of length L costs O(L). Delivering
+to ``s`` walks L = len(s) nodes down, then visits the subtree below: O(L + n),
+where n is the number of trie nodes under ``s`` (registered channels starting
+with ``s``, and their bytes), collecting recipients into a set so each gets
+one copy. Memory is O(total bytes of distinct registered channels).
+
+Statistics: a stats line every ``--stats-interval`` seconds (if changed) and
+at stop: clients, messages received from clients and from the bus,
+deliveries, publishes to the bus, drops, bus reconnects.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from twisted.application import service
+from twisted.internet import defer, endpoints, protocol
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python import usage
+
+from sbus.core.codec import MAX_PACKET
+from sbus.core.credentials import CredentialError, check_key
+
+log = Logger(namespace="sbus.msgbus")
+
+KEY_PREFIX = b"msgbus/"
+#: ``MSG msgbus/`` + the NUL: the bytes of an sbus packet besides channel and payload.
+PACKET_OVERHEAD = len(b"MSG ") + len(KEY_PREFIX) + 1
+DEFAULT_PORT = "tcp:11111:interface=127.0.0.1"
+DEFAULT_MAX_LINE = 64 * 1024
+DEFAULT_QUEUE_BYTES = 4 << 20
+
+
+class ChannelTrie:
+    """Clients by channel, in a byte trie; `collect(s)` finds those on channels starting with s.
+
+    A node is ``[children: dict[int, node], members: set]``.
+    """
+
+    __slots__ = ("root", "channels")
+
+    def __init__(self):
+        self.root = [{}, set()]
+        self.channels = 0  # (client, channel) registrations
+
+    def add(self, channel: bytes, member) -> bool:
+        node = self.root
+        for byte in channel:
+            children = node[0]
+            child = children.get(byte)
+            if child is None:
+                child = children[byte] = [{}, set()]
+            node = child
+        if member in node[1]:
+            return False
+        node[1].add(member)
+        self.channels += 1
+        return True
+
+    def remove(self, channel: bytes, member) -> bool:
+        path = []
+        node = self.root
+        for byte in channel:
+            child = node[0].get(byte)
+            if child is None:
+                return False
+            path.append((node, byte))
+            node = child
+        if member not in node[1]:
+            return False
+        node[1].discard(member)
+        self.channels -= 1
+        # prune nodes that hold nothing any more
+        while path and not node[0] and not node[1]:
+            parent, byte = path.pop()
+            del parent[0][byte]
+            node = parent
+        return True
+
+    def collect(self, prefix: bytes, into: set) -> set:
+        """Add to `into` every member registered on a channel starting with `prefix`."""
+        node = self.root
+        for byte in prefix:
+            node = node[0].get(byte)
+            if node is None:
+                return into
+        stack = [node]
+        while stack:
+            node = stack.pop()
+            if node[1]:
+                into.update(node[1])
+            stack.extend(node[0].values())
+        return into
+
+    def __bool__(self):
+        return bool(self.root[0] or self.root[1])
+
+
+class MsgbusProtocol(protocol.Protocol):
+    """One msgbus client connection (also a streaming producer for its own transport)."""
+
+    def __init__(self, gateway: "MsgbusGateway"):
+        self.gateway = gateway
+        self.channels: set[bytes] = set()
+        self.listening = False
+        self._buf = bytearray()
+        self._need: int | None = None       # body bytes still expected after 'send'
+        self._send_channels: list[bytes] = []
+        self._closing = False
+        self._congested = False
+        self._pending: deque = deque()
+        self._pending_bytes = 0
+        self.peer = "?"
+
+    # -- connection
+
+    def connectionMade(self):
+        peer = self.transport.getPeer()
+        self.peer = f"{getattr(peer, 'host', peer)}:{getattr(peer, 'port', '')}"
+        self.transport.registerProducer(self, True)
+        self.gateway.clientConnected(self)
+
+    def connectionLost(self, reason=None):
+        self._closing = True
+        self._pending.clear()
+        self._pending_bytes = 0
+        self.gateway.clientLost(self)
+
+    # -- output
+
+    def sendLine(self, line: bytes) -> None:
+        if not self._closing:
+            self.transport.write(line + b"\n")
+
+    def error(self, reason: str, close: bool = False) -> None:
+        self.gateway.errors += 1
+        self.sendLine(b"error " + reason.replace("\n", " ").encode("utf-8", "replace"))
+        if close:
+            log.info("closing msgbus client {peer}: {reason}", peer=self.peer, reason=reason)
+            self.close()
+
+    def close(self) -> None:
+        """Close after what is written; pending messages are dropped."""
+        self._closing = True
+        self._pending.clear()
+        self._pending_bytes = 0
+        # a registered (paused) producer would keep a disconnecting TCP transport open
+        self.transport.unregisterProducer()
+        self.transport.loseConnection()
+
+    def deliver(self, data: bytes) -> bool:
+        """Queue one ``recv X\\n`` + bytes for this client; False if dropped."""
+        if self._closing:
+            return False
+        if not self._congested:
+            self.transport.write(data)
+            return True
+        if self._pending_bytes + len(data) > self.gateway.queue_bytes:
+            return False
+        self._pending.append(data)
+        self._pending_bytes += len(data)
+        return True
+
+    # IPushProducer, driven by our own transport's write buffer
+    def pauseProducing(self):
+        self._congested = True
+
+    def resumeProducing(self):
+        self._congested = False
+        pending = self._pending
+        while pending and not self._congested and not self._closing:
+            data = pending.popleft()
+            self._pending_bytes -= len(data)
+            self.transport.write(data)
+
+    def stopProducing(self):
+        self._pending.clear()
+        self._pending_bytes = 0
+
+    # -- input
+
+    def dataReceived(self, data: bytes):
+        if self._closing:
+            return
+        buf = self._buf
+        buf += data
+        pos = 0
+        max_line = self.gateway.max_line
+        while not self._closing:
+            if self._need is not None:
+                if len(buf) - pos < self._need:
+                    break
+                body = bytes(buf[pos:pos + self._need])
+                pos += self._need
+                self._need = None
+                channels, self._send_channels = self._send_channels, []
+                self.gateway.clientSent(self, channels, body)
+                continue
+            end = buf.find(b"\n", pos)
+            if end < 0:
+                if len(buf) - pos > max_line:
+                    self.error(f"line too long (over {max_line} bytes)", close=True)
+                break
+            if end - pos > max_line:
+                self.error(f"line too long (over {max_line} bytes)", close=True)
+                break
+            line = bytes(buf[pos:end])
+            pos = end + 1
+            self.lineReceived(line[:-1] if line.endswith(b"\r") else line)
+        if self._closing:
+            buf.clear()
+        elif pos:
+            del buf[:pos]
+
+    def lineReceived(self, line: bytes) -> None:
+        words = line.split()
+        if not words:
+            return self.error("empty command")
+        cmd, args = words[0], words[1:]
+        handler = _COMMANDS.get(cmd)
+        if handler is None:
+            return self.error(f"unknown command {cmd.decode('utf-8', 'replace')!r}")
+        handler(self, args)
+
+    def _no_args(self, name: str, args) -> bool:
+        if args:
+            self.error(f"{name} takes no arguments")
+            return False
+        return True
+
+    def _channels(self, name: str, args) -> list[bytes] | None:
+        if not args:
+            self.error(f"{name} needs at least one channel")
+            return None
+        if any(b"\0" in a for a in args):
+            self.error(f"{name}: a channel may not contain a NUL byte")
+            return None
+        return args
+
+    def do_sub(self, args):
+        channels = self._channels("sub", args)
+        if channels is not None:
+            for c in channels:
+                if c not in self.channels:
+                    self.channels.add(c)
+                    self.gateway.trie.add(c, self)
+            self.sendLine(b"ack sub")
+
+    def do_unsub(self, args):
+        channels = self._channels("unsub", args)
+        if channels is not None:
+            for c in channels:
+                if c in self.channels:
+                    self.channels.discard(c)
+                    self.gateway.trie.remove(c, self)
+            self.sendLine(b"ack unsub")
+
+    def do_listen(self, args):
+        if self._no_args("listen", args):
+            self.listening = True
+            self.sendLine(b"ack listen")
+
+    def do_unlisten(self, args):
+        if self._no_args("unlisten", args):
+            self.listening = False
+            self.sendLine(b"ack unlisten")
+
+    def do_ping(self, args):
+        if self._no_args("ping", args):
+            self.sendLine(b"pong")
+
+    def do_send(self, args):
+        if not args:
+            return self.error("send needs a length and at least one channel")
+        size = args[0]
+        if not (size.isdigit() and size.isascii()):
+            return self.error(f"send: bad length {size.decode('utf-8', 'replace')!r}")
+        channels = self._channels("send", args[1:])
+        if channels is None:
+            return
+        n = int(size)
+        limit = self.gateway.limit_for(channels)
+        if n > limit:
+            return self.error(f"send: message of {n} bytes is over the limit of {limit} bytes", close=True)
+        self._need = n
+        self._send_channels = channels
+
+
+_COMMANDS = {
+    b"sub": MsgbusProtocol.do_sub,
+    b"unsub": MsgbusProtocol.do_unsub,
+    b"listen": MsgbusProtocol.do_listen,
+    b"unlisten": MsgbusProtocol.do_unlisten,
+    b"ping": MsgbusProtocol.do_ping,
+    b"send": MsgbusProtocol.do_send,
+}
+
+
+class MsgbusGateway(protocol.Factory):
+    """The msgbus side: clients, the channel trie, delivery; `bus` publishes to sbus."""
+
+    noisy = False
+
+    def __init__(self, *, max_packet: int = MAX_PACKET, max_message: int | None = None,
+                 max_line: int = DEFAULT_MAX_LINE, queue_bytes: int = DEFAULT_QUEUE_BYTES):
+        self.max_packet = max_packet
+        self.max_message = max_message
+        self.max_line = max_line
+        self.queue_bytes = queue_bytes
+        self.trie = ChannelTrie()
+        self.clients: set[MsgbusProtocol] = set()
+        self.bus = None  # a ReconnectingClient (publish returns False while down)
+        self.received_clients = 0
+        self.received_bus = 0
+        self.delivered = 0
+        self.published = 0
+        self.dropped_clients = 0   # slow gateway clients
+        self.dropped_bus = 0       # not published: bus down, key invalid or too long
+        self.errors = 0
+
+    def buildProtocol(self, addr):
+        return MsgbusProtocol(self)
+
+    def limit_for(self, channels: list[bytes]) -> int:
+        if self.max_message is not None:
+            return self.max_message
+        return self.max_packet - PACKET_OVERHEAD - max(len(c) for c in channels)
+
+    def clientConnected(self, client: MsgbusProtocol) -> None:
+        self.clients.add(client)
+
+    def clientLost(self, client: MsgbusProtocol) -> None:
+        self.clients.discard(client)
+        for c in client.channels:
+            self.trie.remove(c, client)
+        client.channels.clear()
+
+    def deliver(self, channels, body: bytes, sender=None) -> int:
+        recipients: set = set()
+        for c in channels:
+            self.trie.collect(c, recipients)
+        recipients.discard(sender)
+        data = b"recv %d\n" % len(body) + body
+        n = 0
+        for client in recipients:
+            if client.listening:
+                if client.deliver(data):
+                    n += 1
+                else:
+                    self.dropped_clients += 1
+        self.delivered += n
+        return n
+
+    def clientSent(self, sender: MsgbusProtocol, channels: list[bytes], body: bytes) -> None:
+        self.received_clients += 1
+        self.deliver(channels, body, sender)
+        seen = set()
+        for c in channels:
+            if c in seen:
+                continue
+            seen.add(c)
+            key = KEY_PREFIX + c
+            try:
+                check_key(key)
+                packet_ok = len(key) + len(body) + 5 <= self.max_packet
+            except CredentialError:
+                packet_ok = False
+            if not packet_ok:
+                self.dropped_bus += 1
+                log.warn("not publishing a message on {key!r} to the bus: invalid key or too big "
+                         "for a packet", key=key)
+                continue
+            if self.bus is not None and self.bus.publish(key, body):
+                self.published += 1
+            else:
+                self.dropped_bus += 1
+
+    def busMessage(self, key: bytes, payload: bytes) -> None:
+        if not key.startswith(KEY_PREFIX):
+            return
+        self.received_bus += 1
+        self.deliver((key[len(KEY_PREFIX):],), payload)
+
+
+class MsgbusService(service.MultiService):
+    name = "sbus-msgbus"
+
+    def __init__(self, bus, port: str = DEFAULT_PORT, *, stats_interval: float = 60.0,
+                 max_delay: float = 10.0, reactor=None, **gateway_options):
+        super().__init__()
+        self.bus_address = bus
+        self.port = port
+        self.stats_interval = stats_interval
+        self.max_delay = max_delay
+        self._reactor = reactor
+        self.gateway = MsgbusGateway(**gateway_options)
+        self.client = None
+        self.connects = 0
+        self._loop = None
+        self._last = None
+        self._listening = None
+
+    @property
+    def reactor(self):
+        if self._reactor is None:
+            from twisted.internet import reactor
+            self._reactor = reactor
+        return self._reactor
+
+    def startService(self):
+        from sbus.client.twisted import ReconnectingClient, SbusProtocol
+
+        gateway = self.gateway
+        svc = self
+
+        class BusProtocol(SbusProtocol):
+            def messageReceived(self, key, payload, packet):
+                gateway.busMessage(key, payload)
+
+        class Client(ReconnectingClient):
+            def connectionMade(self, proto):
+                svc.connects += 1
+
+                def ready(_):
+                    log.info("connected to the bus {bus} as {who}; subscribed to msgbus/, echo off"
+                             "{again}", bus=svc.bus_address or "(default address)",
+                             who=(proto.credentials or b"?").decode("utf-8", "replace"),
+                             again="" if svc.connects == 1 else f" (reconnect {svc.connects - 1})")
+
+                proto.sync().addCallbacks(ready, lambda f: None)
+
+            def connectionLost(self, reason):
+                if svc.running:
+                    log.warn("lost the bus connection ({why}); reconnecting", why=reason)
+
+        self.client = Client(self.reactor, self.bus_address, BusProtocol, maxDelay=self.max_delay,
+                             max_packet=gateway.max_packet)
+        self.client.subscribe(KEY_PREFIX)
+        self.client.echo(False)
+        gateway.bus = self.client
+        self.client.start()
+
+        endpoint = endpoints.serverFromString(self.reactor, self.port)
+        d = endpoint.listen(gateway)
+
+        def listening(port):
+            self._listening = port
+            host = port.getHost()
+            log.info("msgbus gateway listening on {host}:{port}", host=getattr(host, "host", host),
+                     port=getattr(host, "port", ""))
+            return port
+
+        d.addCallback(listening)
+        super().startService()
+        self._loop = LoopingCall(self._report, False)
+        self._loop.clock = self.reactor
+        self._loop.start(self.stats_interval, now=False)
+        return d
+
+    def stopService(self):
+        super().stopService()
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        ds = []
+        if self._listening is not None:
+            ds.append(defer.maybeDeferred(self._listening.stopListening))
+        for c in list(self.gateway.clients):
+            c.close()
+        if self.client is not None:
+            ds.append(self.client.stop())
+        return defer.DeferredList(ds, consumeErrors=True).addCallback(lambda _: self._report(True))
+
+    def stats(self) -> dict:
+        g = self.gateway
+        return {
+            "clients": len(g.clients), "from_clients": g.received_clients, "from_bus": g.received_bus,
+            "delivered": g.delivered, "published": g.published,
+            "drops": {"slow_client": g.dropped_clients, "not_published": g.dropped_bus},
+            "errors": g.errors, "reconnects": max(0, self.connects - 1),
+        }
+
+    def _report(self, final: bool) -> None:
+        st = self.stats()
+        if not final and st == self._last:
+            return
+        self._last = st
+        log.info("{what}: clients={clients}; messages from clients={fc} from bus={fb}; delivered={d}; "
+                 "published to bus={p}; drops slow client={ds} not published={dn}; errors={e}; "
+                 "reconnects={r}", what="stopped" if final else "stats", clients=st["clients"],
+                 fc=st["from_clients"], fb=st["from_bus"], d=st["delivered"], p=st["published"],
+                 ds=st["drops"]["slow_client"], dn=st["drops"]["not_published"], e=st["errors"],
+                 r=st["reconnects"])
+
+
+def _positive_int(name, value) -> int:
+    try:
+        n = int(value, 10)
+    except ValueError:
+        raise usage.UsageError(f"--{name}: not an integer: {value!r}") from None
+    if n <= 0:
+        raise usage.UsageError(f"--{name}: must be positive")
+    return n
+
+
+class Options(usage.Options):
+    synopsis = "--bus ADDRESS [--port ENDPOINT] [options]"
+    longdesc = (
+        "Serve the msgbus line protocol (sub, unsub, listen, unlisten, ping, send) on a Twisted "
+        "server endpoint and join it to an sbus bus: sends are also published as msgbus/<channel>, "
+        "and bus messages on msgbus/<name> reach clients as if sent to <name>. The default port "
+        "listens on loopback only; 'tcp:11111' listens on every interface."
+    )
+    optParameters = [
+        ["bus", "b", None, "Bus address (path, /dev/unix/abstract/HEX, /dev/fd/N); "
+                           "default $SBUS_SOCKET, then ./sbus.socket."],
+        ["port", "p", DEFAULT_PORT, "Twisted server endpoint string for msgbus clients."],
+        ["max-packet", None, str(MAX_PACKET), "The bus's packet limit, bytes."],
+        ["max-message", None, None, "Largest message a client may send, bytes (default: what "
+                                    "fits in one bus packet with its key)."],
+        ["max-line", None, str(DEFAULT_MAX_LINE), "Longest command line, bytes."],
+        ["queue-bytes", None, str(DEFAULT_QUEUE_BYTES), "Per-client output queue beyond the "
+                                                        "socket buffer; more is dropped."],
+        ["stats-interval", None, "60", "Seconds between stats lines in the log (only if changed)."],
+        ["max-delay", None, "10", "Longest bus reconnect back-off, seconds."],
+    ]
+
+    def postOptions(self):
+        if self["bus"]:
+            from sbus.client.address import AddressError, parse
+            try:
+                parse(self["bus"])
+            except AddressError as e:
+                raise usage.UsageError(f"--bus: {e}") from None
+        for name in ("max-packet", "max-line", "queue-bytes"):
+            self[name] = _positive_int(name, self[name])
+        if self["max-packet"] <= PACKET_OVERHEAD + 1:
+            raise usage.UsageError(f"--max-packet: must be over {PACKET_OVERHEAD + 1}")
+        if self["max-message"] is not None:
+            self["max-message"] = _positive_int("max-message", self["max-message"])
+        for name in ("stats-interval", "max-delay"):
+            try:
+                self[name] = float(self[name])
+            except ValueError:
+                raise usage.UsageError(f"--{name}: not a number: {self[name]!r}") from None
+            if not self[name] > 0:
+                raise usage.UsageError(f"--{name}: must be positive")
+        try:
+            # parse only (no reactor is touched before twistd chooses one)
+            endpoints.serverFromString(object(), self["port"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise usage.UsageError(f"--port: bad endpoint {self['port']!r}: {e}") from None
+
+
+def makeService(options) -> MsgbusService:
+    return MsgbusService(
+        options["bus"], options["port"], stats_interval=options["stats-interval"],
+        max_delay=options["max-delay"], max_packet=options["max-packet"],
+        max_message=options["max-message"], max_line=options["max-line"],
+        queue_bytes=options["queue-bytes"],
+    )

@@ -1,0 +1,265 @@
+"""`twistd sbus-bridge`: real buses (`sbusd -f`), a real bridge process, raw clients.
+
+Synchronisation never sleeps: the bridge is ready once it logged both sides
+ready (polled with a timeout); messages are awaited with receive timeouts;
+markers sent through the bridge after the traffic prove, by the bridge's
+per-connection ordering, that no looped copy is still on its way.
+
+`TwistdProcess` is shared with the other service tests (test_msgbus,
+test_contrib).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import connect, msg, recv, send, sub, sync
+
+REPO = str(Path(__file__).resolve().parent.parent)
+TWISTD = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()", "-n", "--pidfile="]
+TIMEOUT = 10.0
+
+
+def service_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+class TwistdProcess:
+    """`twistd -n PLUGIN ARGS...` in the background, its output in a log file."""
+
+    def __init__(self, args, tmp_path, argv=None):
+        tmp_path = Path(tmp_path)
+        self.log_path = tmp_path / f"{args[0] if args else 'svc'}-{time.monotonic_ns()}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(argv or [*TWISTD, *args], stdin=subprocess.DEVNULL,
+                                     stdout=self._log, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                     env=service_env())
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_log(self, pattern: str, count: int = 1, timeout: float = TIMEOUT) -> str:
+        """Poll the log until regex `pattern` matched `count` times; return the log."""
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.log()
+            if len(re.findall(pattern, text)) >= count:
+                return text
+            if self.proc.poll() is not None:
+                raise AssertionError(f"exited with {self.proc.returncode} before logging "
+                                     f"{pattern!r}:\n{text}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{pattern!r} not logged {count}x within {timeout}s:\n{text}")
+            time.sleep(0.02)
+
+    def stop(self, sig=signal.SIGTERM) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if not self._log.closed:
+            self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def twistd(tmp_path):
+    procs = []
+
+    def start(*args):
+        p = TwistdProcess(list(args), tmp_path)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        p.stop()
+
+
+def start_bridge(twistd, a, b, *rules, extra=()):
+    args = ["sbus-bridge", "--a", a, "--b", b, "--max-delay", "0.5", *extra]
+    for r in rules:
+        args += ["--rule", r]
+    bridge = twistd(*args)
+    bridge.wait_log(r"side a: connected .*; ready")
+    bridge.wait_log(r"side b: connected .*; ready")
+    return bridge
+
+
+def recv_until(sock, last: bytes, timeout: float = 5.0) -> list[bytes]:
+    """Packets until (and including) `last`; then everything already queued (a sync)."""
+    got = []
+    deadline = time.monotonic() + timeout
+    while True:
+        p = recv(sock, max(0.01, deadline - time.monotonic()))
+        assert p, f"disconnected; had {got!r}"
+        got.append(p)
+        if p == last:
+            break
+    return got + sync(sock)
+
+
+def stats_line(bridge) -> str:
+    text = bridge.log()
+    lines = [l for l in text.splitlines() if "] stopped: forwarded" in l]
+    assert lines, text
+    return lines[-1]
+
+
+# ---------------------------------------------------------------- rules
+
+
+def test_rule_syntax():
+    from sbus.services.bridge import Rule, RuleError, parse_rule
+
+    assert parse_rule("sensors/ a>b") == Rule(b"sensors/", "a>b")
+    assert parse_rule("'' both alice/ bob/") == Rule(b"", "both", b"alice/", b"bob/")
+    r = parse_rule('sensors/ both "" site1/')
+    assert list(r.routes()) == [("a", b"sensors/", b"", b"site1/"),
+                                ("b", b"site1/sensors/", b"site1/", b"")]
+    assert list(parse_rule("x/ b>a p/ q/").routes()) == [("b", b"q/x/", b"q/", b"p/")]
+    for bad in ("x/", "x/ sideways", "x/ a>b onlyone", "x/ a>b a* b/", "'x a>b"):
+        with pytest.raises(RuleError):
+            parse_rule(bad)
+
+
+def test_usage_errors_are_one_line(tmp_path):
+    cfg = tmp_path / "bridge.conf"
+    cfg.write_text("a A.socket\nb B.socket\nrule x/ diagonal\n")
+    for args, needle in ((["--a", "x", "--rule", "p a>b"], "--b ADDRESS is required"),
+                         (["--a", "x", "--b", "y"], "at least one --rule"),
+                         (["--a", "x", "--b", "y", "--rule", "p up"], "direction must be"),
+                         (["--config", str(cfg)], "bridge.conf:3")):
+        res = subprocess.run([*TWISTD, "sbus-bridge", *args], capture_output=True, timeout=TIMEOUT,
+                             cwd=tmp_path, env=service_env())
+        assert res.returncode != 0
+        assert needle in res.stderr.decode() + res.stdout.decode(), (args, res)
+
+
+# ---------------------------------------------------------------- real processes
+
+
+def test_both_directions_with_rewrite_and_no_loop(start_bus, twistd):
+    bus_a, bus_b = start_bus(), start_bus()
+    # A's sensors/... is B's site1/sensors/...: what the bridge publishes on B
+    # matches its own B-side subscription, and back: a loop if echo were on.
+    bridge = start_bridge(twistd, bus_a.address, bus_b.address, "sensors/ both '' site1/")
+    sa, sb = connect(bus_a.address), connect(bus_b.address)
+    pa, pb = connect(bus_a.address), connect(bus_b.address)
+    send(sa, sub(b""))
+    send(sb, sub(b""))
+    sync(sa)
+    sync(sb)
+
+    send(pa, msg(b"sensors/t", b"1"))                         # A -> B, rewritten
+    assert recv_until(sb, msg(b"site1/sensors/t", b"1")) == [msg(b"site1/sensors/t", b"1")]
+    send(pb, msg(b"site1/sensors/u", b"2"))                   # B -> A, rewritten back
+    send(pb, msg(b"elsewhere/v", b"3"))                       # not bridged
+    got_a = recv_until(sa, msg(b"sensors/u", b"2"))
+    # markers through the bridge, each way: a looped copy would come before them
+    send(pa, msg(b"sensors/zmarker"))
+    send(pb, msg(b"site1/sensors/ymarker"))
+    got_a += recv_until(sa, msg(b"sensors/ymarker"))
+    got_b = recv_until(sb, msg(b"site1/sensors/zmarker"))
+
+    assert got_a.count(msg(b"sensors/t", b"1")) == 1          # pa's own, never looped back
+    assert got_a.count(msg(b"sensors/u", b"2")) == 1
+    assert not any(p.startswith(b"MSG elsewhere/") or p.startswith(b"MSG site1/") for p in got_a)
+    assert got_b.count(msg(b"site1/sensors/u", b"2")) == 1    # pb's own, never looped back
+    assert got_b.count(msg(b"site1/sensors/t", b"1")) == 0    # seen once, before
+    assert got_b.count(msg(b"elsewhere/v", b"3")) == 1
+    assert not any(p.startswith(b"MSG sensors/") for p in got_b)
+
+    assert bridge.stop() in (0, -signal.SIGTERM)
+    line = stats_line(bridge)
+    assert "forwarded a>b=2 b>a=2" in line, line
+    assert "echoes suppressed=0" in line and "drops a>b=0 b>a=0" in line, line
+    for s in (sa, sb, pa, pb):
+        s.close()
+
+
+def test_secret_keys_cross_only_when_named(start_bus, twistd):
+    bus_a, bus_b = start_bus(), start_bus()
+    bridge = start_bridge(twistd, bus_a.address, bus_b.address,
+                          "'' a>b", "'' a>b !/cred//// to-bridge/")
+    gid, uid = os.getgid(), os.getuid()
+    secret = b"!/cred/%d/%d/%d/hello" % (gid, uid, bridge.pid)  # the bridge's own secret key on A
+    sb, pa = connect(bus_b.address), connect(bus_a.address)
+    send(sb, sub(b""))
+    sync(sb)
+    send(pa, msg(secret, b"private"))
+    send(pa, msg(b"plain/marker"))
+    got = recv_until(sb, msg(b"plain/marker"))
+    # the '' rule does not carry it; the rule naming !/cred/ does, rewritten
+    assert got == [msg(b"to-bridge/hello", b"private"), msg(b"plain/marker")], got
+    bridge.stop()
+    assert "forwarded a>b=2" in stats_line(bridge)
+    assert "secret filtered=0" in stats_line(bridge)  # one rule took it
+
+
+def test_side_restart_and_traffic_resumes(start_bus, twistd):
+    bus_a, bus_b = start_bus(), start_bus()
+    bridge = start_bridge(twistd, bus_a.address, bus_b.address, "jobs/ a>b", "done/ b>a")
+    pa = connect(bus_a.address)
+
+    def round_trip(tag: bytes):
+        sb = connect(bus_b.address)
+        send(sb, sub(b"jobs/"))
+        sync(sb)
+        send(pa, msg(b"jobs/" + tag, tag))
+        assert recv_until(sb, msg(b"jobs/" + tag, tag)) == [msg(b"jobs/" + tag, tag)]
+        sa = connect(bus_a.address)
+        send(sa, sub(b"done/"))
+        sync(sa)
+        send(sb, msg(b"done/" + tag, tag))
+        assert recv_until(sa, msg(b"done/" + tag, tag)) == [msg(b"done/" + tag, tag)]
+        sa.close()
+        sb.close()
+
+    round_trip(b"1")
+    address = bus_b.address
+    bus_b.stop()
+    bridge.wait_log(r"side b: lost the connection")
+    send(pa, msg(b"jobs/lost", b"x"))  # B is down: dropped and counted
+    bus_b = start_bus(address=address)
+    bridge.wait_log(r"side b: reconnected \(reconnect 1\) .*; ready")
+    round_trip(b"2")  # subscriptions were re-made on the new B, both ways
+    bridge.stop()
+    line = stats_line(bridge)
+    assert "forwarded a>b=2 b>a=2" in line, line
+    assert "reconnects a=0 b=1" in line, line
+    assert "drops a>b=1 b>a=0" in line, line
+    pa.close()
+
+
+def test_config_file(start_bus, twistd, tmp_path):
+    bus_a, bus_b = start_bus(), start_bus()
+    cfg = tmp_path / "bridge.conf"
+    cfg.write_text(f"# example\na {bus_a.address}\nb {bus_b.address}\n\nrule '' both left/ right/\n")
+    bridge = twistd("sbus-bridge", "--config", str(cfg))
+    bridge.wait_log(r"side a: connected .*; ready")
+    bridge.wait_log(r"side b: connected .*; ready")
+    sb, pa = connect(bus_b.address), connect(bus_a.address)
+    send(sb, sub(b"right/"))
+    sync(sb)
+    send(pa, msg(b"left/x/y", b"z"))
+    assert recv_until(sb, msg(b"right/x/y", b"z")) == [msg(b"right/x/y", b"z")]

@@ -1,0 +1,13 @@
+"""twistd plugin ``sbus-msgbus``: the msgbus line protocol, joined to an sbus bus.
+
+Lazy like the other sbus plugins: only the module name is given.
+"""
+
+from twisted.application.service import ServiceMaker
+
+sbus_msgbus = ServiceMaker(
+    "sbus-msgbus",
+    "sbus.services.msgbus",
+    "msgbus gateway: the msgbus TCP line protocol on top of an sbus bus (see docs/deploy.md)",
+    "sbus-msgbus",
+)
