@@ -14,6 +14,7 @@ import re
 
 from twisted.python import usage
 
+from sbus.options import positive_float, positive_int
 from sbus.server.address import AddressError, parse_address
 from sbus.server.sbusd import resolve_user
 from sbus.server.config import (
@@ -42,16 +43,6 @@ def parse_cred_prefix(text: str | bytes) -> bytes:
             "'!/cred/GID/UID/PID/' repeated, ending with '/'"
         )
     return raw
-
-
-def _positive(name: str, value: str) -> int:
-    try:
-        n = int(value, 10)
-    except ValueError:
-        raise usage.UsageError(f"--{name}: not an integer: {value!r}") from None
-    if n <= 0:
-        raise usage.UsageError(f"--{name}: must be positive, got {n}")
-    return n
 
 
 class Options(usage.Options):
@@ -111,22 +102,17 @@ class Options(usage.Options):
             self["cred-prefix"] = parse_cred_prefix(self["cred-prefix"])
         except ValueError as e:
             raise usage.UsageError(f"--cred-prefix: {e}") from None
-        max_packet = _positive("max-packet", self["max-packet"])
+        max_packet = positive_int("max-packet", self["max-packet"])
         if not MIN_PACKET_LIMIT <= max_packet <= MAX_PACKET_LIMIT:
             raise usage.UsageError(
                 f"--max-packet: must be > 16 and <= {MAX_PACKET_LIMIT}, got {max_packet}"
             )
         self["max-packet"] = max_packet
-        self["queue-bytes"] = _positive("queue-bytes", self["queue-bytes"])
-        self["queue-packets"] = _positive("queue-packets", self["queue-packets"])
+        self["queue-bytes"] = positive_int("queue-bytes", self["queue-bytes"])
+        self["queue-packets"] = positive_int("queue-packets", self["queue-packets"])
         for name in ("max-subscriptions", "max-uid-subscriptions", "max-uid-connections"):
-            self[name] = _positive(name, self[name])
-        try:
-            self["stall-timeout"] = float(self["stall-timeout"])
-        except ValueError:
-            raise usage.UsageError(f"--stall-timeout: not a number: {self['stall-timeout']!r}") from None
-        if not self["stall-timeout"] > 0:
-            raise usage.UsageError(f"--stall-timeout: must be positive, got {self['stall-timeout']}")
+            self[name] = positive_int(name, self[name])
+        self["stall-timeout"] = positive_float("stall-timeout", self["stall-timeout"])
 
 
 def config_from_options(options: Options) -> ServerConfig:

@@ -77,6 +77,8 @@ from twisted.logger import Logger
 from twisted.protocols.basic import Int32StringReceiver
 from twisted.protocols.policies import TimeoutMixin
 from twisted.python import usage
+
+from sbus.options import positive_float
 from twisted.python.filepath import FilePath
 from zope.interface import implementer
 
@@ -233,16 +235,6 @@ def _split_pem(data: bytes) -> list[bytes]:
 # ---------------------------------------------------------------- options
 
 
-def _positive_float(name: str, value: str, zero_ok: bool = False) -> float:
-    try:
-        n = float(value)
-    except ValueError:
-        raise usage.UsageError(f"--{name}: not a number: {value!r}") from None
-    if n < 0 or (n == 0 and not zero_ok):
-        raise usage.UsageError(f"--{name}: must be positive, got {value}")
-    return n
-
-
 class Options(usage.Options):
     synopsis = "--bus ADDRESS (--listen ENDPOINT | --connect ENDPOINT) [--pattern P ...] [--allow-plain-tcp]"
     longdesc = (
@@ -299,9 +291,9 @@ class Options(usage.Options):
         if not 17 <= self["max-packet"] <= 16 << 20:
             raise usage.UsageError("--max-packet: must be > 16 and <= 16 MiB")
         for name in ("initial-delay", "max-delay"):
-            self[name] = _positive_float(name, self[name])
+            self[name] = positive_float(name, self[name])
         for name in ("keepalive", "stats-interval"):
-            self[name] = _positive_float(name, self[name], zero_ok=True)
+            self[name] = positive_float(name, self[name], zero_ok=True)
         if not self["patterns"]:
             self["patterns"] = [b""]
 

@@ -90,6 +90,8 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python import usage
 
+from sbus.options import positive_int
+
 from sbus.core.codec import MAX_PACKET
 from sbus.core.credentials import CredentialError, check_key
 
@@ -564,16 +566,6 @@ class MsgbusService(service.MultiService):
                  r=st["reconnects"])
 
 
-def _positive_int(name, value) -> int:
-    try:
-        n = int(value, 10)
-    except ValueError:
-        raise usage.UsageError(f"--{name}: not an integer: {value!r}") from None
-    if n <= 0:
-        raise usage.UsageError(f"--{name}: must be positive")
-    return n
-
-
 class Options(usage.Options):
     synopsis = "--bus ADDRESS [--port ENDPOINT] [options]"
     longdesc = (
@@ -604,11 +596,11 @@ class Options(usage.Options):
             except AddressError as e:
                 raise usage.UsageError(f"--bus: {e}") from None
         for name in ("max-packet", "max-line", "queue-bytes"):
-            self[name] = _positive_int(name, self[name])
+            self[name] = positive_int(name, self[name])
         if self["max-packet"] <= PACKET_OVERHEAD + 1:
             raise usage.UsageError(f"--max-packet: must be over {PACKET_OVERHEAD + 1}")
         if self["max-message"] is not None:
-            self["max-message"] = _positive_int("max-message", self["max-message"])
+            self["max-message"] = positive_int("max-message", self["max-message"])
         for name in ("stats-interval", "max-delay"):
             try:
                 self[name] = float(self[name])
