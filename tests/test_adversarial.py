@@ -526,8 +526,6 @@ def test_patterns_and_keys_at_the_packet_limit(mbus):
     assert sync(s) == []
 
 
-@pytest.mark.xfail(strict=True, reason="finding 1: no byte limit on what one client's subscriptions pin "
-                                       "(100,000 x 400 KB patterns allowed = ~80 GB); lead to fix in broker.py")
 def test_long_patterns_cannot_pin_unbounded_memory(tmp_path, servers):
     """64 MiB of patterns (160 distinct 400 KB patterns) from one client: the server must stop it
     (disconnect, counted) instead of holding them all."""
@@ -544,8 +542,6 @@ def test_long_patterns_cannot_pin_unbounded_memory(tmp_path, servers):
     wait_closed(greedy)
 
 
-@pytest.mark.xfail(strict=True, reason="finding 2: a pattern of many '/' segments costs ~140x its size "
-                                       "in trie nodes (one 400 KB SUB = ~58 MB RSS); lead to fix")
 def test_many_segment_patterns_do_not_amplify_memory(tmp_path, servers):
     bus = sbusd(tmp_path)
     servers.append(bus)
@@ -562,8 +558,6 @@ def test_many_segment_patterns_do_not_amplify_memory(tmp_path, servers):
     assert grown_mib < 16, f"two 400 KB patterns grew the server by {grown_mib:.0f} MiB"
 
 
-@pytest.mark.xfail(strict=True, reason="finding 3: the router's match cache is bounded in entries (8192), not "
-                                       "bytes: distinct 400 KB keys pin up to ~3.2 GiB; lead to fix in router.py")
 def test_distinct_long_keys_do_not_pin_memory(tmp_path, servers):
     """A publisher (no subscription needed) sending distinct keys near the packet limit."""
     bus = sbusd(tmp_path)
@@ -656,9 +650,6 @@ def test_fd_limit_makes_accept_back_off_not_spin(tmp_path, servers):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason="finding 5: at the fd limit a client's connectionLost raises EMFILE "
-                                       "(HangupWatch's epoll is created lazily in seqpacket.py), its socket is "
-                                       "never closed, so no descriptor is ever freed; lead to fix")
 def test_fd_limit_waiting_clients_get_in_once_others_leave(tmp_path, servers):
     bus, s, p, key, held, accepted = _starved_bus(tmp_path, servers)
     for c in held[: accepted - 2]:
@@ -669,8 +660,6 @@ def test_fd_limit_waiting_clients_get_in_once_others_leave(tmp_path, servers):
     served(bus.address)
 
 
-@pytest.mark.xfail(strict=True, reason="finding 4: sbusd keeps the soft RLIMIT_NOFILE it inherits (often 1024) "
-                                       "though its per-uid connection limit is 4096; lead: raise soft to hard")
 def test_sbusd_raises_its_soft_descriptor_limit(tmp_path, servers):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard < 8192:

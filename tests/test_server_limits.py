@@ -41,7 +41,7 @@ def test_one_uid_cannot_hold_more_than_its_subscriptions(start_twistd_bus):
     assert sync(a) == [] and sync(b) == []
     send(b, sub("b/over"))
     wait_closed(b)
-    bus.wait_log("over its limit of 5 subscriptions")
+    bus.wait_log("over the limit of 5 subscriptions for uid")
     # b's subscriptions were given back: a may take them
     send(a, sub("a/3"), sub("a/4"))
     assert sync(a) == []

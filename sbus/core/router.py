@@ -29,6 +29,10 @@ from .patterns import matches
 
 SECRET_ROOT = b"!/cred/"
 
+#: Longer keys are matched every time, not cached: the cache holds at most
+#: cache_size * this many bytes of keys, whatever publishers send.
+_CACHED_KEY_MAX = 512
+
 #: Above this many cached keys a change clears the whole cache instead of
 #: testing every cached key against the changed pattern.
 _SELECTIVE_INVALIDATION = 512
@@ -192,10 +196,11 @@ class Router:
             prefix = self._prefix
             found = [c for c in found if prefix[c] is not None and key.startswith(prefix[c])]
         result = tuple(found)
-        cache = self._cache
-        if len(cache) >= self.cache_size:
-            cache.clear()
-        cache[key] = result
+        if len(key) <= _CACHED_KEY_MAX:
+            cache = self._cache
+            if len(cache) >= self.cache_size:
+                cache.clear()
+            cache[key] = result
         return result
 
     def _walk(self, key: bytes) -> set:

@@ -23,7 +23,7 @@ from zope.interface import implementer
 from sbus.core import codec, flood
 from sbus.core.credentials import CredentialError, check_key, check_pattern, secret_prefix, whoami
 from sbus.core.router import Router
-from sbus.server.config import ServerConfig
+from sbus.server.config import SEGMENT_COST, ServerConfig
 
 log = Logger()
 
@@ -49,7 +49,8 @@ class BrokerProtocol(protocol.Protocol):
 
     __slots__ = (
         "factory", "cred", "label", "echo", "packets_in", "bytes_in", "drops",
-        "blocked_feeders", "block_count", "whoami_reply", "reason", "subscriptions", "_stall",
+        "blocked_feeders", "block_count", "whoami_reply", "reason", "subscriptions", "subscription_bytes",
+        "_stall",
         "_owner", "_match", "_prefix",
     )
 
@@ -68,6 +69,8 @@ class BrokerProtocol(protocol.Protocol):
         self.whoami_reply = _WHOAMI_REPLY + whoami(factory.config.cred_prefix, cred)
         self.reason = CLOSED
         self.subscriptions = 0
+        #: Estimated memory its patterns pin (see `pattern_cost`).
+        self.subscription_bytes = 0
         #: Fires when this client has held publishers paused for too long.
         self._stall = None
         #: Watches the process that connected once the client holds secret patterns.
@@ -205,15 +208,26 @@ class BrokerProtocol(protocol.Protocol):
                                                f"(pid {self.cred.pid}) has exited, its pid is not this "
                                                f"connection's any more")
         factory = self.factory
-        limit = factory.config.max_subscriptions
-        if self.subscriptions >= limit:
-            return self.misbehaved(TOO_MANY_SUBSCRIPTIONS, f"over the limit of {limit} subscriptions per client")
+        config = factory.config
+        segments = pattern.count(b"/") + 1
+        if segments > config.max_pattern_segments:
+            return self.misbehaved(TOO_MANY_SUBSCRIPTIONS, f"pattern of {segments} segments, over the limit "
+                                                           f"of {config.max_pattern_segments}")
+        cost = len(pattern) + SEGMENT_COST * segments
         uid = self.cred.uid
-        limit = factory.config.max_uid_subscriptions
-        if factory.uid_subscriptions[uid] >= limit:
-            return self.misbehaved(TOO_MANY_SUBSCRIPTIONS, f"uid {uid} is over its limit of {limit} subscriptions")
+        for have, limit, what in (
+            (self.subscriptions + 1, config.max_subscriptions, "subscriptions per client"),
+            (self.subscription_bytes + cost, config.max_subscription_bytes, "subscription bytes per client"),
+            (factory.uid_subscriptions[uid] + 1, config.max_uid_subscriptions, f"subscriptions for uid {uid}"),
+            (factory.uid_subscription_bytes[uid] + cost, config.max_uid_subscription_bytes,
+             f"subscription bytes for uid {uid}"),
+        ):
+            if have > limit:
+                return self.misbehaved(TOO_MANY_SUBSCRIPTIONS, f"over the limit of {limit} {what}")
         self.subscriptions += 1
+        self.subscription_bytes += cost
         factory.uid_subscriptions[uid] += 1
+        factory.uid_subscription_bytes[uid] += cost
         if self.factory.router.subscribe(self, pattern):
             upstream = self.factory.upstream
             if upstream is not None:
@@ -229,8 +243,11 @@ class BrokerProtocol(protocol.Protocol):
         held = self.factory.router.unsubscribe(self, pattern)
         if held is None:
             return
+        cost = len(pattern) + SEGMENT_COST * (pattern.count(b"/") + 1)
         self.subscriptions -= 1
+        self.subscription_bytes -= cost
         self.factory.uid_subscriptions[self.cred.uid] -= 1
+        self.factory.uid_subscription_bytes[self.cred.uid] -= cost
         if held:
             upstream = self.factory.upstream
             if upstream is not None:
@@ -271,7 +288,7 @@ class BrokerProtocol(protocol.Protocol):
         self.reply(self.whoami_reply)
 
     def _stats(self):
-        self.reply(_STATS_REPLY + self.factory.statsJSON())
+        self.reply(_STATS_REPLY + self.factory.statsJSON(viewer_uid=self.cred.uid))
 
     def _echo_on(self):
         self.echo = True
@@ -364,6 +381,7 @@ class BrokerFactory(protocol.Factory):
         self.refused = Counter()
         self.uid_connections = Counter()
         self.uid_subscriptions = Counter()
+        self.uid_subscription_bytes = Counter()
 
     def buildProtocol(self, addr):
         cred = addr.cred
@@ -393,7 +411,8 @@ class BrokerFactory(protocol.Factory):
                 self.upstream.patternReleased(pattern)
         self.clients.discard(client)
         uid = client.cred.uid
-        for counts, n in ((self.uid_connections, 1), (self.uid_subscriptions, client.subscriptions)):
+        for counts, n in ((self.uid_connections, 1), (self.uid_subscriptions, client.subscriptions),
+                          (self.uid_subscription_bytes, client.subscription_bytes)):
             counts[uid] -= n
             if counts[uid] <= 0:
                 del counts[uid]
@@ -417,8 +436,11 @@ class BrokerFactory(protocol.Factory):
         for client in self.router.match(key):
             client.deliver(packet, feeder)
 
-    def stats(self) -> dict:
+    def stats(self, viewer_uid: int | None = None) -> dict:
+        """Totals for the whole bus; per-client rows only for the viewer's own uid, unless the
+        viewer is root or the server's own user (other users' pids and traffic are theirs)."""
         clients = list(self.clients)
+        private = viewer_uid is not None and viewer_uid not in (0, os.getuid())
         drops = Counter(self.drops)
         queues = []
         totals = Counter(self.gone)
@@ -430,6 +452,8 @@ class BrokerFactory(protocol.Factory):
             totals["bytes_out"] += t.bytes_out
             if c.drops:
                 drops.update(c.drops)
+            if private and c.cred.uid != viewer_uid:
+                continue
             ob = t.outbox
             queues.append({
                 "pid": c.cred.pid, "uid": c.cred.uid, "gid": c.cred.gid,
@@ -453,16 +477,17 @@ class BrokerFactory(protocol.Factory):
             "uptime_s": round(time.time() - self.started, 3),
             "limits": {name: getattr(self.config, name) for name in (
                 "max_packet", "queue_bytes", "queue_packets", "stall_timeout", "max_subscriptions",
-                "max_uid_subscriptions", "max_uid_connections")},
+                "max_uid_subscriptions", "max_uid_connections", "max_subscription_bytes",
+                "max_uid_subscription_bytes", "max_pattern_segments")},
         }
         upstream_stats = getattr(self.upstream, "stats", None)
         if upstream_stats is not None:
             result["upstream"] = upstream_stats()
         return result
 
-    def statsJSON(self) -> bytes:
+    def statsJSON(self, viewer_uid: int | None = None) -> bytes:
         """The statistics as JSON that fits in one packet (busiest queues first if it must be cut)."""
-        stats = self.stats()
+        stats = self.stats(viewer_uid)
         room = self.config.max_packet - len(_STATS_REPLY)
         data = json.dumps(stats, separators=(",", ":")).encode()
         if len(data) > room:

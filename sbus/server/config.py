@@ -15,6 +15,12 @@ DEFAULT_STALL_TIMEOUT = 30.0
 DEFAULT_MAX_SUBSCRIPTIONS = 100_000
 DEFAULT_MAX_UID_SUBSCRIPTIONS = 1_000_000
 DEFAULT_MAX_UID_CONNECTIONS = 4096
+#: What stored patterns may cost, estimated as their bytes plus SEGMENT_COST per '/'-segment
+#: (each segment can be a trie node of its own), per client and per uid.
+DEFAULT_MAX_SUBSCRIPTION_BYTES = 32 << 20
+DEFAULT_MAX_UID_SUBSCRIPTION_BYTES = 128 << 20
+DEFAULT_MAX_PATTERN_SEGMENTS = 256
+SEGMENT_COST = 128
 
 
 @dataclass
@@ -34,4 +40,7 @@ class ServerConfig:
     #: Subscriptions and connections all clients of one uid may hold together.
     max_uid_subscriptions: int = DEFAULT_MAX_UID_SUBSCRIPTIONS
     max_uid_connections: int = DEFAULT_MAX_UID_CONNECTIONS
+    max_subscription_bytes: int = DEFAULT_MAX_SUBSCRIPTION_BYTES
+    max_uid_subscription_bytes: int = DEFAULT_MAX_UID_SUBSCRIPTION_BYTES
+    max_pattern_segments: int = DEFAULT_MAX_PATTERN_SEGMENTS
     extra: dict = field(default_factory=dict)

@@ -259,7 +259,9 @@ class SeqPacketTransport:
     def connectionLost(self, reason):
         if not self.connected:
             return
-        _hangups(self.reactor).unwatch(self)
+        watch = _watches.get(id(self.reactor))
+        if watch is not None:
+            watch.unwatch(self)
         self.stopReading()
         self.stopWriting()
         self.connected = False
@@ -298,10 +300,14 @@ class SeqPacketTransport:
         if self._hungUp or not self.connected:
             return
         self.stopReading()
-        _hangups(self.reactor).watch(self)
+        watch = _hangups(self.reactor)
+        if watch is not None:
+            watch.watch(self)
 
     def resumeProducing(self):
-        _hangups(self.reactor).unwatch(self)
+        watch = _watches.get(id(self.reactor))
+        if watch is not None:
+            watch.unwatch(self)
         if self.connected and not self.disconnecting:
             self.startReading()
 
@@ -387,10 +393,16 @@ class HangupWatch:
 _watches: dict[int, HangupWatch] = {}
 
 
-def _hangups(reactor) -> HangupWatch:
+def _hangups(reactor) -> HangupWatch | None:
+    """The reactor's watch, created on first use (ports create it when they start listening,
+    before descriptors can run out); None if it cannot be created (out of descriptors)."""
     watch = _watches.get(id(reactor))
     if watch is None:
-        watch = _watches[id(reactor)] = HangupWatch(reactor)
+        try:
+            watch = _watches[id(reactor)] = HangupWatch(reactor)
+        except OSError as e:
+            log.warn("cannot watch paused connections for hang-ups: {err}", err=e.strerror)
+            return None
     return watch
 
 
@@ -428,6 +440,7 @@ class SeqPacketPort:
         sock.setblocking(False)
         if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
             sock.listen(socket.SOMAXCONN)
+        _hangups(self.reactor)
         self.factory.doStart()
         self.connected = True
         self.reactor.addReader(self)

@@ -9,6 +9,7 @@ imports the reactor).
 
 from __future__ import annotations
 
+import resource
 from typing import Callable
 
 from twisted.application import service
@@ -17,6 +18,21 @@ from twisted.logger import Logger
 
 from sbus.server.address import Listener, open_listener
 from sbus.server.config import ServerConfig
+
+
+def raise_descriptor_limit(warn) -> int:
+    """Take the hard RLIMIT_NOFILE as the soft one: a bus holds a descriptor per client, and
+    the inherited soft limit (often 1024) is below the per-uid connection limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = max(soft, 1 << 20)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (OSError, ValueError) as e:
+            warn(f"cannot raise the descriptor limit from {soft} to {hard}: {e}")
+    return soft
 
 
 class BusService(service.Service):
@@ -65,6 +81,7 @@ class BusService(service.Service):
             self.log.warn("{text}", text=text)
 
     def _open(self) -> None:
+        raise_descriptor_limit(self._warn)
         if self.listener is None:
             self.listener = open_listener(self.address, self.mode, self.reuse, warn=self._warn)
         if self.port is not None:

@@ -18,7 +18,10 @@ from sbus.options import positive_float, positive_int
 from sbus.server.address import AddressError, parse_address
 from sbus.server.sbusd import resolve_user
 from sbus.server.config import (
+    DEFAULT_MAX_PATTERN_SEGMENTS,
+    DEFAULT_MAX_SUBSCRIPTION_BYTES,
     DEFAULT_MAX_SUBSCRIPTIONS,
+    DEFAULT_MAX_UID_SUBSCRIPTION_BYTES,
     DEFAULT_MAX_UID_CONNECTIONS,
     DEFAULT_MAX_UID_SUBSCRIPTIONS,
     DEFAULT_QUEUE_BYTES,
@@ -71,6 +74,11 @@ class Options(usage.Options):
         ["max-uid-subscriptions", None, str(DEFAULT_MAX_UID_SUBSCRIPTIONS),
          "Subscriptions all clients of one uid may hold together."],
         ["max-uid-connections", None, str(DEFAULT_MAX_UID_CONNECTIONS), "Connections one uid may hold open."],
+        ["max-subscription-bytes", None, str(DEFAULT_MAX_SUBSCRIPTION_BYTES),
+         "Estimated memory one client's patterns may pin (bytes + 128 per segment)."],
+        ["max-uid-subscription-bytes", None, str(DEFAULT_MAX_UID_SUBSCRIPTION_BYTES),
+         "The same for all clients of one uid together."],
+        ["max-pattern-segments", None, str(DEFAULT_MAX_PATTERN_SEGMENTS), "'/'-separated segments in one pattern."],
     ]
 
     def __init__(self):
@@ -110,7 +118,8 @@ class Options(usage.Options):
         self["max-packet"] = max_packet
         self["queue-bytes"] = positive_int("queue-bytes", self["queue-bytes"])
         self["queue-packets"] = positive_int("queue-packets", self["queue-packets"])
-        for name in ("max-subscriptions", "max-uid-subscriptions", "max-uid-connections"):
+        for name in ("max-subscriptions", "max-uid-subscriptions", "max-uid-connections", "max-subscription-bytes",
+                     "max-uid-subscription-bytes", "max-pattern-segments"):
             self[name] = positive_int(name, self[name])
         self["stall-timeout"] = positive_float("stall-timeout", self["stall-timeout"])
 
@@ -127,6 +136,9 @@ def config_from_options(options: Options) -> ServerConfig:
         max_subscriptions=options["max-subscriptions"],
         max_uid_subscriptions=options["max-uid-subscriptions"],
         max_uid_connections=options["max-uid-connections"],
+        max_subscription_bytes=options["max-subscription-bytes"],
+        max_uid_subscription_bytes=options["max-uid-subscription-bytes"],
+        max_pattern_segments=options["max-pattern-segments"],
     )
 
 
