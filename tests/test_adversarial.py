@@ -540,6 +540,7 @@ def test_long_patterns_cannot_pin_unbounded_memory(tmp_path, servers):
     except (Disconnected, BrokenPipeError, ConnectionResetError):
         pass
     wait_closed(greedy)
+    assert stats(connect(bus.address))["disconnects"].get("too_many_subscriptions") == 1
 
 
 def test_many_segment_patterns_do_not_amplify_memory(tmp_path, servers):

@@ -35,7 +35,7 @@ def sbus_run(*args, input=None, env=None, cwd=None, timeout=TIMEOUT, prefix=()):
                           env=env if env is not None else environ(), cwd=cwd, timeout=timeout)
 
 
-def one_error_line(result, *needles, status=1):
+def assert_one_error_line(result, *needles, status=1):
     """The command failed with `status` and exactly one `sbus: ...` line on stderr."""
     err = result.stderr.decode()
     assert result.returncode == status, (result.returncode, err)
@@ -197,7 +197,7 @@ def test_sub_timeout(bus):
     r = sbus_run("--socket", bus.address, "sub", "quiet", "--timeout", "0.2")
     assert (r.returncode, r.stdout, r.stderr) == (0, b"", b"")
     r = sbus_run("--socket", bus.address, "sub", "quiet", "--timeout", "0.2", "--count", "1")
-    one_error_line(r, "timed out", "0 of 1", status=124)
+    assert_one_error_line(r, "timed out", "0 of 1", status=124)
 
 
 def test_stats(bus):
@@ -231,13 +231,13 @@ def test_address_order(start_bus, tmp_path):
     r = sbus_run("whoami", "--socket", bus.address, env=environ(SBUS_SOCKET=missing))
     assert r.returncode == 0, r.stderr
     # $SBUS_SOCKET wins over ./sbus.socket
-    one_error_line(sbus_run("whoami", env=environ(SBUS_SOCKET=missing), cwd=tmp_path), missing)
+    assert_one_error_line(sbus_run("whoami", env=environ(SBUS_SOCKET=missing), cwd=tmp_path), missing)
     r = sbus_run("whoami", env=environ(SBUS_SOCKET=bus.address), cwd="/")
     assert r.returncode == 0, r.stderr
     # then sbus.socket in the working directory
     r = sbus_run("whoami", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    one_error_line(sbus_run("whoami", cwd="/"), "sbus.socket", "no such socket")
+    assert_one_error_line(sbus_run("whoami", cwd="/"), "sbus.socket", "no such socket")
 
 
 def test_abstract_address(start_bus):
@@ -251,7 +251,7 @@ def test_abstract_address(start_bus):
 
 def test_error_socket_missing(tmp_path):
     path = str(tmp_path / "nothing.socket")
-    one_error_line(sbus_run("--socket", path, "whoami"), path, "no such socket")
+    assert_one_error_line(sbus_run("--socket", path, "whoami"), path, "no such socket")
 
 
 def test_error_connection_refused(tmp_path):
@@ -259,7 +259,7 @@ def test_error_connection_refused(tmp_path):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.bind(path)
     s.close()  # the socket file stays behind, nobody listens
-    one_error_line(sbus_run("--socket", path, "pub", "k", "v"), "connection refused")
+    assert_one_error_line(sbus_run("--socket", path, "pub", "k", "v"), "connection refused")
 
 
 def test_error_permission_denied(bus):
@@ -271,12 +271,12 @@ def test_error_permission_denied(bus):
             pytest.skip("running as root without setpriv: cannot lose CAP_DAC_OVERRIDE")
         prefix = (setpriv, "--inh-caps=-all", "--bounding-set=-all")
     os.chmod(bus.address, 0)
-    one_error_line(sbus_run("--socket", bus.address, "whoami", prefix=prefix), "permission denied")
+    assert_one_error_line(sbus_run("--socket", bus.address, "whoami", prefix=prefix), "permission denied")
 
 
 def test_error_server_closes_the_connection(bus, subs):
     # a subscription in another process's secret space gets us disconnected
-    one_error_line(sbus_run("--socket", bus.address, "sub", "!/cred/1/2/3/x"),
+    assert_one_error_line(sbus_run("--socket", bus.address, "sub", "!/cred/1/2/3/x"),
                    "the server closed the connection")
     s = subs("x")
     bus.stop()
@@ -287,8 +287,8 @@ def test_error_server_closes_the_connection(bus, subs):
 def test_error_message_too_large(bus, tmp_path):
     big = tmp_path / "big"
     big.write_bytes(b"x" * MAX_PACKET)
-    one_error_line(sbus_run("--socket", bus.address, "pub", "k", "--file", str(big)), "too large", "409600")
-    one_error_line(sbus_run("--socket", bus.address, "pub", "k", input=b"ok\n" + b"y" * MAX_PACKET + b"\n"),
+    assert_one_error_line(sbus_run("--socket", bus.address, "pub", "k", "--file", str(big)), "too large", "409600")
+    assert_one_error_line(sbus_run("--socket", bus.address, "pub", "k", input=b"ok\n" + b"y" * MAX_PACKET + b"\n"),
                    "too large")
     # exactly at the limit is fine
     big.write_bytes(b"x" * (MAX_PACKET - len(b"MSG k\0")))
@@ -296,7 +296,7 @@ def test_error_message_too_large(bus, tmp_path):
 
 
 def test_error_bad_address():
-    one_error_line(sbus_run("--socket", "/dev/unix/abstract/61", "whoami"), "abstract")
+    assert_one_error_line(sbus_run("--socket", "/dev/unix/abstract/61", "whoami"), "abstract")
 
 
 def test_ready_fifo_gets_eof_on_failure(tmp_path):
@@ -305,7 +305,7 @@ def test_ready_fifo_gets_eof_on_failure(tmp_path):
     fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
     try:
         r = sbus_run("--socket", str(tmp_path / "missing"), "sub", "x", "--ready-file", fifo)
-        one_error_line(r, "no such socket")
+        assert_one_error_line(r, "no such socket")
         assert select.select([fd], [], [], TIMEOUT)[0] and os.read(fd, 64) == b""  # EOF, not "ready"
     finally:
         os.close(fd)
