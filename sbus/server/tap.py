@@ -48,6 +48,13 @@ def parse_cred_prefix(text: str | bytes) -> bytes:
     return raw
 
 
+#: Positive integer options, each named like its `ServerConfig` field.
+_LIMITS = (
+    "queue-bytes", "queue-packets", "max-subscriptions", "max-uid-subscriptions", "max-uid-connections",
+    "max-subscription-bytes", "max-uid-subscription-bytes", "max-pattern-segments",
+)
+
+
 class Options(usage.Options):
     synopsis = "[options]"
     longdesc = (
@@ -116,30 +123,15 @@ class Options(usage.Options):
                 f"--max-packet: must be > 16 and <= {MAX_PACKET_LIMIT}, got {max_packet}"
             )
         self["max-packet"] = max_packet
-        self["queue-bytes"] = positive_int("queue-bytes", self["queue-bytes"])
-        self["queue-packets"] = positive_int("queue-packets", self["queue-packets"])
-        for name in ("max-subscriptions", "max-uid-subscriptions", "max-uid-connections", "max-subscription-bytes",
-                     "max-uid-subscription-bytes", "max-pattern-segments"):
+        for name in _LIMITS:
             self[name] = positive_int(name, self[name])
         self["stall-timeout"] = positive_float("stall-timeout", self["stall-timeout"])
 
 
 def config_from_options(options: Options) -> ServerConfig:
     users = options["users"]
-    return ServerConfig(
-        max_packet=options["max-packet"],
-        queue_bytes=options["queue-bytes"],
-        queue_packets=options["queue-packets"],
-        cred_prefix=options["cred-prefix"],
-        allowed_uids=frozenset([*users, os.getuid()]) if users else None,
-        stall_timeout=options["stall-timeout"],
-        max_subscriptions=options["max-subscriptions"],
-        max_uid_subscriptions=options["max-uid-subscriptions"],
-        max_uid_connections=options["max-uid-connections"],
-        max_subscription_bytes=options["max-subscription-bytes"],
-        max_uid_subscription_bytes=options["max-uid-subscription-bytes"],
-        max_pattern_segments=options["max-pattern-segments"],
-    )
+    settings = {name.replace("-", "_"): options[name] for name in ("max-packet", "cred-prefix", "stall-timeout", *_LIMITS)}
+    return ServerConfig(allowed_uids=frozenset([*users, os.getuid()]) if users else None, **settings)
 
 
 def makeService(options: Options):
