@@ -164,7 +164,8 @@ def headline_text(s: dict) -> str:
     from .units import human_bytes
 
     span = (s["last"] - s["first"]).total_seconds() if s["first"] and s["last"] else 0.0
-    avg = s["messages"] / span if span > 0 else float(s["messages"])
+    # n messages are n - 1 intervals apart: dividing n by their span overstates the rate
+    avg = (s["messages"] - 1) / span if span > 0 else float(s["messages"])
     lines = [
         f"messages        {s['messages']:,}",
         f"payload bytes   {s['bytes'] or 0:,} ({human_bytes(s['bytes'] or 0)})",
