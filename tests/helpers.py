@@ -22,6 +22,8 @@ import re
 import select
 import signal
 import socket
+import subprocess
+import sys
 import time
 import traceback
 import uuid
@@ -429,9 +431,184 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="module")
 def mbus(tmp_path_factory):
     """One server process shared by a whole test module (tests use unique keys)."""
-    from conftest import BusProcess
-
     d = tmp_path_factory.mktemp("mbus")
-    p = BusProcess(["-f", "-a", str(d / "bus.socket")], str(d / "bus.socket"), str(d / "sbusd.log"))
+    p = SbusdProcess(["-f", "-a", str(d / "bus.socket")], d / "sbusd.log", address=str(d / "bus.socket"))
     yield p
     p.stop()
+
+
+# ---------------------------------------------------------------- service processes
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SERVICE_TIMEOUT = 10.0
+
+
+def wait_until(predicate, what: str, timeout: float = SERVICE_TIMEOUT, interval: float = 0.02):
+    """Poll `predicate` until it returns something true (returned); fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def child_env() -> dict:
+    """The environment for service processes: the work tree first on PYTHONPATH."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+class LoggedProcess:
+    """A service process whose output goes to a log file; stopped by a signal."""
+
+    stop_signal = signal.SIGINT
+    stop_timeout = SERVICE_TIMEOUT
+
+    def __init__(self, argv, log_path, *, cwd=None, stdout=None, **popen):
+        self.argv = list(argv)
+        self.log_path = str(log_path)
+        self._log = open(self.log_path, "wb")
+        popen.setdefault("env", child_env())
+        self.proc = subprocess.Popen(
+            self.argv, stdin=subprocess.DEVNULL, stdout=self._log if stdout is None else stdout,
+            stderr=self._log, cwd=cwd or REPO, **popen,
+        )
+        self.pid = self.proc.pid
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        with open(self.log_path, "rb") as f:
+            return f.read().decode("utf-8", "replace")
+
+    def alive_or_raise(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"{self.argv[2:4]} exited {self.proc.returncode}:\n{self.log()}")
+        return True
+
+    def wait_log(self, needle, timeout: float = SERVICE_TIMEOUT, count: int = 1) -> str:
+        """Wait until `needle` (a string, or a compiled regex) is in the log `count` times."""
+        def found():
+            text = self.log()
+            n = len(needle.findall(text)) if isinstance(needle, re.Pattern) else text.count(needle)
+            return text if n >= count else self.alive_or_raise() and None
+
+        try:
+            return wait_until(found, f"{needle!r} x{count} in the log", timeout)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{self.log()[-3000:]}") from None
+
+    def stop(self, sig=None) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(self.stop_signal if sig is None else sig)
+            try:
+                self.proc.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        if not self._log.closed:
+            self._log.close()
+        return self.proc.returncode
+
+
+class SbusdProcess(LoggedProcess):
+    """`sbusd ARGS...` (normally `-f -a ADDRESS`), ready when its standard output ends (NOTES §6)."""
+
+    def __init__(self, args, log_path, *, address=None, argv=None, **popen):
+        self.address = address
+        super().__init__(argv or [sys.executable, "-m", "sbus.server.sbusd", *args], log_path,
+                         stdout=subprocess.PIPE, **popen)
+        self.printed = b""
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + SERVICE_TIMEOUT
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.stop()
+                raise RuntimeError(f"sbusd not ready in {SERVICE_TIMEOUT}s: {self.log()}")
+            if select.select([fd], [], [], left)[0]:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    break
+                self.printed += chunk
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"sbusd exited with {self.proc.returncode}: {self.log()}")
+
+    def connect(self) -> socket.socket:
+        return connect(self.address)
+
+
+class TwistdBus(LoggedProcess):
+    """`twistd sbus --socket ADDRESS OPTIONS...`, ready once the socket accepts."""
+
+    def __init__(self, address, log_path, options=()):
+        self.address = address
+        super().__init__([sys.executable, "-m", "twisted", "--log-format", "text", "sbus",
+                          "--socket", address, *options], log_path)
+        wait_until(lambda: self.alive_or_raise() and self._accepts(), f"twistd sbus accepting on {address}")
+
+    def _accepts(self) -> bool:
+        try:
+            self.connect().close()
+        except OSError:
+            return False
+        return True
+
+    def connect(self) -> socket.socket:
+        return connect(self.address)
+
+
+def run_as(uid: int, gid: int, fn, groups=()) -> str:
+    """Run `fn()` in a forked child as uid/gid (and supplementary `groups`); return its result string."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        out = "child failed"
+        try:
+            os.close(r)
+            os.setgroups(list(groups))
+            os.setgid(gid)
+            os.setuid(uid)
+            out = fn()
+        except BaseException as e:  # noqa: BLE001
+            out = f"error {type(e).__name__}: {e}"
+        finally:
+            os.write(w, out.encode())
+            os._exit(0)
+    os.close(w)
+    try:
+        chunks = []
+        while chunk := os.read(r, 4096):
+            chunks.append(chunk)
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    return b"".join(chunks).decode()
+
+
+def try_whoami(address) -> str:
+    """'served', 'refused' (the server closed on us) or 'EACCES' (the file mode stopped us)."""
+    try:
+        s = connect(address, timeout=3)
+    except PermissionError:
+        return "EACCES"
+    except OSError as e:
+        return f"connect failed: {e}"
+    try:
+        s.send(WHOAMI)
+        reply = s.recv(4096)
+    except (ConnectionResetError, BrokenPipeError):
+        return "refused"
+    except TimeoutError:
+        return "no answer"
+    finally:
+        s.close()
+    if reply == b"":
+        return "refused"
+    return "served" if reply.startswith(WHOAMI_REPLY) else f"odd reply {reply!r}"

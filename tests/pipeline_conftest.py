@@ -12,61 +12,34 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 
+from helpers import LoggedProcess
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-class RecorderProcess:
+class RecorderProcess(LoggedProcess):
+    """`twistd -n sbus-record --bus ADDRESS --out DIR ARGS...`, its output in a log file."""
+
+    stop_signal = signal.SIGTERM
+    stop_timeout = 20.0  # it closes, fsyncs and publishes its open file
+
     def __init__(self, bus_address, out, args=(), log_path=None):
         self.out = str(out)
-        self.log_path = log_path or os.path.join(os.path.dirname(self.out), f"record-{time.monotonic_ns()}.log")
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [os.path.join(os.path.dirname(sys.executable), "twistd"), "-n", "--pidfile=", "sbus-record",
-             "--bus", bus_address, "--out", self.out, *args],
-            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-        )
-
-    @property
-    def pid(self):
-        return self.proc.pid
-
-    def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        with open(self.log_path, "rb") as f:
-            return f.read().decode("utf-8", "replace")
+        log_path = log_path or os.path.join(os.path.dirname(self.out), f"record-{time.monotonic_ns()}.log")
+        super().__init__([os.path.join(os.path.dirname(sys.executable), "twistd"), "-n", "--pidfile=",
+                          "sbus-record", "--bus", bus_address, "--out", self.out, *args], log_path, cwd=ROOT)
 
     def wait_log(self, needle: str, timeout: float = 20.0, count: int = 1) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            text = self.log()
-            if text.count(needle) >= count:
-                return text
-            if self.proc.poll() is not None:
-                raise AssertionError(f"recorder exited ({self.proc.returncode}):\n{text}")
-            time.sleep(0.05)
-        raise AssertionError(f"{needle!r} not logged within {timeout}s:\n{self.log()}")
+        return super().wait_log(needle, timeout, count)
 
     def wait_ready(self, count: int = 1) -> None:
         self.wait_log("subscribed", count=count)
-
-    def stop(self, sig=signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
 
 
 @pytest.fixture

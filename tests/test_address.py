@@ -7,17 +7,16 @@ processes for inherited sockets (/dev/fd/N, systemd) and socket file modes.
 from __future__ import annotations
 
 import os
-import select
 import signal
 import socket
 import stat
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
 
+from helpers import SbusdProcess
 from sbus.server.address import (
     SUN_PATH_SIZE,
     AddressError,
@@ -58,50 +57,11 @@ def close_listener(listener: Listener) -> None:
     listener.sock.close()
 
 
-class Sbusd:
-    """`python -m sbus.server.sbusd -f ...`, ready once its stdout reaches EOF."""
+class Sbusd(SbusdProcess):
+    """`python -m sbus.server.sbusd ARGS...`, ready once its stdout reaches EOF."""
 
     def __init__(self, args, tmp_path, **popen):
-        self.log_path = tmp_path / f"sbusd-{uuid.uuid4().hex[:6]}.log"
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            popen.pop("argv", [sys.executable, "-m", "sbus.server.sbusd", *args]),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            **popen,
-        )
-        self.printed = self._wait_ready()
-
-    def _wait_ready(self) -> bytes:
-        out, fd = b"", self.proc.stdout.fileno()
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            left = deadline - time.monotonic()
-            assert left > 0, f"sbusd not ready in {TIMEOUT}s: {self.log()}"
-            if select.select([fd], [], [], left)[0]:
-                chunk = os.read(fd, 4096)
-                if not chunk:
-                    break
-                out += chunk
-        assert self.proc.poll() is None, f"sbusd exited {self.proc.returncode}: {self.log()}"
-        return out
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self, sig=signal.SIGINT) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(TIMEOUT)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-            self.proc.stdout.close()
-            self._log.close()
+        super().__init__(args, tmp_path / f"sbusd-{uuid.uuid4().hex[:6]}.log", **popen)
 
 
 @pytest.fixture

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import os
 import resource
-import select
 import shutil
-import signal
 import stat
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,11 +23,11 @@ from pathlib import Path
 import pytest
 
 from helpers import (  # noqa: F401
-    MAX_PACKET, Agent, Disconnected, connect, mbus, msg, recv, send, served, stats, sub, sync, unique,
-    wait_closed, wait_offender_logged, wait_stats,
+    MAX_PACKET, Agent, Disconnected, LoggedProcess, SbusdProcess, TwistdBus, connect, mbus, msg, recv,
+    run_as, send, served, stats, sub, sync, try_whoami, unique, wait_closed, wait_offender_logged, wait_stats,
+    wait_until,
 )
 
-REPO = str(Path(__file__).resolve().parent.parent)
 NOBODY = 65534
 TIMEOUT = 10.0
 WHOAMI = b"CMSG !/cred/whoami"
@@ -66,90 +63,10 @@ def proc_fd_soft_limit(pid: int) -> int:
     raise AssertionError("no 'Max open files' line")
 
 
-def wait_until(predicate, what: str, timeout: float = TIMEOUT, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
-def child_env() -> dict:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = REPO + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
-    return e
-
-
-class Server:
-    """A server process with a log file: `sbusd -f` (readiness: stdout closed) or any
-    `python -m twisted PLUGIN ...` (readiness: `ready(self)` returns true)."""
-
-    def __init__(self, argv, log_path, *, sbusd: bool, preexec_fn=None, ready=None, address=None):
-        self.address = address
-        self.log_path = str(log_path)
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if sbusd else self._log,
-            stderr=self._log, env=child_env(), preexec_fn=preexec_fn, cwd=REPO,
-        )
-        self.pid = self.proc.pid
-        if sbusd:
-            self.printed = b""
-            deadline = time.monotonic() + TIMEOUT
-            fd = self.proc.stdout.fileno()
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self.stop()
-                    raise RuntimeError(f"sbusd not ready: {self.log()}")
-                if select.select([fd], [], [], left)[0]:
-                    chunk = os.read(fd, 4096)
-                    if not chunk:
-                        break
-                    self.printed += chunk
-            self.proc.stdout.close()
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sbusd exited {self.proc.returncode}: {self.log()}")
-        if ready is not None:
-            wait_until(lambda: self._alive_or_raise() and ready(self), f"{argv} ready")
-
-    def _alive_or_raise(self):
-        if self.proc.poll() is not None:
-            raise AssertionError(f"server exited {self.proc.returncode}:\n{self.log()}")
-        return True
-
-    def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        with open(self.log_path, "rb") as f:
-            return f.read().decode("utf-8", "replace")
-
-    def wait_log(self, needle: str, timeout: float = TIMEOUT, count: int = 1) -> str:
-        wait_until(lambda: self._alive_or_raise() and self.log().count(needle) >= count,
-                   f"{needle!r} x{count} in the log:\n{self.log()[-3000:]}", timeout)
-        return self.log()
-
-    def stop(self, sig=signal.SIGINT):
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if not self._log.closed:
-            self._log.close()
-        return self.proc.returncode
-
-
-def sbusd(tmp_path, *args, address=None, preexec_fn=None) -> Server:
+def sbusd(tmp_path, *args, address=None, preexec_fn=None) -> SbusdProcess:
     address = address or str(Path(tmp_path) / f"bus-{uuid.uuid4().hex[:8]}.sock")
-    return Server([sys.executable, "-m", "sbus.server.sbusd", "-f", "-a", address, *args],
-                  Path(tmp_path) / f"sbusd-{uuid.uuid4().hex[:6]}.log", sbusd=True,
-                  preexec_fn=preexec_fn, address=address)
+    return SbusdProcess(["-f", "-a", address, *args], Path(tmp_path) / f"sbusd-{uuid.uuid4().hex[:6]}.log",
+                        address=address, preexec_fn=preexec_fn)
 
 
 def _answers_whoami(address) -> bytes | None:
@@ -162,61 +79,13 @@ def _answers_whoami(address) -> bytes | None:
         return None
 
 
-def relay(tmp_path, upstream: str, address: str, *args) -> Server:
+def relay(tmp_path, upstream: str, address: str, *args) -> LoggedProcess:
     """`twistd sbus-relay` below `upstream`, ready once it answers whoami on `address`."""
-    return Server([sys.executable, "-m", "twisted", "--log-format", "text", "sbus-relay", "--upstream", upstream,
-                   "--socket", address, *args], Path(tmp_path) / f"relay-{uuid.uuid4().hex[:6]}.log",
-                  sbusd=False, ready=lambda s: _answers_whoami(address), address=address)
-
-
-def run_as(uid: int, gid: int, fn, groups=()) -> str:
-    """Run `fn()` in a forked child as uid/gid (and supplementary `groups`); return its result string."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        out = "child failed"
-        try:
-            os.close(r)
-            os.setgroups(list(groups))
-            os.setgid(gid)
-            os.setuid(uid)
-            out = fn()
-        except BaseException as e:  # noqa: BLE001
-            out = f"error {type(e).__name__}: {e}"
-        finally:
-            os.write(w, out.encode())
-            os._exit(0)
-    os.close(w)
-    try:
-        chunks = []
-        while chunk := os.read(r, 4096):
-            chunks.append(chunk)
-    finally:
-        os.close(r)
-        os.waitpid(pid, 0)
-    return b"".join(chunks).decode()
-
-
-def try_whoami(address) -> str:
-    """'served', 'refused' (the server closed on us) or 'EACCES' (the file mode stopped us)."""
-    try:
-        s = connect(address, timeout=3)
-    except PermissionError:
-        return "EACCES"
-    except OSError as e:
-        return f"connect failed: {e}"
-    try:
-        s.send(WHOAMI)
-        reply = s.recv(4096)
-    except (ConnectionResetError, BrokenPipeError):
-        return "refused"
-    except TimeoutError:
-        return "no answer"
-    finally:
-        s.close()
-    if reply == b"":
-        return "refused"
-    return "served" if reply.startswith(WHOAMI_REPLY) else f"odd reply {reply!r}"
+    p = LoggedProcess([sys.executable, "-m", "twisted", "--log-format", "text", "sbus-relay", "--upstream", upstream,
+                       "--socket", address, *args], Path(tmp_path) / f"relay-{uuid.uuid4().hex[:6]}.log")
+    p.address = address
+    wait_until(lambda: p.alive_or_raise() and _answers_whoami(address), f"relay serving on {address}")
+    return p
 
 
 @pytest.fixture
@@ -690,9 +559,8 @@ QUEUE_BYTES = 256 * 1024
 def small_bus(tmp_path_factory):
     d = tmp_path_factory.mktemp("small")
     address = str(d / "bus.sock")
-    srv = Server([sys.executable, "-m", "twisted", "--log-format", "text", "sbus", "--socket", address,
-                  "--queue-bytes", str(QUEUE_BYTES), "--queue-packets", "1000", "--stall-timeout", "3"],
-                 d / "twistd.log", sbusd=False, ready=lambda s: _answers_whoami(address), address=address)
+    srv = TwistdBus(address, d / "twistd.log", ["--queue-bytes", str(QUEUE_BYTES), "--queue-packets", "1000",
+                                               "--stall-timeout", "3"])
     yield srv
     srv.stop()
 

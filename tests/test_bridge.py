@@ -21,64 +21,24 @@ from pathlib import Path
 
 import pytest
 
-from helpers import connect, msg, recv, send, sub, sync
+from helpers import LoggedProcess, child_env, connect, msg, recv, send, sub, sync
 
-REPO = str(Path(__file__).resolve().parent.parent)
 TWISTD = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()", "-n", "--pidfile="]
 TIMEOUT = 10.0
 
 
-def service_env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
-class TwistdProcess:
+class TwistdProcess(LoggedProcess):
     """`twistd -n PLUGIN ARGS...` in the background, its output in a log file."""
 
+    stop_signal = signal.SIGTERM
+
     def __init__(self, args, tmp_path, argv=None):
-        tmp_path = Path(tmp_path)
-        self.log_path = tmp_path / f"{args[0] if args else 'svc'}-{time.monotonic_ns()}.log"
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(argv or [*TWISTD, *args], stdin=subprocess.DEVNULL,
-                                     stdout=self._log, stderr=subprocess.STDOUT, cwd=tmp_path,
-                                     env=service_env())
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text(errors="replace")
+        log = Path(tmp_path) / f"{args[0] if args else 'svc'}-{time.monotonic_ns()}.log"
+        super().__init__(argv or [*TWISTD, *args], log, cwd=tmp_path)
 
     def wait_log(self, pattern: str, count: int = 1, timeout: float = TIMEOUT) -> str:
-        """Poll the log until regex `pattern` matched `count` times; return the log."""
-        deadline = time.monotonic() + timeout
-        while True:
-            text = self.log()
-            if len(re.findall(pattern, text)) >= count:
-                return text
-            if self.proc.poll() is not None:
-                raise AssertionError(f"exited with {self.proc.returncode} before logging "
-                                     f"{pattern!r}:\n{text}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{pattern!r} not logged {count}x within {timeout}s:\n{text}")
-            time.sleep(0.02)
-
-    def stop(self, sig=signal.SIGTERM) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if not self._log.closed:
-            self._log.close()
-        return self.proc.returncode
+        """Wait until regex `pattern` matched `count` times in the log; return the log."""
+        return super().wait_log(re.compile(pattern), timeout, count)
 
 
 @pytest.fixture
@@ -150,7 +110,7 @@ def test_usage_errors_are_one_line(tmp_path):
                          (["--a", "x", "--b", "y", "--rule", "p up"], "direction must be"),
                          (["--config", str(cfg)], "bridge.conf:3")):
         res = subprocess.run([*TWISTD, "sbus-bridge", *args], capture_output=True, timeout=TIMEOUT,
-                             cwd=tmp_path, env=service_env())
+                             cwd=tmp_path, env=child_env())
         assert res.returncode != 0
         assert needle in res.stderr.decode() + res.stdout.decode(), (args, res)
 

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 from helpers import WHOAMI, WHOAMI_REPLY, connect, msg, recv, send, sub, sync
-from test_bridge import REPO, TIMEOUT, TwistdProcess, service_env
+from helpers import REPO, child_env
+from test_bridge import TIMEOUT, TwistdProcess
 
 CONTRIB = Path(REPO) / "contrib"
 UNITS = sorted((CONTRIB / "systemd").glob("*/*.s*"))
@@ -109,7 +110,7 @@ def test_exec_start_options_are_accepted(unit, tmp_path):
     assert argv[0] == os.path.join(BIN, "twistd"), argv
     assert "--nodaemon" in argv and "--pidfile=" in argv
     res = subprocess.run([*argv, "--help"], capture_output=True, timeout=TIMEOUT, cwd=tmp_path,
-                         env=service_env())
+                         env=child_env())
     assert res.returncode == 0, res.stderr.decode() + res.stdout.decode()
     assert b"Usage: twistd [options] sbus" in res.stdout
 
@@ -226,7 +227,7 @@ def test_deploy_doc_commands_work_when_pasted(tmp_path):
     demo = tmp_path / "demo"
     script = "set -e\n" + "".join(blocks)
     script = script.replace("/tmp/sbus-demo", str(demo)).replace("11111", str(free_port()))
-    env = service_env()
+    env = child_env()
     env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
     res = subprocess.run(["bash", "-c", script], capture_output=True, timeout=120, cwd=tmp_path,
                          env=env, stdin=subprocess.DEVNULL)

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from helpers import connect, msg, recv, send, served, stats, sub, sync, unique, wait_stats
-from test_adversarial import REPO, Server, _answers_whoami, relay, sbusd, servers, wait_until  # noqa: F401
+from helpers import REPO, TwistdBus, wait_until
+from test_adversarial import _answers_whoami, relay, sbusd, servers  # noqa: F401
 
 TIMEOUT = 10.0
 UID_SUBS = 3000
@@ -34,9 +35,7 @@ def fbus(tmp_path_factory):
     """`twistd sbus` with a per-uid subscription budget, so a leak of the dead's budget shows."""
     d = tmp_path_factory.mktemp("faults")
     address = str(d / "bus.sock")
-    srv = Server([sys.executable, "-m", "twisted", "--log-format", "text", "sbus", "--socket", address,
-                  "--max-uid-subscriptions", str(UID_SUBS)],
-                 d / "twistd.log", sbusd=False, ready=lambda s: _answers_whoami(address), address=address)
+    srv = TwistdBus(address, d / "twistd.log", ["--max-uid-subscriptions", str(UID_SUBS)])
     yield srv
     srv.stop()
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import re
 import socket
-import sys
 from collections import Counter
 
 import pytest
@@ -32,7 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from helpers import MAX_PACKET, recv, set_big_buffers, sync, wait_closed
 from sbus.core.patterns import matches
-from test_adversarial import Server
+from helpers import SbusdProcess
 
 NOBODY = 65534
 ROOT = b"!/cred/"
@@ -159,7 +158,7 @@ bad_packets = st.one_of(
 
 
 class BusMachine(RuleBasedStateMachine):
-    server: Server = None
+    server: SbusdProcess = None
     address: bytes = None
     #: Over the whole run: packets delivered as predicted (secret ones too), clients disconnected as predicted.
     seen = Counter()
@@ -371,8 +370,7 @@ class BusMachine(RuleBasedStateMachine):
 @pytest.fixture(scope="module")
 def abstract_bus(tmp_path_factory):
     d = tmp_path_factory.mktemp("fuzz")
-    srv = Server([sys.executable, "-m", "sbus.server.sbusd", "-f", "-a", "/dev/unix/abstract"], d / "sbusd.log",
-                 sbusd=True)
+    srv = SbusdProcess(["-f", "-a", "/dev/unix/abstract"], d / "sbusd.log")
     text = srv.printed.decode().strip()
     assert text.startswith("/dev/unix/abstract/00")
     srv.address = bytes.fromhex(text[len("/dev/unix/abstract/"):])

@@ -8,7 +8,6 @@ the master's own statistics showing the relay's connection holding it.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,72 +17,23 @@ from pathlib import Path
 
 import pytest
 
-from helpers import Agent, connect, msg, recv, send, stats, sub, sync, unsub, whoami
+from helpers import (  # noqa: F401  (child_env, wait_until: test_link takes them from here)
+    SERVICE_TIMEOUT, Agent, LoggedProcess, child_env, connect, msg, recv, send, stats, sub, sync, unsub,
+    wait_until, whoami,
+)
 
-REPO = str(Path(__file__).resolve().parent.parent)
-TIMEOUT = 10.0
+TIMEOUT = SERVICE_TIMEOUT
 WHOAMI = b"CMSG !/cred/whoami"
 WHOAMI_REPLY = b"CMSG !/cred/whoami\0"
 
 
-def child_env() -> dict:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = REPO + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
-    return e
-
-
-def wait_until(predicate, what: str, timeout: float = TIMEOUT, interval: float = 0.02):
-    """Poll `predicate` until it returns something true; fail with `what` after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(interval)
-
-
-class Twistd:
+class Twistd(LoggedProcess):
     """A `python -m twisted PLUGIN ...` process, its output in a log file."""
 
     def __init__(self, plugin: str, args, tmp_path, name: str | None = None):
         name = name or f"{plugin}-{uuid.uuid4().hex[:6]}"
-        self.log_path = Path(tmp_path) / f"{name}.log"
-        self._log = open(self.log_path, "wb")
-        self.argv = [sys.executable, "-m", "twisted", "--log-format", "text", plugin, *args]
-        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, cwd=tmp_path, env=child_env())
-        self.pid = self.proc.pid
-
-    def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def wait_log(self, needle: str, timeout: float = TIMEOUT) -> str:
-        def found():
-            if self.proc.poll() is not None and needle not in self.log():
-                raise AssertionError(f"exited {self.proc.returncode} before logging {needle!r}:\n{self.log()}")
-            return needle in self.log()
-
-        try:
-            wait_until(found, f"{needle!r} in the log")
-        except AssertionError as e:
-            raise AssertionError(f"{e}\n{self.log()}") from None
-        return self.log()
-
-    def stop(self, sig=signal.SIGINT) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if not self._log.closed:
-            self._log.close()
-        return self.proc.returncode
+        super().__init__([sys.executable, "-m", "twisted", "--log-format", "text", plugin, *args],
+                         Path(tmp_path) / f"{name}.log", cwd=tmp_path)
 
 
 class Relay(Twistd):

@@ -18,6 +18,8 @@ import uuid
 
 import pytest
 
+from helpers import SbusdProcess, run_as, try_whoami, wait_until
+
 TIMEOUT = 10.0
 WHOAMI = b"CMSG !/cred/whoami"
 SBUSD = [sys.executable, "-m", "sbus.server.sbusd"]
@@ -46,17 +48,6 @@ def served(addr) -> bytes:
     return reply
 
 
-def wait_until(cond, what: str, timeout: float = TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
 def pid_gone(pid: int) -> bool:
     """True once `pid` has exited (a zombie left for an absent reaper counts)."""
     try:
@@ -75,49 +66,6 @@ def error_line(res: subprocess.CompletedProcess) -> str:
     lines = res.stderr.decode().splitlines()
     assert len(lines) == 1, res.stderr
     return lines[0]
-
-
-def in_child_as(uid: int, fn) -> str:
-    """Run `fn()` in a forked child after setuid(uid); return its result string."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        try:
-            os.close(r)
-            os.setgid(uid)
-            os.setuid(uid)
-            out = fn()
-        except BaseException as e:  # noqa: BLE001
-            out = f"error {type(e).__name__}: {e}"
-        os.write(w, out.encode())
-        os._exit(0)
-    os.close(w)
-    try:
-        chunks = []
-        while chunk := os.read(r, 4096):
-            chunks.append(chunk)
-    finally:
-        os.close(r)
-        os.waitpid(pid, 0)
-    return b"".join(chunks).decode()
-
-
-def try_whoami(addr) -> str:
-    """'served' if the server answers whoami, 'refused' if it closes on us."""
-    try:
-        s = connect(addr)
-    except OSError as e:
-        return f"connect failed: {e}"
-    try:
-        s.send(WHOAMI)
-        reply = s.recv(4096)
-    except (ConnectionResetError, BrokenPipeError):
-        return "refused"
-    finally:
-        s.close()
-    if reply == b"":
-        return "refused"
-    return "served" if reply.startswith(WHOAMI + b"\0") else f"odd reply {reply!r}"
 
 
 def abstract_bytes(printed: bytes) -> bytes:
@@ -154,13 +102,11 @@ def test_foreground_closes_stdin_and_stdout(bus):
 
 
 def test_combined_flags_and_attached_argument(tmp_path):
-    from conftest import BusProcess
-
     path = str(tmp_path / "combined.sock")
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     stale.bind(path)
     stale.close()
-    p = BusProcess(["-fgra" + path], path, str(tmp_path / "c.log"))
+    p = SbusdProcess(["-fgra" + path], tmp_path / "c.log", address=path)
     try:
         served(path)
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o770
@@ -263,8 +209,8 @@ def test_u_refuses_other_users(start_bus):
     bus = start_bus("-u", "65533", address="/dev/unix/abstract")
     addr = abstract_bytes(bus.printed)
     assert try_whoami(addr) == "served"  # our own uid is always allowed
-    assert in_child_as(65534, lambda: try_whoami(addr)) == "refused"
-    assert in_child_as(65533, lambda: try_whoami(addr)) == "served"
+    assert run_as(65534, 65534, lambda: try_whoami(addr)) == "refused"
+    assert run_as(65533, 65533, lambda: try_whoami(addr)) == "served"
     bus.wait_log("uid=65534")
     assert try_whoami(addr) == "served"
 
@@ -275,14 +221,14 @@ def test_u_by_name(start_bus):
     nobody = pwd.getpwuid(65534).pw_name
     bus = start_bus("-u", nobody, address="/dev/unix/abstract")
     addr = abstract_bytes(bus.printed)
-    assert in_child_as(65534, lambda: try_whoami(addr)) == "served"
-    assert in_child_as(65533, lambda: try_whoami(addr)) == "refused"
+    assert run_as(65534, 65534, lambda: try_whoami(addr)) == "served"
+    assert run_as(65533, 65533, lambda: try_whoami(addr)) == "refused"
 
 
 def test_without_u_anyone_may_connect(start_bus):
     bus = start_bus(address="/dev/unix/abstract")
     addr = abstract_bytes(bus.printed)
-    assert in_child_as(65534, lambda: try_whoami(addr)) == "served"
+    assert run_as(65534, 65534, lambda: try_whoami(addr)) == "served"
 
 
 # ------------------------------------------------------------------ daemon
