@@ -1,7 +1,7 @@
 """The Twisted client: a packet protocol with per-pattern callbacks.
 
 Twisted has no SOCK_SEQPACKET transport; this reuses the server's
-(`sbus.server.seqpacket.SeqPacketTransport`: one `write` is one packet and
+(`sbus.seqpacket.SeqPacketTransport`: one `write` is one packet and
 one `send`, several packets are read per wakeup, oversize is detected).
 
     from twisted.internet import task
@@ -38,7 +38,7 @@ from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, Control, Message, ProtocolError
 from sbus.core.credentials import CredentialError, Credentials, SECRET_ROOT, check_pattern
 from sbus.core.patterns import matches
-from sbus.server.seqpacket import SeqPacketTransport
+from sbus.seqpacket import SeqPacketTransport
 
 from .address import open_socket
 from .blocking import ConnectionClosed, echo_packet, flood_packets

@@ -87,7 +87,7 @@ class BusService(service.Service):
         if self.port is not None:
             return
         from sbus.server.broker import BrokerFactory
-        from sbus.server.seqpacket import SeqPacketPort
+        from sbus.seqpacket import SeqPacketPort
 
         try:
             self.factory = BrokerFactory(self.config, self.on_empty)
