@@ -6,6 +6,19 @@ this is a small transport of our own on the public reactor API
 (SEQPACKET sends are all or nothing); each wakeup reads several packets,
 up to a cap, so one busy client cannot starve the others; oversized packets
 are detected with MSG_TRUNC, never silently cut.
+
+Shared by the server (`sbus.server`), the Twisted client and the services;
+it imports nothing from `sbus.server`.
+
+Closing peers: Linux reports ``ECONNRESET`` on the next ``recv`` when the
+peer closed with packets of ours still unread, *before* the packets it sent
+us; so a read error is not the end: packets are read until ``recv`` returns
+end of file. Likewise a failed ``send`` (the peer is gone) stops output but
+not input: what the peer sent before it went is read and delivered first.
+
+The per-packet work is in two places a batch accelerator may replace:
+`SeqPacketTransport.doRead` (one wakeup's reads) and `doWrite` (draining
+the queue); single sends go through `trySend`.
 """
 
 from __future__ import annotations
@@ -27,6 +40,12 @@ from sbus.interfaces import IPacketTransport
 log = Logger()
 
 _MSG_TRUNC = socket.MSG_TRUNC
+#: Never SIGPIPE, whatever the embedding program did with the signal: a gone peer is EPIPE.
+_NOSIGNAL = socket.MSG_NOSIGNAL
+#: A send error that concerns the packet, not the connection: drop that packet, keep the peer.
+_PACKET_ERRORS = (errno.EMSGSIZE,)
+#: After a failed send, at most this many packets still waiting from the peer are read.
+_DRAIN_AFTER_SEND_FAILURE = 1 << 16
 _ACCEPT_CAP = 64
 _ACCEPT_ERRORS_BACKOFF = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
@@ -70,8 +89,8 @@ class SeqPacketTransport:
     __slots__ = (
         "socket", "protocol", "reactor", "peer", "outbox", "max_packet", "drain_cap",
         "connected", "disconnecting", "_fd", "_reading", "_writing", "_send", "_recv_into",
-        "_buf", "_packetReceived", "_producer", "_producerPaused", "_host", "packets_out", "bytes_out",
-        "_hungUp", "__weakref__",
+        "_buf", "_packetReceived", "_producer", "_producerPaused", "_streaming", "_host", "packets_out",
+        "bytes_out", "packets_unsendable", "_hungUp", "_watch", "_aborted", "_closing", "__weakref__",
     )
 
     def __init__(self, sock, protocol, reactor, *, max_packet, drain_cap=64,
@@ -96,11 +115,19 @@ class SeqPacketTransport:
         self._packetReceived = protocol.packetReceived
         self._producer = None
         self._producerPaused = False
+        self._streaming = True
         self._host = None
         self.packets_out = 0
         self.bytes_out = 0
+        #: Packets dropped because the kernel refused them (EMSGSIZE), not because the peer left.
+        self.packets_unsendable = 0
         #: The peer hung up while we were not reading: read what it sent, pause or no pause.
         self._hungUp = False
+        #: The reactor's HangupWatch once we used it (released when the connection ends).
+        self._watch = None
+        self._aborted = False
+        #: The delayed call that will finish the connection (abort, failed send), if any.
+        self._closing = None
 
     # -- startup / descriptors
 
@@ -133,6 +160,7 @@ class SeqPacketTransport:
     # -- reading
 
     def doRead(self):
+        """Read up to `drain_cap` packets (one wakeup's worth); None, or why the connection ended."""
         recv_into = self._recv_into
         buf = self._buf
         limit = self.max_packet
@@ -143,6 +171,10 @@ class SeqPacketTransport:
             except BlockingIOError:
                 return None
             except InterruptedError:
+                continue
+            except ConnectionResetError:
+                # The peer closed with our packets unread: Linux says so before handing us the
+                # packets it sent. The error is reported once; read on until end of file.
                 continue
             except OSError:
                 return main.CONNECTION_LOST
@@ -160,14 +192,21 @@ class SeqPacketTransport:
     # -- writing
 
     def trySend(self, packet: bytes) -> bool:
+        """Send `packet` now if nothing is queued before it. True: done with it (sent, or
+        there is no one to send it to); False: it would block, queue it."""
         if self.outbox:
             return False
+        if self.disconnecting:
+            return True
         try:
-            self._send(packet)
+            self._send(packet, _NOSIGNAL)
         except BlockingIOError:
             return False
         except OSError as e:
-            self._sendFailed(e)
+            if e.errno in _PACKET_ERRORS:
+                self._unsendable(packet, e)
+            else:
+                self._sendFailed(e)
             return True
         self.packets_out += 1
         self.bytes_out += len(packet)
@@ -189,45 +228,97 @@ class SeqPacketTransport:
             return
         if not self.trySend(packet):
             self.enqueue(packet)
+        elif self._producer is not None and not self._streaming:
+            self.startWriting()  # a pull producer is asked for more from doWrite
 
     def writeSequence(self, seq):
         """The items of `seq` form ONE packet (SEQPACKET has no streams to join them into)."""
         self.write(b"".join(seq))
 
     def doWrite(self):
+        """Send queued packets until the kernel says EAGAIN or the queue is empty."""
         outbox = self.outbox
         send = self._send
         while outbox:
             packet = outbox.peek()
             try:
-                send(packet)
+                send(packet, _NOSIGNAL)
             except BlockingIOError:
                 return None
             except InterruptedError:
                 continue
-            except OSError:
-                return main.CONNECTION_LOST
+            except OSError as e:
+                if e.errno not in _PACKET_ERRORS:
+                    self._sendFailed(e)
+                    return None
+                outbox.pop()
+                self._unsendable(packet, e)
+                continue
             outbox.pop()
             self.packets_out += 1
             self.bytes_out += len(packet)
         self.stopWriting()
         if self.disconnecting:
-            return main.CONNECTION_DONE
-        if self._producer is not None and self._producerPaused:
+            return main.CONNECTION_DONE if self.connected else None
+        producer = self._producer
+        if producer is not None and (self._producerPaused or not self._streaming):
             self._producerPaused = False
-            self._producer.resumeProducing()
+            producer.resumeProducing()
+            if not self.connected:
+                return None
         drained = getattr(self.protocol, "outboxDrained", None)
         if drained is not None:
             drained()
         return None
 
+    def _unsendable(self, packet: bytes, exc: OSError) -> None:
+        """The kernel refused this packet (EMSGSIZE: bigger than our SO_SNDBUF allows). It is the
+        packet's fault, not the peer's: drop it, keep the connection, say so once."""
+        self.packets_unsendable += 1
+        hook = getattr(self.protocol, "packetUnsendable", None)
+        if hook is not None:
+            hook(packet, exc)
+        elif self.packets_unsendable == 1:
+            log.warn("{who}: dropped a {n}-byte packet the kernel refuses to send ({err}); "
+                     "the socket buffer is too small for the packet size limit",
+                     who=self.logPrefix(), n=len(packet), err=exc.strerror)
+
     def _sendFailed(self, exc):
-        # The peer is gone; finish the connection from the reactor, not from inside a routing loop.
+        """The peer is gone (EPIPE, ECONNRESET, ...): stop sending, but first read and deliver
+        what it sent before it went (it is in our receive queue already), then finish the
+        connection, from the reactor rather than from inside a routing loop."""
         if self.connected and not self.disconnecting:
             self.disconnecting = True
             self.outbox.clear()
-            self.stopReading()
-            self.reactor.callLater(0, self._lose, failure.Failure(error.ConnectionLost(str(exc))))
+            self.stopWriting()
+            self._closing = self.reactor.callLater(
+                0, self._drainThenLose, failure.Failure(error.ConnectionLost(str(exc))))
+
+    def _drainThenLose(self, reason):
+        self._closing = None
+        if not self.connected:
+            return
+        recv_into = self._recv_into
+        buf = self._buf
+        limit = self.max_packet
+        # Bounded: a gone peer's queue is finite; one that only shut its reading side is cut off.
+        for _ in range(_DRAIN_AFTER_SEND_FAILURE):
+            if self._aborted or not self.connected:
+                break
+            try:
+                n = recv_into(buf, limit, _MSG_TRUNC)
+            except (InterruptedError, ConnectionResetError):
+                continue
+            except OSError:  # BlockingIOError included: all it sent is read
+                break
+            if n == 0:
+                break
+            if n > limit:
+                self.protocol.packetTooLarge(n)
+            else:
+                self._packetReceived(buf[:n].tobytes())
+        self.stopReading()
+        self._lose(reason)
 
     # -- closing
 
@@ -241,15 +332,20 @@ class SeqPacketTransport:
 
     def abortConnection(self):
         """Close now, throwing away anything queued."""
-        if not self.connected:
+        if not self.connected or self._aborted:
             return
+        self._aborted = True
         self.disconnecting = True
         self.outbox.clear()
         self.stopReading()
         self.stopWriting()
-        self.reactor.callLater(0, self._lose, failure.Failure(error.ConnectionAborted()))
+        closing = self._closing
+        if closing is not None and closing.active():
+            closing.cancel()
+        self._closing = self.reactor.callLater(0, self._lose, failure.Failure(error.ConnectionAborted()))
 
     def _lose(self, reason):
+        self._closing = None
         if self.connected:
             self.connectionLost(reason)
 
@@ -259,9 +355,13 @@ class SeqPacketTransport:
     def connectionLost(self, reason):
         if not self.connected:
             return
-        watch = _watches.get(id(self.reactor))
+        watch, self._watch = self._watch, None
         if watch is not None:
             watch.unwatch(self)
+            _release_watch(watch)
+        closing, self._closing = self._closing, None
+        if closing is not None and closing.active():
+            closing.cancel()
         self.stopReading()
         self.stopWriting()
         self.connected = False
@@ -300,12 +400,14 @@ class SeqPacketTransport:
         if self._hungUp or not self.connected:
             return
         self.stopReading()
-        watch = _hangups(self.reactor)
+        watch = self._watch
+        if watch is None:
+            watch = self._watch = _acquire_watch(self.reactor)
         if watch is not None:
             watch.watch(self)
 
     def resumeProducing(self):
-        watch = _watches.get(id(self.reactor))
+        watch = self._watch
         if watch is not None:
             watch.unwatch(self)
         if self.connected and not self.disconnecting:
@@ -331,23 +433,33 @@ class SeqPacketTransport:
             return
         self._producer = producer
         self._producerPaused = False
+        self._streaming = bool(streaming)
         if not streaming:
-            producer.resumeProducing()
+            # A pull producer writes once per resumeProducing: doWrite asks again each time
+            # the queue is empty, as long as it stays registered.
+            self.startWriting()
 
     def unregisterProducer(self):
         self._producer = None
+        self._streaming = True
 
 
 @implementer(interfaces.IReadDescriptor)
 class HangupWatch:
     """Paused transports are out of the reactor, so nothing would notice their peer
-    leaving; one epoll set per reactor watches them for EPOLLRDHUP/EPOLLHUP instead."""
+    leaving; one epoll set per reactor watches them for EPOLLRDHUP/EPOLLHUP instead.
+
+    Shared by the ports and transports of one reactor (see `_acquire_watch`); the
+    epoll descriptor is closed when the last of them lets go.
+    """
 
     def __init__(self, reactor):
         self.reactor = reactor
         self.epoll = select.epoll()
         self.transports: dict[int, SeqPacketTransport] = {}
         self.reading = False
+        #: Ports listening and transports that paused, on this reactor.
+        self.users = 0
 
     def watch(self, transport: SeqPacketTransport):
         fd = transport.fileno()
@@ -372,6 +484,11 @@ class HangupWatch:
             self.reading = False
             self.reactor.removeReader(self)
 
+    def close(self):
+        self.transports.clear()
+        self._idle()
+        self.epoll.close()
+
     def fileno(self):
         return self.epoll.fileno()
 
@@ -390,12 +507,14 @@ class HangupWatch:
         self.reading = False
 
 
+#: One watch per reactor in use, by id (an entry holds its reactor, so the id is not reused).
 _watches: dict[int, HangupWatch] = {}
 
 
-def _hangups(reactor) -> HangupWatch | None:
-    """The reactor's watch, created on first use (ports create it when they start listening,
-    before descriptors can run out); None if it cannot be created (out of descriptors)."""
+def _acquire_watch(reactor) -> HangupWatch | None:
+    """The reactor's watch, created on first use (ports take it when they start listening,
+    before descriptors can run out); None if it cannot be created (out of descriptors).
+    Each successful call is paired with one `_release_watch`."""
     watch = _watches.get(id(reactor))
     if watch is None:
         try:
@@ -403,7 +522,15 @@ def _hangups(reactor) -> HangupWatch | None:
         except OSError as e:
             log.warn("cannot watch paused connections for hang-ups: {err}", err=e.strerror)
             return None
+    watch.users += 1
     return watch
+
+
+def _release_watch(watch: HangupWatch) -> None:
+    watch.users -= 1
+    if watch.users <= 0 and _watches.get(id(watch.reactor)) is watch:
+        del _watches[id(watch.reactor)]
+        watch.close()
 
 
 @implementer(interfaces.IListeningPort, interfaces.IReadDescriptor)
@@ -424,6 +551,7 @@ class SeqPacketPort:
         self.reactor = reactor
         self.connected = False
         self._backoff = None
+        self._watch = None
         self._fd = sock.fileno()
         # Per-connection settings: explicit ones win, else the factory's ServerConfig, else defaults.
         cfg = getattr(factory, "config", None)
@@ -440,7 +568,8 @@ class SeqPacketPort:
         sock.setblocking(False)
         if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
             sock.listen(socket.SOMAXCONN)
-        _hangups(self.reactor)
+        if self._watch is None:
+            self._watch = _acquire_watch(self.reactor)
         self.factory.doStart()
         self.connected = True
         self.reactor.addReader(self)
@@ -455,6 +584,9 @@ class SeqPacketPort:
                 self._backoff.cancel()
             self.socket.close()
             self._fd = -1
+            watch, self._watch = self._watch, None
+            if watch is not None:
+                _release_watch(watch)
             self.factory.doStop()
         return defer.succeed(None)
 
@@ -494,14 +626,31 @@ class SeqPacketPort:
                 log.warn("refused a connection: cannot read its credentials ({err})", err=e)
                 conn.close()
                 continue
+            self._connect(conn, name, cred)
+        return None
+
+    def _connect(self, conn, name, cred) -> None:
+        """Give one accepted socket its protocol and transport. An exception here costs that
+        one connection (logged, closed), never the listener (as twisted's tcp.Port does)."""
+        transport = None
+        try:
             protocol = self.factory.buildProtocol(SeqPacketAddress(name, cred))
             if protocol is None:
                 conn.close()
-                continue
+                return
             transport = SeqPacketTransport(conn, protocol, self.reactor, peer=cred, **self._settings)
             protocol.makeConnection(transport)
             transport.startReading()
-        return None
+        except Exception:
+            log.failure("could not set up the connection of pid {pid} uid {uid}; closed it, still listening",
+                        pid=cred.pid, uid=cred.uid)
+            if transport is not None and transport.connected:
+                try:  # let the protocol forget what it set up; it failed once, stay quiet
+                    transport.connectionLost(failure.Failure(error.ConnectionAborted()))
+                except Exception:
+                    transport.stopReading()
+                    transport.stopWriting()
+            conn.close()
 
     def _pauseAccepting(self, exc):
         """Out of descriptors or memory: stop accepting for a moment instead of spinning."""

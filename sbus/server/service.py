@@ -90,7 +90,7 @@ class BusService(service.Service):
         from sbus.seqpacket import SeqPacketPort
 
         try:
-            self.factory = BrokerFactory(self.config, self.on_empty)
+            self.factory = BrokerFactory(self.config, self.on_empty, reactor=self.reactor)
             self.port = SeqPacketPort(self.listener.sock, self.factory, self.reactor)
             self.port.startListening()
         except BaseException:
