@@ -1,29 +1,42 @@
 # Two commands for a newcomer: `make run` (install and run the bus on ./sbus.socket)
-# and `make test` (install what the tests need and run them all).
+# and `make test` (install what the tests need and run them).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 SOCKET ?= sbus.socket
+# extra pytest arguments, e.g. `make test PYTEST_ARGS='-m slow'` (the slow tests: install paths)
+PYTEST_ARGS ?=
 
 .PHONY: run test bench clean
+
+# An editable install of this tree (PEP 660; setup.py says why the twistd plugins stay
+# visible). The markers are remade when setup.py or pyproject.toml (extras, entry points)
+# change, and also when the venv's `sbus` is not this tree's any more (a later
+# `pip install .`, `pip uninstall sbus`, or a venv moved to another clone).
+INSTALLED_HERE := $(shell test -x $(BIN)/python && cd / && $(abspath $(BIN))/python -c \
+	'import os, sys, sbus; sys.exit(os.path.dirname(os.path.dirname(os.path.realpath(sbus.__file__))) != sys.argv[1])' \
+	'$(realpath $(CURDIR))' 2>/dev/null && echo yes)
+ifneq ($(INSTALLED_HERE),yes)
+.PHONY: $(VENV)/.installed $(VENV)/.test-installed
+endif
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.installed: setup.py | $(BIN)/python
-	$(BIN)/pip install -q -e . --config-settings editable_mode=compat
+$(VENV)/.installed: setup.py pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
 	touch $@
 
-$(VENV)/.test-installed: setup.py | $(BIN)/python
-	$(BIN)/pip install -q -e '.[test]' --config-settings editable_mode=compat
+$(VENV)/.test-installed: setup.py pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
 run: $(VENV)/.installed
 	$(BIN)/twistd -n sbus --socket $(SOCKET)
 
 test: $(VENV)/.test-installed
-	$(BIN)/pytest
+	$(BIN)/pytest $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/run.py $(BENCH_ARGS)

@@ -5,10 +5,16 @@
     sbus whoami                    the credentials the server sees
     sbus stats                     the server's statistics (--json)
     sbus ping                      round trips through the bus
+    sbus top                       a live view of the bus (sbus/top.py)
 
 The bus is `--socket ADDRESS`, else ``$SBUS_SOCKET``, else ``sbus.socket`` in
 the working directory. Errors are one line on stderr (``sbus: ...``) and a
-non-zero exit status; Ctrl-C exits with 130 and no traceback.
+non-zero exit status (2 for a usage error: every number is checked when the
+command line is parsed); Ctrl-C exits with 130 and no traceback.
+
+What `sub` prints is escaped unless `--raw` asks otherwise (`escape`): a message
+from anyone allowed on the bus must not drive the terminal (escape sequences) or
+fake a line of output (a newline or carriage return in a payload).
 """
 
 from __future__ import annotations
@@ -17,17 +23,21 @@ import argparse
 import base64
 import errno
 import json
+import math
 import os
+import re
 import secrets
 import signal
 import stat
 import statistics
 import sys
+import tempfile
 import time
+import unicodedata
 
 from sbus.core.codec import Message, ProtocolError
 
-from .client.address import AddressError, resolve
+from .client.address import ABSTRACT_PREFIX, AddressError, resolve
 from .client.blocking import Client, ConnectionClosed, PacketTooLarge
 
 #: How long to wait for the server's answer to a request (whoami, stats).
@@ -58,8 +68,17 @@ def _connect(args) -> Client:
     try:
         return Client(addr)
     except FileNotFoundError:
+        if addr.kind == "path" and where.startswith(ABSTRACT_PREFIX):
+            # parse_address took it for a path: the part after the prefix is not hex
+            raise CliError(f"{where}: not an abstract address: {ABSTRACT_PREFIX} must be followed by "
+                           "an even number of hex digits, starting with 00 (as sbusd -a "
+                           "/dev/unix/abstract prints it)") from None
         raise CliError(f"{where}: no such socket (is sbusd running? see --socket, $SBUS_SOCKET)") from None
     except ConnectionRefusedError:
+        if addr.kind == "path":
+            kind = _not_a_socket(where)
+            if kind:
+                raise CliError(f"{where}: not a socket ({kind})") from None
         raise CliError(f"{where}: connection refused (no server is listening there)") from None
     except PermissionError:
         raise CliError(f"{where}: permission denied") from None
@@ -72,6 +91,23 @@ def _connect(args) -> Client:
         if where in reason:
             raise CliError(reason) from None
         raise CliError(f"{where}: {reason}") from None
+
+
+def _not_a_socket(path: str) -> str | None:
+    """What `path` is if it exists and is not a socket ("a directory", ...), else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISSOCK(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    return "not a socket file"
 
 
 def _request(fn, what: str):
@@ -118,10 +154,6 @@ def _payloads(args):
 
 
 def cmd_pub(args) -> int:
-    if args.count < 0:
-        raise CliError("--count must be 0 or more", 2)
-    if args.rate is not None and args.rate <= 0:
-        raise CliError("--rate must be more than 0", 2)
     key = os.fsencode(args.key)
     payloads = _payloads(args)
     with _connect(args) as bus:
@@ -155,13 +187,59 @@ def _text_or_base64(data: bytes) -> tuple[str, bool]:
         return base64.b64encode(data).decode("ascii"), True
 
 
-def _format(fmt: str):
+# Bytes that may need escaping: C0 controls but tab, backslash, DEL, and every non-ASCII byte
+# (checked further: C1 controls, invalid UTF-8, line separators, bidirectional overrides).
+_SUSPECT = re.compile(rb"[\x00-\x08\x0a-\x1f\\\x7f-\xff]")
+_SUSPECT_KEY = re.compile(rb"[\x00-\x20\\\x7f-\xff]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\x1b": "\\e", "\\": "\\\\", "\t": "\t", " ": " "}
+
+
+def _unsafe_char(c: str) -> bool:
+    """A character that can drive a terminal or reorder/fake a line: controls (C0, DEL, C1),
+    line and paragraph separators, and format characters (bidirectional overrides, ...)."""
+    return unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp", "Cs")
+
+
+def escape(data: bytes, space: bool = False) -> bytes:
+    """`data` for a terminal line: controls as ``\\n``, ``\\r``, ``\\e``, ``\\xHH`` or ``\\uHHHH``, invalid
+    UTF-8 bytes as ``\\xHH``, a backslash doubled (so the output is unambiguous); tabs stay.
+    With `space`, a space is escaped too (``\\x20``: a key never contains an unescaped one)."""
+    if (_SUSPECT_KEY if space else _SUSPECT).search(data) is None:
+        return data  # printable ASCII: the common case, no copy
+    out = []
+    for c in data.decode("utf-8", "surrogateescape"):
+        if c == " ":
+            out.append("\\x20" if space else c)
+        elif c in _NAMED:
+            out.append(_NAMED[c])
+        elif "\udc80" <= c <= "\udcff":  # a byte that is not UTF-8
+            out.append(f"\\x{ord(c) - 0xdc00:02x}")
+        elif _unsafe_char(c):
+            out.append(f"\\x{ord(c):02x}" if ord(c) < 0x80 else f"\\u{ord(c):04x}")
+        else:
+            out.append(c)
+    return "".join(out).encode("utf-8")
+
+
+def _json_safe(text: str) -> str:
+    """JSON text with every character `_unsafe_char` names as a \\uXXXX escape (json.dumps
+    with ensure_ascii=False leaves DEL, C1 controls and U+2028 raw)."""
+    if text.isascii() and "\x7f" not in text:
+        return text
+    return "".join(f"\\u{ord(c):04x}" if _unsafe_char(c) else c for c in text)
+
+
+def _format(fmt: str, raw: bool = False):
     if fmt == "raw":
         return lambda m: m.payload
     if fmt == "payload":
-        return lambda m: m.payload + b"\n"
+        if raw:
+            return lambda m: m.payload + b"\n"
+        return lambda m: escape(m.payload) + b"\n"
     if fmt == "line":
-        return lambda m: m.key + b" " + m.payload + b"\n"
+        if raw:
+            return lambda m: m.key + b" " + m.payload + b"\n"
+        return lambda m: escape(m.key, space=True) + b" " + escape(m.payload) + b"\n"
 
     def as_json(m):
         key, key_b64 = _text_or_base64(m.key)
@@ -171,30 +249,47 @@ def _format(fmt: str):
             obj["key_base64"] = True
         if payload_b64:
             obj["payload_base64"] = True
-        return (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
+        text = json.dumps(obj, ensure_ascii=False)
+        return ((text if raw else _json_safe(text)) + "\n").encode("utf-8")
 
     return as_json
 
 
 def _signal_ready(path: str) -> None:
-    """Write "ready" to `path`: a FIFO is opened as is (a reader waits on it), a file is created atomically."""
+    """Write "ready" to `path`.
+
+    A FIFO (not a symlink to one) is opened as it is: a reader waits on it. Anything else is
+    replaced atomically by a new file (mode 0600): written under a random name that
+    mkstemp creates exclusively (O_EXCL, never following a symlink) in the same directory,
+    then renamed over `path` (which replaces a symlink at `path`, never its target).
+    """
+    tmp = None
     try:
         try:
-            is_fifo = stat.S_ISFIFO(os.stat(path).st_mode)
+            is_fifo = stat.S_ISFIFO(os.lstat(path).st_mode)
         except OSError:
             is_fifo = False
         if is_fifo:
-            with open(path, "w") as f:
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with open(fd, "w") as f:
                 f.write("ready\n")
         else:
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
+            directory, name = os.path.split(path)
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory or ".")
+            with open(fd, "w") as f:
                 f.write("ready\n")
             os.replace(tmp, path)
+            tmp = None
     except BrokenPipeError:
         pass
     except OSError as e:
         raise CliError(f"--ready-file {path}: {e.strerror}") from None
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
 
 
 def _abandon_ready(path: str) -> None:
@@ -216,9 +311,7 @@ def cmd_sub(args) -> int:
 
 
 def _sub(args) -> int:
-    if args.count is not None and args.count < 0:
-        raise CliError("--count must be 0 or more", 2)
-    render = _format(args.format)
+    render = _format(args.format, args.raw)
     out = sys.stdout.buffer
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     with _connect(args) as bus:
@@ -245,7 +338,7 @@ def _sub(args) -> int:
             except TimeoutError:
                 break
             except PacketTooLarge as e:
-                print(f"sbus: {e}", file=sys.stderr)
+                print(f"sbus: {_printable(str(e))}", file=sys.stderr)
                 continue
             if type(m) is not Message:
                 continue
@@ -335,8 +428,6 @@ def cmd_stats(args) -> int:
 
 
 def cmd_ping(args) -> int:
-    if args.count < 1:
-        raise CliError("--count must be 1 or more", 2)
     with _connect(args) as bus:
         me = _request(bus.whoami, "whoami")
         # A secret key of our own: nobody else can receive it, and nobody else's traffic interferes.
@@ -369,6 +460,29 @@ def cmd_ping(args) -> int:
 # -- the parser -----------------------------------------------------------------
 
 
+def _number(kind, minimum, inclusive: bool):
+    """An argparse type: a finite `kind` (int, float) >= or > `minimum` (a usage error otherwise)."""
+    bound = f"{'at least' if inclusive else 'more than'} {minimum:g}"
+
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'a whole number' if kind is int else 'a number'}") from None
+        if not math.isfinite(value) or value < minimum or (value == minimum and not inclusive):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {bound}")
+        return value
+
+    convert.__name__ = f"{kind.__name__} {bound}"
+    return convert
+
+
+COUNT = _number(int, 1, True)          # how many (messages, round trips): 1 or more
+SECONDS = _number(float, 0, False)     # a time: more than 0
+RATE = _number(float, 0, False)        # per second: more than 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-s", "--socket", metavar="ADDRESS", default=argparse.SUPPRESS,
@@ -389,20 +503,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("message", metavar="MESSAGE", nargs="?", help="the payload, or - for stdin")
     p.add_argument("-f", "--file", metavar="FILE", help="publish the contents of FILE as one message")
     p.add_argument("-w", "--whole", action="store_true", help="stdin is one message, not one per line")
-    p.add_argument("-n", "--count", type=int, default=1, metavar="N", help="publish each message N times")
-    p.add_argument("-r", "--rate", type=float, metavar="R", help="at most R messages per second")
+    p.add_argument("-n", "--count", type=COUNT, default=1, metavar="N",
+                   help="publish each message N times (N >= 1)")
+    p.add_argument("-r", "--rate", type=RATE, metavar="R", help="at most R messages per second (R > 0)")
     p.set_defaults(func=cmd_pub)
 
     p = sub.add_parser("sub", parents=[common], help="print messages matching patterns",
                        description="Subscribe to the PATTERNs and print what arrives, until interrupted, "
                                    "--count messages or --timeout seconds.")
     p.add_argument("patterns", metavar="PATTERN", nargs="+")
-    p.add_argument("-n", "--count", type=int, metavar="N", help="exit after N messages")
-    p.add_argument("-t", "--timeout", type=float, metavar="S",
-                   help="exit after S seconds (status 124 if --count messages did not arrive)")
+    p.add_argument("-n", "--count", type=COUNT, metavar="N", help="exit after N messages (N >= 1)")
+    p.add_argument("-t", "--timeout", type=SECONDS, metavar="S",
+                   help="exit after S seconds (S > 0; status 124 if --count messages did not arrive)")
     p.add_argument("-F", "--format", choices=("line", "raw", "payload", "json"), default="line",
                    help="line: 'KEY PAYLOAD' per message (default); raw: the payload bytes only; "
-                        "payload: payload and a newline; json: a JSON object per line")
+                        "payload: payload and a newline; json: a JSON object per line. Control "
+                        "characters are escaped (\\n, \\e, \\xHH; raw excepted) unless --raw")
+    p.add_argument("--raw", action="store_true",
+                   help="print keys and payloads as they are, control characters included "
+                        "(a message could then drive the terminal or fake a line)")
     p.add_argument("--ready-file", metavar="PATH",
                    help="once subscribed, write 'ready' to PATH (a FIFO, or a file created atomically)")
     p.set_defaults(func=cmd_sub)
@@ -415,10 +534,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("ping", parents=[common], help="measure round trips through the bus")
-    p.add_argument("-n", "--count", type=int, default=10, metavar="N", help="round trips (default 10)")
-    p.add_argument("-t", "--timeout", type=float, default=5.0, metavar="S", help="per round trip (default 5)")
+    p.add_argument("-n", "--count", type=COUNT, default=10, metavar="N", help="round trips (default 10)")
+    p.add_argument("-t", "--timeout", type=SECONDS, default=5.0, metavar="S",
+                   help="seconds for each round trip (default 5)")
     p.set_defaults(func=cmd_ping)
+
+    p = sub.add_parser("top", parents=[common], help="a live view of the bus (q quits)",
+                       description="A live view of the bus, refreshed from its statistics: clients, "
+                                   "messages in and out per second, queues, drops and disconnects by "
+                                   "reason. q or Ctrl-C quits.")
+    p.add_argument("-i", "--interval", type=SECONDS, default=1.0, metavar="S",
+                   help="seconds between refreshes (default 1)")
+    p.add_argument("-n", "--iterations", type=COUNT, metavar="N",
+                   help="exit after N refreshes (default: until q)")
+    p.set_defaults(func=_cmd_top)
     return parser
+
+
+def _cmd_top(args) -> int:
+    from .top import cmd_top  # the terminal code only for this command
+
+    return cmd_top(args, _connect, CliError)
+
+
+def _printable(text: str) -> str:
+    """An error text for one line on a terminal (a server's reason could hold anything)."""
+    return escape(text.encode("utf-8", "surrogateescape")).decode("utf-8", "replace")
 
 
 def _quiet_stdout():
@@ -445,13 +586,14 @@ def main(argv=None) -> int:
         _quiet_stdout()
         return EXIT_BROKEN_PIPE
     except CliError as e:
-        print(f"sbus: {e}", file=sys.stderr)
+        print(f"sbus: {_printable(str(e))}", file=sys.stderr)
         return e.status
-    except ConnectionClosed:
-        print("sbus: the server closed the connection", file=sys.stderr)
+    except ConnectionClosed as e:
+        # the server's reason when it gave one (CMSG server/disconnect), else a plain statement
+        print(f"sbus: {_printable(str(e) or 'the server closed the connection')}", file=sys.stderr)
         return 1
     except ProtocolError as e:
-        print(f"sbus: {e}", file=sys.stderr)
+        print(f"sbus: {_printable(str(e))}", file=sys.stderr)
         return 1
     except OSError as e:
         print(f"sbus: {e.strerror or e}", file=sys.stderr)

@@ -299,6 +299,152 @@ def test_error_bad_address():
     assert_one_error_line(sbus_run("--socket", "/dev/unix/abstract/61", "whoami"), "abstract")
 
 
+@pytest.mark.parametrize("address", ["/dev/unix/abstract/zz", "/dev/unix/abstract/", "/dev/unix/abstract/0"])
+def test_error_abstract_address_not_hex(address):
+    # these parse as paths (as in the reference server): say what is wrong with them, not "no such socket"
+    err = assert_one_error_line(sbus_run("--socket", address, "whoami"), address, "not an abstract address",
+                                "hex digits")
+    assert "no such socket" not in err
+
+
+@pytest.mark.parametrize("kind", ["regular file", "directory"])
+def test_error_not_a_socket(tmp_path, kind):
+    path = tmp_path / "thing"
+    if kind == "directory":
+        path.mkdir()
+    else:
+        path.write_text("not a socket\n")
+    err = assert_one_error_line(sbus_run("--socket", str(path), "whoami"), str(path), f"not a socket (a {kind})")
+    assert "refused" not in err
+
+
+@pytest.mark.parametrize("argv,option", [
+    (["ping", "-t", "0"], "--timeout"), (["ping", "-t", "-1"], "--timeout"), (["ping", "-t", "nan"], "--timeout"),
+    (["ping", "-n", "0"], "--count"), (["ping", "--count", "x"], "--count"),
+    (["sub", "k", "--timeout", "-1"], "--timeout"), (["sub", "k", "--timeout", "0"], "--timeout"),
+    (["sub", "k", "--count", "0"], "--count"), (["sub", "k", "--count", "-3"], "--count"),
+    (["pub", "k", "v", "--count", "0"], "--count"), (["pub", "k", "v", "--count", "1.5"], "--count"),
+    (["pub", "k", "v", "--rate", "0"], "--rate"), (["pub", "k", "v", "--rate", "inf"], "--rate"),
+    (["top", "--interval", "0"], "--interval"), (["top", "-n", "0"], "--iterations"),
+])
+def test_numbers_checked_when_parsing(tmp_path, argv, option):
+    # a usage error (status 2) before anything connects: the socket does not even exist
+    r = sbus_run("--socket", str(tmp_path / "missing.socket"), *argv)
+    err = r.stderr.decode()
+    assert r.returncode == 2, (r.returncode, err)
+    assert option in err and "Traceback" not in err and "no such socket" not in err, err
+    assert r.stdout == b""
+
+
+# --- what sub prints: escaped unless --raw -------------------------------------------
+
+HOSTILE = [
+    (b"news/title", b"\x1b]0;pwned\x07hello"),                                  # window title
+    (b"news/clear", b"\x1b[2J\x1b[Hwiped"),                                     # clear screen
+    (b"news/fake", b"x\n!/cred/0/0/1/secret hunter2"),                           # a fake line
+    (b"news/cr", b"visible\rhidden"),                                            # overwrite a line
+    (b"news/c1", "\u009b2J and \u202edesrever".encode() + b" \xff\\"),           # C1 CSI, bidi, bad UTF-8
+    (b"news/\x1b[31mred key", b"k"),                                             # a key with an escape and a space
+]
+
+
+@pytest.fixture
+def world_bus(start_bus):
+    """A bus every local user can open (sbusd -o) in a directory they can reach."""
+    import tempfile
+    d = tempfile.mkdtemp(prefix="sbus-cli-")
+    os.chmod(d, 0o755)
+    try:
+        yield start_bus("-o", address=os.path.join(d, "bus.socket"))
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _publish_hostile(address: str) -> str:
+    from helpers import connect, msg, send, sync
+    s = connect(address)
+    for key, payload in HOSTILE:
+        send(s, msg(key, payload))
+    sync(s)
+    s.close()
+    return "sent"
+
+
+def test_sub_escapes_a_hostile_message_from_another_uid(tmp_path, world_bus):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to publish as uid 65534")
+    from helpers import run_as
+    line = Sub(tmp_path, world_bus.address, "news/", "--count", str(len(HOSTILE)))
+    payload = Sub(tmp_path, world_bus.address, "news/", "--count", str(len(HOSTILE)), "--format", "payload")
+    raw = Sub(tmp_path, world_bus.address, "news/", "--count", str(len(HOSTILE)), "--raw")
+    js = Sub(tmp_path, world_bus.address, "news/", "--count", str(len(HOSTILE)), "--format", "json")
+    try:
+        assert run_as(65534, 65534, lambda: _publish_hostile(world_bus.address)) == "sent"
+        code, out, err = line.finish()
+        assert (code, err) == (0, "")
+        assert out.split(b"\n") == [
+            b"news/title \\e]0;pwned\\x07hello",
+            b"news/clear \\e[2J\\e[Hwiped",
+            b"news/fake x\\n!/cred/0/0/1/secret hunter2",
+            b"news/cr visible\\rhidden",
+            b"news/c1 \\u009b2J and \\u202edesrever \\xff\\\\",
+            b"news/\\e[31mred\\x20key k",
+            b"",
+        ]
+        # nothing that a terminal acts on: no control character but the newlines ending lines
+        assert not re.search(rb"[\x00-\x09\x0b-\x1f\x7f]", out) and "\u009b".encode() not in out
+        code, out, err = payload.finish()
+        assert code == 0 and out.count(b"\n") == len(HOSTILE) and b"\x1b" not in out and b"\r" not in out
+        code, out, err = js.finish()
+        assert code == 0 and out.count(b"\n") == len(HOSTILE)
+        assert not re.search(rb"[\x00-\x09\x0b-\x1f\x7f]", out) and "\u009b".encode() not in out
+        assert "\u202e".encode() not in out
+        got = [json.loads(l) for l in out.splitlines()]
+        assert [(g["key"].encode() if "key_base64" not in g else None, g.get("payload")) for g in got][:4] == [
+            (k, p.decode()) for k, p in HOSTILE[:4]]
+        # --raw: as they are, on request
+        code, out, err = raw.finish()
+        assert code == 0 and out == b"".join(k + b" " + p + b"\n" for k, p in HOSTILE)
+    finally:
+        for s in (line, payload, raw, js):
+            s.kill()
+
+
+# --- --ready-file ------------------------------------------------------------------
+
+
+def test_ready_file_regular_is_atomic_and_private(bus, tmp_path):
+    (tmp_path / "r").mkdir()
+    path = tmp_path / "r" / "ready"
+    r = sbus_run("--socket", bus.address, "sub", "x", "--timeout", "0.1", "--ready-file", str(path))
+    assert r.returncode == 0, r.stderr
+    assert path.read_text() == "ready\n"
+    assert oct(path.stat().st_mode & 0o777) == oct(0o600)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["ready"]  # no temporary left behind
+
+
+def test_ready_file_does_not_follow_planted_symlinks(bus, tmp_path):
+    # The old code wrote PATH.PID.tmp, following a symlink planted there, into a victim file.
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    path = tmp_path / "ready"
+    path.symlink_to(victim)  # the ready path itself a symlink: replaced, its target untouched
+    proc = subprocess.Popen([*SBUS, "--socket", bus.address, "sub", "x", "--timeout", "0.1",
+                             "--ready-file", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=environ())
+    for guess in range(proc.pid, proc.pid + 3):  # what the old code would have used
+        (tmp_path / f"ready.{guess}.tmp").symlink_to(victim)
+    out, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0, err
+    assert victim.read_text() == "precious\n"
+    assert not path.is_symlink() and path.read_text() == "ready\n"
+
+
+def test_ready_file_in_a_missing_directory(bus, tmp_path):
+    r = sbus_run("--socket", bus.address, "sub", "x", "--ready-file", str(tmp_path / "no" / "ready"))
+    assert_one_error_line(r, "--ready-file", "No such file or directory")
+
+
 def test_ready_fifo_gets_eof_on_failure(tmp_path):
     fifo = str(tmp_path / "ready")
     os.mkfifo(fifo)

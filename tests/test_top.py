@@ -1,0 +1,192 @@
+"""`sbus top` in a pseudo-terminal, against a real server with real traffic."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import select
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+
+import pytest
+
+from helpers import child_env, connect, msg, send, sub, sync, unique
+
+TIMEOUT = 20.0
+ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+class Screen:
+    """`sbus top` with a pty as its controlling terminal (80x24); `.frame()` is the last redraw."""
+
+    def __init__(self, address, *args):
+        self.master, slave = os.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+
+        def controlling_tty():  # after setsid (start_new_session): the pty becomes ours
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sbus.cli", "--socket", address, "top", *args],
+            stdin=slave, stdout=slave, stderr=slave, env=child_env(), start_new_session=True,
+            preexec_fn=controlling_tty,
+        )
+        os.close(slave)
+        self.output = b""
+
+    def read(self, timeout: float) -> bool:
+        if not select.select([self.master], [], [], timeout)[0]:
+            return False
+        try:
+            chunk = os.read(self.master, 65536)
+        except OSError:  # EIO: the other side is closed
+            return False
+        self.output += chunk
+        return bool(chunk)
+
+    def frame(self) -> str:
+        last = self.output.rsplit(b"\x1b[2J", 1)[-1]
+        return ANSI.sub(b"", last).decode("utf-8", "replace").replace("\r", "")
+
+    def wait_for(self, predicate, what: str):
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            frame = self.frame()
+            if re.search(r"^ *PID +UID", frame, re.M):  # a whole frame (the table heading is near its end)
+                found = predicate(frame)
+                if found:
+                    return found
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no frame with {what} in {TIMEOUT}s; last frame:\n{self.frame()}")
+            if not self.read(left) and self.proc.poll() is not None:
+                raise AssertionError(f"sbus top exited {self.proc.returncode}:\n{self.output.decode('utf-8', 'replace')}")
+
+    def type(self, data: bytes):
+        os.write(self.master, data)
+
+    def wait_exit(self) -> int:
+        deadline = time.monotonic() + TIMEOUT
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            self.read(0.1)  # drain the pty so the program never blocks writing
+        code = self.proc.wait(max(0.1, deadline - time.monotonic()))
+        while self.read(0):  # what it wrote last
+            pass
+        return code
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        os.close(self.master)
+
+
+@pytest.fixture
+def screen():
+    screens = []
+
+    def start(address, *args):
+        s = Screen(address, *args)
+        screens.append(s)
+        return s
+
+    yield start
+    for s in screens:
+        s.close()
+
+
+class Traffic:
+    """A subscriber and a publisher on the bus, publishing in a background thread until stopped."""
+
+    def __init__(self, address):
+        self.key = unique("top/")
+        self.reader = connect(address)
+        send(self.reader, sub(self.key))
+        sync(self.reader)
+        self.writer = connect(address)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        for i in range(200_000):  # bounded: about 50 s at most
+            if self.stop.is_set():
+                return
+            send(self.writer, msg(self.key, b"%d" % i))
+            sync(self.writer)
+            while select.select([self.reader], [], [], 0)[0]:
+                self.reader.recv(65536)
+            self.stop.wait(0.00025)  # pacing, not synchronisation
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(TIMEOUT)
+        self.reader.close()
+        self.writer.close()
+
+
+def _rates(frame: str):
+    m_in = re.search(r"^in\s+([\d.]+) (k?)msg/s", frame, re.M)
+    m_out = re.search(r"^out\s+([\d.]+) (k?)msg/s", frame, re.M)
+    if m_in and m_out:
+        scale = {"": 1, "k": 1000}
+        return float(m_in[1]) * scale[m_in[2]], float(m_out[1]) * scale[m_out[2]]
+    return None
+
+
+def test_top_shows_clients_and_rates_then_q_quits(bus, screen):
+    traffic = Traffic(bus.address)
+    try:
+        top = screen(bus.address, "--interval", "0.2")
+        # the two traffic clients and top itself
+        frame = top.wait_for(lambda f: re.search(r"^clients 3\b", f, re.M) and f, "clients 3")
+        assert "subscriptions 1" in frame
+        rates = top.wait_for(lambda f: (r := _rates(f)) and r[0] > 0 and r[1] > 0 and r, "rates above 0")
+        assert rates[0] > 0 and rates[1] > 0
+        frame = top.frame()
+        assert re.search(r"^disconnects\s", frame, re.M) and re.search(r"^drops\s", frame, re.M)
+        assert "QUEUED" in frame and str(os.getpid()) in frame  # the traffic clients' queues
+        # a client leaves: the count follows, and the disconnect shows with its reason
+        traffic.close()
+        top.wait_for(lambda f: re.search(r"^clients 1\b", f, re.M), "clients 1")
+        top.wait_for(lambda f: re.search(r"^disconnects\s.*closed \d+", f, re.M), "closed disconnects")
+    finally:
+        traffic.close()
+    top.type(b"q")
+    assert top.wait_exit() == 0
+    assert top.output.endswith(b"\x1b[?25h") or b"\x1b[?25h" in top.output[-64:]  # cursor shown again
+
+
+def test_top_ctrl_c_exits_0(bus, screen):
+    top = screen(bus.address, "--interval", "0.2")
+    top.wait_for(lambda f: re.search(r"^clients 1\b", f, re.M), "clients 1")
+    top.type(b"\x03")  # the terminal turns it into SIGINT for its foreground process group
+    assert top.wait_exit() == 0
+    assert b"Traceback" not in top.output
+
+
+def test_top_server_gone_is_one_line(start_bus, screen):
+    bus = start_bus()
+    top = screen(bus.address, "--interval", "0.2")
+    top.wait_for(lambda f: re.search(r"^clients 1\b", f, re.M), "clients 1")
+    bus.stop()
+    assert top.wait_exit() == 1
+    last = ANSI.sub(b"", top.output).rstrip(b"\r\n").rsplit(b"\n", 1)[-1]
+    assert last.startswith(b"sbus: ") and b"closed" in last, top.output[-300:]
+    assert b"Traceback" not in top.output
+
+
+def test_top_without_a_terminal(bus):
+    r = subprocess.run([sys.executable, "-m", "sbus.cli", "--socket", bus.address, "top", "-n", "2", "-i", "0.1"],
+                       capture_output=True, timeout=TIMEOUT, env=child_env(), stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    assert b"\x1b" not in r.stdout
+    frames = r.stdout.decode().split("\n\n")
+    assert r.stdout.decode().count("(q quits)") == 2
+    assert re.search(r"^clients 1\b", r.stdout.decode(), re.M), frames
