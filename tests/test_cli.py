@@ -128,24 +128,6 @@ def test_pub_sub_lines(bus, subs):
     assert s.finish() == (0, b"sensors/a 21.5\nsensors/b x y\nsensors/b z\n", "")
 
 
-def test_docs_pipeline(bus, tmp_path):
-    """The shell snippet of docs/clients.md, as written there."""
-    if not ENTRY_POINT.exists():
-        pytest.skip("the sbus console script is not installed (pip install -e .)")
-    script = """
-        mkfifo ready
-        sbus sub 'sensors/' --count 3 --ready-file ready > got.txt &
-        read _ < ready          # the subscription is in place now
-        sbus pub sensors/a 1; sbus pub sensors/b 2; sbus pub sensors/c 3
-        wait                    # for the subscriber: got.txt is complete
-        cat got.txt
-    """
-    env = environ(SBUS_SOCKET=bus.address, PATH=f"{ENTRY_POINT.parent}{os.pathsep}{os.environ['PATH']}")
-    r = subprocess.run(["sh", "-ec", script], cwd=tmp_path, env=env, capture_output=True, timeout=TIMEOUT)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout == b"sensors/a 1\nsensors/b 2\nsensors/c 3\n"
-
-
 def test_pub_sources(bus, subs, tmp_path):
     s = subs("k", "--format", "json", "--count", "7")
     data = tmp_path / "blob"
