@@ -106,19 +106,81 @@ _SKB_OVERHEAD = 32 * 1024
 _UCRED = struct.Struct("3i")
 
 
+_SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
+_SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
+
+
 def size_buffers(sock: socket.socket, max_packet: int) -> None:
     """Let a packet of `max_packet` bytes be sent and received on `sock`.
 
     The kernel refuses a SEQPACKET packet bigger than SO_SNDBUF - 32 bytes
-    (about 212 kB by default) with EMSGSIZE.
+    (about 212 kB by default) with EMSGSIZE. SO_SNDBUF is capped by
+    net.core.wmem_max (the kernel doubles the value asked for); a process with
+    CAP_NET_ADMIN passes the cap with SO_SNDBUFFORCE, others cannot: see
+    `packet_limit_problem`.
     """
     want = max_packet + _SKB_OVERHEAD
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+    for opt, force in ((socket.SO_SNDBUF, _SO_SNDBUFFORCE), (socket.SO_RCVBUF, _SO_RCVBUFFORCE)):
         try:
             if sock.getsockopt(socket.SOL_SOCKET, opt) < want:
                 sock.setsockopt(socket.SOL_SOCKET, opt, want)
+                if sock.getsockopt(socket.SOL_SOCKET, opt) < want:
+                    sock.setsockopt(socket.SOL_SOCKET, force, want)
         except OSError:
             pass
+
+
+def _sysctl(name: str) -> str:
+    try:
+        with open("/proc/sys/" + name.replace(".", "/")) as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def _can_send(size: int, max_packet: int) -> OSError | None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        size_buffers(a, max_packet)
+        size_buffers(b, max_packet)
+        a.setblocking(False)
+        try:
+            a.send(bytes(size))
+        except OSError as e:
+            return e
+        return None
+    finally:
+        a.close()
+        b.close()
+
+
+def packet_limit_problem(max_packet: int) -> str | None:
+    """None if this process can send a `max_packet`-byte packet on a SEQPACKET socket sized
+    by `size_buffers`; else one line saying why not and what to do. Tried for real, at start:
+    a server that cannot would fail to forward big packets (EMSGSIZE, ENOBUFS)."""
+    err = _can_send(max_packet, max_packet)
+    if err is None:
+        return None
+    lo, hi = 0, max_packet  # the largest size that goes: a few sends, once, on failure only
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _can_send(mid, max_packet) is None:
+            lo = mid
+        else:
+            hi = mid
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        size_buffers(probe, max_packet)
+        sndbuf = probe.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    finally:
+        probe.close()
+    if sndbuf < max_packet + 32:
+        why = (f"SO_SNDBUF stops at {sndbuf}: net.core.wmem_max is {_sysctl('net.core.wmem_max')} "
+               f"and only CAP_NET_ADMIN passes it")
+    else:
+        why = "the kernel cannot allocate one packet that big"
+    return f"packet size limit {max_packet} is more than this kernel sends ({err.strerror}; {why}); " \
+           f"the largest that works here is {lo}"
 
 
 def peer_credentials(sock: socket.socket) -> Credentials:

@@ -167,33 +167,89 @@ def test_path_listener_modes(tmp_path, mode):
         close_listener(lst)
 
 
-def test_existing_file_without_reuse_is_an_error(tmp_path):
-    path = str(tmp_path / "b.sock")
+def _stale_socket(path: str) -> None:
+    """A socket file nobody listens on, as a server killed with -9 leaves behind."""
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     stale.bind(path)
     stale.close()
-    with pytest.raises(AddressError, match="Address already in use") as e:
-        open_listener(path)
-    assert "\n" not in str(e.value)
-    lst = open_listener(path, reuse=True)
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_stale_socket_is_removed_with_one_warning(tmp_path, reuse):
+    path = str(tmp_path / "b.sock")
+    _stale_socket(path)
+    warnings = []
+    lst = open_listener(path, reuse=reuse, warn=warnings.append)
     try:
         connect(path).close()
     finally:
         close_listener(lst)
+    assert warnings == [f"removed the stale socket (nobody listening) at {path}"]
 
 
-def test_reuse_refuses_to_remove_a_non_socket(tmp_path):
-    path = tmp_path / "precious.txt"
-    path.write_text("keep me")
-    with pytest.raises(AddressError, match="not a socket"):
+@pytest.mark.parametrize("reuse", [False, True])
+def test_live_server_socket_is_never_taken(tmp_path, reuse):
+    path = str(tmp_path / "live.sock")
+    first = open_listener(path)
+    try:
+        with pytest.raises(AddressError) as e:
+            open_listener(path, reuse=reuse)
+        assert str(e.value) == f"another server is listening on {path}"
+        connect(path).close()  # still the first one's
+    finally:
+        close_listener(first)
+
+
+def test_live_socket_of_another_type_is_never_taken(tmp_path):
+    path = str(tmp_path / "stream.sock")
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    other.bind(path)
+    other.listen(1)
+    try:
+        with pytest.raises(AddressError, match="another server is listening"):
+            open_listener(path, reuse=True)
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)
+    finally:
+        other.close()
+
+
+def test_empty_file_needs_reuse(tmp_path):
+    """The reference's own test touches the path, then expects -r to replace the file."""
+    path = tmp_path / "touched.sock"
+    path.touch()
+    with pytest.raises(AddressError, match="Address already in use") as e:
+        open_listener(str(path))
+    assert "\n" not in str(e.value) and path.exists()
+    warnings = []
+    lst = open_listener(str(path), reuse=True, warn=warnings.append)
+    try:
+        connect(str(path)).close()
+    finally:
+        close_listener(lst)
+    assert warnings == [f"removed the empty file (-r) at {path}"]
+
+
+@pytest.mark.parametrize("kind", ["data", "directory", "symlink"])
+def test_reuse_refuses_to_remove_anything_else(tmp_path, kind):
+    path = tmp_path / "precious"
+    if kind == "data":
+        path.write_text("keep me")
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(AddressError, match="not a socket nor an empty file"):
         open_listener(str(path), reuse=True)
-    assert path.read_text() == "keep me"
+    assert path.is_symlink() if kind == "symlink" else path.exists()
+    if kind == "data":
+        assert path.read_text() == "keep me"
 
 
 def test_cleanup_leaves_a_socket_that_replaced_ours(tmp_path):
     path = str(tmp_path / "c.sock")
     first = open_listener(path)
-    second = open_listener(path, reuse=True)
+    os.unlink(path)  # someone removed it; a second server binds the path
+    second = open_listener(path)
     close_listener(first)
     assert os.path.exists(path), "the first listener removed its successor's socket"
     close_listener(second)

@@ -134,28 +134,62 @@ def test_abstract_hex_address(start_bus):
 # ------------------------------------------------------------------ -r and errors
 
 
-def test_existing_file_without_r_is_an_error(tmp_path):
-    path = str(tmp_path / "stale.sock")
+def _stale_socket(path: str) -> None:
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     stale.bind(path)
     stale.close()
-    res = run("-f", "-a", path)
-    assert res.returncode == 1
-    line = error_line(res)
-    assert line.startswith(f"sbusd: bind {path}: Address already in use")
-    assert res.stdout == b""
-    assert os.path.exists(path)
 
 
-def test_r_replaces_a_stale_socket(start_bus, tmp_path):
+@pytest.mark.parametrize("flags", [[], ["-r"]], ids=["plain", "r"])
+def test_stale_socket_recovers_itself(start_bus, tmp_path, flags):
+    """A socket file nobody listens on (its server was killed) is removed, with one line."""
     path = str(tmp_path / "stale.sock")
-    stale = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    stale.bind(path)
-    stale.close()
-    bus = start_bus("-r", address=path)
+    _stale_socket(path)
+    bus = start_bus(*flags, address=path)
     served(path)
+    assert f"sbusd: removed the stale socket (nobody listening) at {path}" in bus.log()
     bus.stop()
     assert bus.proc.returncode == 0 and not os.path.exists(path)
+
+
+def test_kill_9_then_start_again_serves(start_bus, tmp_path):
+    path = str(tmp_path / "crashed.sock")
+    first = start_bus(address=path)
+    served(path)
+    first.proc.kill()
+    first.proc.wait(TIMEOUT)
+    assert os.path.exists(path)
+    start_bus(address=path)
+    served(path)
+
+
+@pytest.mark.parametrize("flags", [[], ["-r"]], ids=["plain", "r"])
+def test_live_server_socket_is_never_taken(bus, flags):
+    res = run("-f", *flags, "-a", bus.address)
+    assert res.returncode == 1
+    assert error_line(res) == f"sbusd: another server is listening on {bus.address}"
+    served(bus.address)  # still the first server's socket
+    assert bus.proc.poll() is None
+
+
+def test_existing_file_without_r_is_an_error(tmp_path):
+    path = tmp_path / "touched.sock"
+    path.touch()
+    res = run("-f", "-a", str(path))
+    assert res.returncode == 1
+    assert error_line(res).startswith(f"sbusd: bind {path}: Address already in use")
+    assert res.stdout == b""
+    assert path.exists() and path.stat().st_size == 0
+
+
+def test_r_replaces_an_empty_file_as_the_reference_test_expects(start_bus, tmp_path):
+    """maandree/sbus's test.c touches the socket path, then runs sbusd -r on it."""
+    path = tmp_path / "touched.sock"
+    path.touch()
+    bus = start_bus("-r", address=str(path))
+    served(str(path))
+    bus.stop()
+    assert bus.proc.returncode == 0 and not path.exists()
 
 
 def test_r_refuses_to_remove_a_regular_file(tmp_path):
@@ -165,6 +199,15 @@ def test_r_refuses_to_remove_a_regular_file(tmp_path):
     assert res.returncode == 1
     assert "not a socket" in error_line(res)
     assert path.read_text() == "precious"
+
+
+def test_h_lists_every_option():
+    res = run("-h")
+    assert res.returncode == 0 and res.stderr == b""
+    text = res.stdout.decode()
+    for opt in "acfghloprsu".replace("s", ""):
+        assert f"  -{opt} " in text or f"  -{opt}\n" in text, opt
+    assert text.startswith("usage: sbusd ")
 
 
 @pytest.mark.parametrize("argv", [["-x"], ["-f", "extra"], ["-a"], ["-p"], ["-u"], ["--bogus"]])
@@ -395,3 +438,42 @@ def test_daemon_prints_random_abstract_address(tmp_path):
     finally:
         if not pid_gone(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+# ------------------------------------------------------------------ the daemon lets go of its caller
+
+
+def _stop_daemon(pidfile):
+    pid = int(pidfile.read_text())
+    os.kill(pid, signal.SIGTERM)
+    wait_until(lambda: pid_gone(pid), "the daemon to exit")
+
+
+@pytest.mark.parametrize("logfile", [False, True], ids=["syslog", "logfile"])
+def test_daemon_holds_no_descriptor_of_its_caller(tmp_path, logfile):
+    """subprocess.run(capture_output=True) returns: once ready, the daemon's standard input,
+    output and error are /dev/null (the C server keeps a non-tty standard error)."""
+    path = str(tmp_path / "d.sock")
+    pidfile = tmp_path / "d.pid"
+    log = tmp_path / "d.log"
+    extra = ["-l", str(log)] if logfile else []
+    res = subprocess.run([*SBUSD, "-a", path, "-p", str(pidfile), *extra], capture_output=True,
+                         stdin=subprocess.DEVNULL, timeout=TIMEOUT)
+    assert res.returncode == 0 and res.stdout == b"" and res.stderr == b"", res
+    pid = int(pidfile.read_text())
+    try:
+        for fd in (0, 1, 2):
+            assert os.readlink(f"/proc/{pid}/fd/{fd}") == "/dev/null", fd
+        served(path)
+        if logfile:
+            wait_until(lambda: "client connected" in log.read_text(), "the daemon's log file")
+            assert "sbus listening on" in log.read_text()
+    finally:
+        _stop_daemon(pidfile)
+
+
+def test_logfile_that_cannot_be_opened_is_one_line(tmp_path):
+    res = run("-f", "-a", str(tmp_path / "x.sock"), "-l", str(tmp_path / "no" / "such" / "dir.log"))
+    assert res.returncode == 1
+    assert error_line(res).startswith("sbusd: open ") and "No such file or directory" in error_line(res)
+    assert not (tmp_path / "x.sock").exists()

@@ -6,10 +6,18 @@ the reactor, and before it forks). The forms, as in the reference server:
 ``PATH``
     A filesystem path. The socket file gets ``mode`` (0700 by default; sbusd
     adds 0070 with ``-g`` and 0007 with ``-o``) and is removed when the
-    server stops. An existing file is an error unless ``reuse`` (``-r``) is
-    given; then it is removed first, **but only if it is a socket**: unlike
-    the C server, which unlinks whatever is there, we refuse to delete a
-    regular file, directory, ... that a typo in ``-a`` pointed at.
+    server stops. What is found at the path first (see `clear_path`):
+
+    * a socket a server listens on (``connect`` succeeds): an error,
+      ``another server is listening on PATH``, with or without ``reuse``;
+    * a stale socket (``connect`` refused: its server died, e.g. ``kill -9``):
+      removed with one warning line, with or without ``reuse``;
+    * an empty regular file: removed with ``reuse`` (``-r``), as the
+      reference server's own test expects (it ``touch``-es the path); an
+      error without;
+    * anything else (a non-empty file, a directory, a symbolic link, ...):
+      an error, ``reuse`` or not. The C server unlinks whatever is there
+      with ``-r``; we refuse to delete data a typo in ``-a`` pointed at.
 
 ``/dev/unix/abstract``
     A random abstract address: a NUL followed by 107 random bytes (retried
@@ -173,23 +181,70 @@ def _systemd_fd() -> int:
     raise AddressError(f"systemd: none of the {count_n} passed fds is a unix SOCK_SEQPACKET socket")
 
 
-def _bind_path(sock: socket.socket, path: str, mode: int, reuse: bool) -> tuple[int, int]:
-    if reuse:
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            raise AddressError(f"stat {path}: {_strerror(e)}") from None
-        else:
-            if not stat.S_ISSOCK(st.st_mode):
-                raise AddressError(f"{path}: exists and is not a socket, refusing to remove it")
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                raise AddressError(f"unlink {path}: {_strerror(e)}") from None
+def probe_socket(path: str) -> str:
+    """Is a server listening on the socket file at `path`? ``"live"``, ``"stale"`` (connect
+    refused: nobody is bound to it any more), ``"gone"`` (no file) or ``"unknown: <why>"``.
+
+    A live server sees one connection that closes at once.
+    """
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        probe.setblocking(False)
+        probe.connect(path)
+    except ConnectionRefusedError:
+        return "stale"
+    except BlockingIOError:  # EAGAIN: its backlog is full, so it is very much alive
+        return "live"
+    except FileNotFoundError:
+        return "gone"
+    except OSError as e:
+        if e.errno == errno.EPROTOTYPE:  # bound by a live socket of another type
+            return "live"
+        return f"unknown: {_strerror(e)}"
+    finally:
+        probe.close()
+    return "live"
+
+
+def clear_path(path: str, reuse: bool, warn: Callable[[str], None] | None = None) -> None:
+    """Make room to bind a socket at `path`, or raise `AddressError` (see the module doc)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise AddressError(f"stat {path}: {_strerror(e)}") from None
+    if stat.S_ISSOCK(st.st_mode):
+        state = probe_socket(path)
+        if state == "gone":
+            return
+        if state == "live":
+            raise AddressError(f"another server is listening on {path}")
+        if state != "stale":
+            raise AddressError(f"{path}: cannot tell whether a server listens there ({state[9:]}); "
+                               "not removing it")
+        what = "stale socket (nobody listening)"
+    elif reuse and stat.S_ISREG(st.st_mode) and st.st_size == 0:
+        what = "empty file (-r)"
+    elif reuse:
+        raise AddressError(f"{path}: exists and is not a socket nor an empty file, refusing to remove it")
+    else:
+        raise AddressError(f"bind {path}: Address already in use (file exists; -r removes an empty file)")
+    try:
+        now = os.lstat(path)
+        if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):  # not replaced while we looked
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise AddressError(f"unlink {path}: {_strerror(e)}") from None
+    if warn is not None:
+        warn(f"removed the {what} at {path}")
+
+
+def _bind_path(sock: socket.socket, path: str, mode: int, reuse: bool,
+               warn: Callable[[str], None] | None = None) -> tuple[int, int]:
+    clear_path(path, reuse, warn)
     # The socket file's mode comes from the socket inode's mode and the umask
     # at bind time (as in the C server: fchmod then bind under umask 0). The
     # chmod afterwards makes sure on kernels/filesystems that differ.
@@ -202,7 +257,8 @@ def _bind_path(sock: socket.socket, path: str, mode: int, reuse: bool) -> tuple[
         sock.bind(path)
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
-            raise AddressError(f"bind {path}: Address already in use (file exists; -r removes it)") from None
+            # Someone bound it between our look and our bind.
+            raise AddressError(f"bind {path}: Address already in use") from None
         raise AddressError(f"bind {path}: {_strerror(e)}") from None
     finally:
         os.umask(old)
@@ -257,7 +313,7 @@ def open_listener(
         unlink_path = None
         printed = None
         if addr.kind == "path":
-            identity = _bind_path(sock, addr.value, mode, reuse)  # type: ignore[arg-type]
+            identity = _bind_path(sock, addr.value, mode, reuse, warn)  # type: ignore[arg-type]
             # Absolute: the daemon chdirs to / before it removes the file at exit.
             unlink_path = os.path.abspath(addr.value)  # type: ignore[arg-type]
             description = addr.value

@@ -1,6 +1,6 @@
 """``sbusd``: drop-in for the reference C server's command line.
 
-    usage: sbusd [-a address] [-f | -p pidfile] [-u user] ... [-cgor]
+    usage: sbusd [-a address] [-f | -p pidfile] [-u user] ... [-l logfile] [-cghor]
 
 -a ADDRESS  a path (default /run/sbus.socket), /dev/fd/N, /dev/unix/abstract
             (random; printed on standard output), /dev/unix/abstract/HEX, or
@@ -11,11 +11,18 @@
 -p PIDFILE  daemon's pid file (default /run/sbus.pid, created exclusively;
             /dev/null: none); without -f sbusd daemonises and the command
             returns 0 once the daemon is ready, 1 if it failed. The daemon
-            ignores SIGHUP, ends on SIGINT/SIGTERM removing socket and pid file
+            ignores SIGHUP, ends on SIGINT/SIGTERM removing socket and pid file.
+            Once ready it holds nothing of its caller: standard input, output
+            and error are /dev/null, and it logs to syslog (or to -l LOGFILE)
 -u USER     only this user (name or uid; repeatable) and our own uid may connect
+-l LOGFILE  log to this file (appended to) instead of standard error / syslog
+            (an extension)
 -c          exit when the last client has gone (after at least one came)
 -g, -o      socket file mode 0700 plus 0070, plus 0007
--r          remove an existing socket file at the path first (only a socket)
+-r          also remove an empty regular file at the path (the reference's test
+            touches it); a stale socket file (nobody listening) is removed with
+            or without -r, a live server's socket never
+-h          this help on standard output, status 0 (an extension)
 
 Options parse like getopt(3) (``-fr``, ``-aPATH``, ``--``). Errors are one
 line ``sbusd: ...`` on standard error and status 1.
@@ -38,6 +45,32 @@ from sbus.server.address import AddressError, Listener, open_listener
 
 PROG = "sbusd"
 USAGE = f"usage: {PROG} [-a address] [-f | -p pidfile] [-u user] ... [-cgor]"
+HELP = f"""\
+usage: {PROG} [-a address] [-f | -p pidfile] [-u user] ... [-l logfile] [-cghor]
+
+The sbus message bus server (a drop-in for the reference C sbusd).
+
+  -a ADDRESS  where to listen (default /run/sbus.socket): a path,
+              /dev/unix/abstract (a random abstract address, printed on standard
+              output), /dev/unix/abstract/HEX, /dev/fd/N (an inherited socket) or
+              systemd (socket activation)
+  -f          stay in the foreground; standard output closes when ready; SIGINT,
+              SIGTERM or SIGHUP stop it (status 0, socket file removed)
+  -p PIDFILE  without -f: daemonise, writing this pid file (default /run/sbus.pid;
+              /dev/null for none); returns 0 once the daemon serves, 1 if it failed
+  -u USER     only this user (name or uid) and the server's own may connect;
+              repeatable
+  -l LOGFILE  log to this file (appended to); default standard error with -f,
+              syslog (facility daemon) for the daemon
+  -c          exit once the last client has gone (after at least one came)
+  -g          socket file mode also 0070 (group)
+  -o          socket file mode also 0007 (others)
+  -r          also remove an empty file at the socket path first (a stale socket
+              nobody listens on is removed anyway; a live server's, never)
+  -h          show this help and exit
+
+Errors are one line on standard error and status 1.
+"""
 DEFAULT_ADDRESS = "/run/sbus.socket"
 DEFAULT_PIDFILE = "/run/sbus.pid"
 
@@ -46,12 +79,59 @@ class Fatal(Exception):
     """A one-line error: ``sbusd: <message>`` and status 1."""
 
 
+#: Once the daemon has let go of its caller's standard error: where error lines go instead.
+_late_errors = None
+
+
 def _eprint(text: str) -> None:
+    if _late_errors is not None:
+        _late_errors(text)
+        return
     try:
         sys.stderr.write(f"{PROG}: {text}\n")
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
+
+
+def _open_logfile(path: str):
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+    except OSError as e:
+        raise Fatal(f"open {path}: {e.strerror}") from None
+    return os.fdopen(fd, "a", buffering=1, encoding="utf-8", errors="backslashreplace")
+
+
+def _file_observer(logfile):
+    from twisted.logger import textFileLogObserver
+
+    return textFileLogObserver(logfile)
+
+
+def _syslog_observer():
+    """Log events to syslog (ident sbusd, facility daemon): where a daemon's log goes."""
+    import syslog
+
+    from twisted.logger import LogLevel, eventAsText
+
+    syslog.openlog(PROG, syslog.LOG_PID, syslog.LOG_DAEMON)
+    priorities = {
+        LogLevel.debug: syslog.LOG_DEBUG, LogLevel.info: syslog.LOG_INFO, LogLevel.warn: syslog.LOG_WARNING,
+        LogLevel.error: syslog.LOG_ERR, LogLevel.critical: syslog.LOG_CRIT,
+    }
+
+    def observe(event) -> None:
+        text = eventAsText(event, includeTimestamp=False, includeSystem=False)
+        priority = priorities.get(event.get("log_level"), syslog.LOG_INFO)
+        for line in text.splitlines():
+            syslog.syslog(priority, line)
+
+    def error_line(text: str) -> None:
+        syslog.syslog(syslog.LOG_ERR, text)
+
+    return observe, error_line
+
+
 
 
 def _usage() -> NoReturn:
@@ -91,6 +171,7 @@ class Args:
         self.reuse = False
         self.mode = 0o700
         self.users: list[int] = []
+        self.logfile: str | None = None
 
     def allowed_uids(self) -> frozenset[int] | None:
         return frozenset([*self.users, os.getuid()]) if self.users else None
@@ -99,7 +180,7 @@ class Args:
 def parse_args(argv: list[str]) -> Args:
     """Parse the command line; bad usage prints the usage line and exits 1."""
     try:
-        opts, rest = getopt.getopt(argv, "a:cfgop:ru:")
+        opts, rest = getopt.getopt(argv, "a:cfghl:op:ru:")
     except getopt.GetoptError:
         _usage()
     if rest:
@@ -114,6 +195,15 @@ def parse_args(argv: list[str]) -> Args:
             args.foreground = True
         elif opt == "-g":
             args.mode |= 0o070
+        elif opt == "-h":
+            try:
+                sys.stdout.write(HELP)
+                sys.stdout.flush()
+            except (OSError, ValueError):
+                pass
+            sys.exit(0)
+        elif opt == "-l":
+            args.logfile = os.path.abspath(val)
         elif opt == "-o":
             args.mode |= 0o007
         elif opt == "-p":
@@ -168,11 +258,12 @@ def _unlink_quiet(path: str | None) -> None:
             _eprint(f"unlink {path}: {e.strerror}")
 
 
-def serve(args: Args, listener: Listener, ready) -> int:
+def serve(args: Args, listener: Listener, ready, log_observer=None) -> int:
     """Run the bus on `listener` until a signal (or -c); return the exit status.
 
     `ready()` is called once the server accepts connections (and signal
-    handlers are in place), right before the reactor runs.
+    handlers are in place), right before the reactor runs. The log goes to
+    `log_observer`, by default to standard error.
     """
     from twisted.internet import reactor
     from twisted.logger import globalLogBeginner, textFileLogObserver
@@ -180,9 +271,9 @@ def serve(args: Args, listener: Listener, ready) -> int:
     from sbus.server.config import ServerConfig
     from sbus.server.service import BusService
 
-    globalLogBeginner.beginLoggingTo(
-        [textFileLogObserver(sys.stderr)], discardBuffer=True, redirectStandardIO=False
-    )
+    if log_observer is None:
+        log_observer = textFileLogObserver(sys.stderr)
+    globalLogBeginner.beginLoggingTo([log_observer], discardBuffer=True, redirectStandardIO=False)
 
     stopping = []
 
@@ -235,7 +326,7 @@ def _print_address(listener: Listener) -> None:
             raise Fatal(f"failed print generated address: {getattr(e, 'strerror', None) or e}") from None
 
 
-def _run_foreground(args: Args, listener: Listener) -> int:
+def _run_foreground(args: Args, listener: Listener, logfile=None) -> int:
     def ready() -> None:
         try:
             sys.stdout.flush()
@@ -243,10 +334,10 @@ def _run_foreground(args: Args, listener: Listener) -> int:
             pass
         _devnull_over(0, 1)
 
-    return serve(args, listener, ready)
+    return serve(args, listener, ready, _file_observer(logfile) if logfile is not None else None)
 
 
-def _daemonise(args: Args, listener: Listener) -> int:
+def _daemonise(args: Args, listener: Listener, logfile=None) -> int:
     """Fork, setsid, fork; the parent returns 0 once the daemon is ready, else 1."""
     rfd, wfd = os.pipe()
     try:
@@ -287,14 +378,30 @@ def _daemonise(args: Args, listener: Listener) -> int:
         try:
             os.chdir("/")
 
+            # The daemon logs to its log file or syslog from the start; only a start-up
+            # failure (one line) reaches the caller's standard error.
+            if logfile is None:
+                observer, late_errors = _syslog_observer()
+            else:
+                observer = _file_observer(logfile)
+                late_errors = lambda text: logfile.write(f"{PROG}: {text}\n")  # noqa: E731
+
             def ready() -> None:
-                _devnull_over(0, 1)
-                if os.isatty(2):
-                    _devnull_over(2)
+                # Let go of everything of the caller's: a caller that waits for our standard
+                # error to close (subprocess.run(capture_output=True)) would wait forever, and
+                # a pipe nobody drains would block our logging. (The C server keeps a non-tty
+                # standard error.)
+                global _late_errors
+                _late_errors = late_errors
+                try:
+                    sys.stderr.flush()
+                except (OSError, ValueError):
+                    pass
+                _devnull_over(0, 1, 2)
                 os.write(wfd, b"\0")
                 os.close(wfd)
 
-            status = serve(args, listener, ready)
+            status = serve(args, listener, ready, observer)
         finally:
             if pidfile:
                 _unlink_quiet(pidfile)
@@ -323,6 +430,13 @@ def main(argv: list[str] | None = None) -> int:
             # killing us halfway with the socket file left behind.
             for signo in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 signal.signal(signo, _note_early_signal)
+        from sbus.address import packet_limit_problem
+        from sbus.core.codec import MAX_PACKET
+
+        problem = packet_limit_problem(MAX_PACKET)
+        if problem:
+            raise Fatal(problem)
+        logfile = _open_logfile(args.logfile) if args.logfile else None
         try:
             listener = open_listener(args.address, args.mode, args.reuse, warn=_eprint)
         except AddressError as e:
@@ -330,8 +444,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             _print_address(listener)
             if args.foreground:
-                return _run_foreground(args, listener)
-            return _daemonise(args, listener)
+                return _run_foreground(args, listener, logfile)
+            return _daemonise(args, listener, logfile)
         finally:
             listener.cleanup()
     except Fatal as e:

@@ -80,10 +80,16 @@ class BusService(service.Service):
         else:
             self.log.warn("{text}", text=text)
 
-    def _open(self) -> None:
+    def open(self) -> None:
+        """Open the listening socket now (raise `AddressError`, one line) rather than when the
+        service starts: ``twistd sbus`` does it in makeService, before twistd daemonises, so
+        that a failure reaches the user as one line (see `sbus.options.SbusServiceMaker`)."""
         raise_descriptor_limit(self._warn)
         if self.listener is None:
             self.listener = open_listener(self.address, self.mode, self.reuse, warn=self._warn)
+
+    def _open(self) -> None:
+        self.open()
         if self.port is not None:
             return
         from sbus.server.broker import BrokerFactory

@@ -14,7 +14,8 @@ import re
 
 from twisted.python import usage
 
-from sbus.options import positive_float, positive_int
+from sbus.address import packet_limit_problem
+from sbus.options import StartupError, positive_float, positive_int
 from sbus.server.address import AddressError, parse_address
 from sbus.server.sbusd import resolve_user
 from sbus.server.config import (
@@ -64,7 +65,8 @@ class Options(usage.Options):
     )
 
     optFlags = [
-        ["reuse", "r", "Remove an existing socket file at the path first."],
+        ["reuse", "r", "Also remove an empty file at the socket path (a stale socket is removed "
+                       "anyway; a live server's never)."],
     ]
     optParameters = [
         ["socket", "s", "sbus.socket",
@@ -122,6 +124,9 @@ class Options(usage.Options):
             raise usage.UsageError(
                 f"--max-packet: must be > 16 and <= {MAX_PACKET_LIMIT}, got {max_packet}"
             )
+        problem = packet_limit_problem(max_packet)
+        if problem:
+            raise usage.UsageError(f"--max-packet: {problem}")
         self["max-packet"] = max_packet
         for name in _LIMITS:
             self[name] = positive_int(name, self[name])
@@ -137,9 +142,16 @@ def config_from_options(options: Options) -> ServerConfig:
 def makeService(options: Options):
     from sbus.server.service import BusService
 
-    return BusService(
+    bus = BusService(
         options["socket"],
         config_from_options(options),
         mode=options["mode"],
         reuse=bool(options["reuse"]),
     )
+    # Bind now, before twistd daemonises: "another server is listening on PATH", a stale
+    # socket's removal or any other address error reaches the user as one line.
+    try:
+        bus.open()
+    except AddressError as e:
+        raise StartupError(str(e)) from None
+    return bus

@@ -3,7 +3,7 @@
 Lazy like the other sbus plugins: only the module name is given.
 """
 
-from twisted.application.service import ServiceMaker
+from sbus.options import SbusServiceMaker as ServiceMaker  # start-up failures: one line
 
 sbus_bridge = ServiceMaker(
     "sbus-bridge",

@@ -1,6 +1,6 @@
 """twistd plugin ``sbus-link``: carry a bus between hosts over a stream endpoint (lazy: module named only)."""
 
-from twisted.application.service import ServiceMaker
+from sbus.options import SbusServiceMaker as ServiceMaker  # start-up failures: one line
 
 sbus_link = ServiceMaker(
     "sbus-link",

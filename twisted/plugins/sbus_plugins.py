@@ -5,7 +5,7 @@ imports this file) stays cheap; the module is imported only when that
 plugin is used. Add a line per service (``sbus-relay`` etc.).
 """
 
-from twisted.application.service import ServiceMaker
+from sbus.options import SbusServiceMaker as ServiceMaker  # start-up failures: one line
 
 sbus = ServiceMaker(
     "sbus",

@@ -4,7 +4,7 @@ Lazy like the other sbus plugins: only the module name is given, so listing
 plugins does not import pyarrow.
 """
 
-from twisted.application.service import ServiceMaker
+from sbus.options import SbusServiceMaker as ServiceMaker  # start-up failures: one line
 
 sbus_record = ServiceMaker(
     "sbus-record",

@@ -1,6 +1,6 @@
 """twistd plugin ``sbus-relay``: a slave sbus server below a master (lazy: module named only)."""
 
-from twisted.application.service import ServiceMaker
+from sbus.options import SbusServiceMaker as ServiceMaker  # start-up failures: one line
 
 sbus_relay = ServiceMaker(
     "sbus-relay",
