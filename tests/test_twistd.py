@@ -205,16 +205,100 @@ def test_cred_prefix_reaches_whoami(server, tmp_path):
     assert reply.startswith(WHOAMI + b"\0!/cred/1/2/3/!/cred/"), reply
 
 
-def test_existing_socket_needs_reuse(server, tmp_path):
-    path = str(tmp_path / "stale.sock")
+def _stale_socket(path: str) -> None:
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     stale.bind(path)
     stale.close()
-    res = run([*TWIST, "sbus", "--socket", path], tmp_path)
-    assert res.returncode != 0
-    assert "Address already in use" in (res.stdout + res.stderr).decode()
-    s = server([*TWIST, "sbus", "--socket", path, "--reuse"])
+
+
+def _one_error_line(res) -> str:
+    """A start-up failure: one line on standard error, nothing like a traceback anywhere."""
+    err = res.stderr.decode()
+    assert len(err.splitlines()) == 1, err
+    assert "Traceback" not in err + res.stdout.decode()
+    return err.strip()
+
+
+@pytest.mark.parametrize("runner", [TWIST, TWISTD], ids=["twist", "twistd"])
+def test_stale_socket_recovers_itself(server, tmp_path, runner):
+    path = str(tmp_path / "stale.sock")
+    _stale_socket(path)
+    s = server([*runner, "sbus", "--socket", path])
     s.whoami(path)
+    assert f"removed the stale socket (nobody listening) at {path}" in s.log()
+
+
+def test_kill_9_then_start_again_serves(server, tmp_path):
+    """What `make run` does after a crash: the same command, no flag."""
+    path = str(tmp_path / "crashed.sock")
+    first = server([*TWISTD, "sbus", "--socket", path])
+    first.whoami(path)
+    first.proc.kill()
+    first.proc.wait(TIMEOUT)
+    assert os.path.exists(path)
+    second = server([*TWISTD, "sbus", "--socket", path])
+    second.whoami(path)
+
+
+@pytest.mark.parametrize("runner", [TWIST, TWISTD, TWISTD[:-2]], ids=["twist", "twistd", "twistd-daemon"])
+@pytest.mark.parametrize("flags", [[], ["--reuse"]], ids=["plain", "reuse"])
+def test_live_server_socket_is_never_taken(server, tmp_path, runner, flags):
+    path = str(tmp_path / "live.sock")
+    first = server([*TWIST, "sbus", "--socket", path])
+    first.whoami(path)
+    pidfile = ["--pidfile", str(tmp_path / "d.pid")] if runner is not TWIST and "-n" not in runner else []
+    argv = [*runner[:3], *pidfile, *runner[3:]] if pidfile else runner
+    res = run([*argv, "sbus", "--socket", path, *flags], tmp_path)
+    assert res.returncode == 1
+    assert _one_error_line(res) == f"twistd sbus: another server is listening on {path}"
+    first.whoami(path)  # still the first one's
+
+
+def test_empty_file_needs_reuse(server, tmp_path):
+    path = tmp_path / "touched.sock"
+    path.touch()
+    res = run([*TWIST, "sbus", "--socket", str(path)], tmp_path)
+    assert res.returncode == 1
+    assert _one_error_line(res).startswith(f"twistd sbus: bind {path}: Address already in use")
+    s = server([*TWIST, "sbus", "--socket", str(path), "--reuse"])
+    s.whoami(str(path))
+
+
+@pytest.mark.parametrize("runner", [TWIST, TWISTD], ids=["twist", "twistd"])
+def test_usage_error_is_one_line_with_status_2(tmp_path, runner):
+    res = run([*runner, "sbus", "--queue-bytes", "0"], tmp_path)
+    assert res.returncode == 2
+    assert _one_error_line(res) == "twistd sbus: --queue-bytes: must be positive, got 0 (see --help)"
+    assert res.stdout == b""
+
+
+def test_max_packet_beyond_what_the_kernel_sends_is_refused(tmp_path):
+    """--max-packet accepts up to 16 MiB, but SO_SNDBUF (net.core.wmem_max) and the kernel's
+    allocation limit are usually lower: refuse at start, rather than fail forwarding."""
+    from sbus.address import packet_limit_problem
+
+    if packet_limit_problem(16 << 20) is None:
+        pytest.skip("this kernel sends 16 MiB SEQPACKET packets")
+    res = run([*TWIST, "sbus", "--max-packet", str(16 << 20)], tmp_path)
+    assert res.returncode == 2
+    line = _one_error_line(res)
+    assert line.startswith("twistd sbus: --max-packet: packet size limit 16777216 is more than this kernel sends")
+    assert "the largest that works here is" in line
+
+
+@pytest.mark.parametrize("runner", [TWIST, TWISTD], ids=["twist", "twistd"])
+def test_relay_start_failures_are_one_line(server, tmp_path, runner):
+    """sbus-relay binds once its master answers; what is wrong already is said at start."""
+    missing = tmp_path / "missing" / "r.sock"
+    res = run([*runner, "sbus-relay", "--socket", str(missing), "--upstream", str(tmp_path / "m.sock")], tmp_path)
+    assert res.returncode == 1
+    assert _one_error_line(res) == f"twistd sbus-relay: bind {missing}: No such file or directory"
+    live = str(tmp_path / "live.sock")
+    first = server([*TWIST, "sbus", "--socket", live])
+    first.whoami(live)
+    res = run([*runner, "sbus-relay", "--socket", live, "--reuse", "--upstream", live], tmp_path)
+    assert res.returncode == 1
+    assert _one_error_line(res) == f"twistd sbus-relay: another server is listening on {live}"
 
 
 def test_systemd_inherited_socket(server, tmp_path):

@@ -242,6 +242,33 @@ def clear_path(path: str, reuse: bool, warn: Callable[[str], None] | None = None
         warn(f"removed the {what} at {path}")
 
 
+def check_bindable(text: str, reuse: bool = False) -> None:
+    """Raise `AddressError` (one line) if a listener for `text` would fail to bind for a
+    reason known now: a live server on the path, a file that is in the way, a directory that
+    does not exist. Removes nothing. For services that bind later (``sbus-relay`` binds once
+    its master answers), so that these failures are start-up failures."""
+    addr = parse_address(text)
+    if addr.kind != "path":
+        return
+    path = addr.value
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        parent = os.path.dirname(os.path.abspath(path))  # type: ignore[arg-type]
+        if not os.path.isdir(parent):
+            raise AddressError(f"bind {path}: No such file or directory") from None
+        return
+    except OSError as e:
+        raise AddressError(f"stat {path}: {_strerror(e)}") from None
+    if stat.S_ISSOCK(st.st_mode):
+        if probe_socket(path) == "live":  # type: ignore[arg-type]
+            raise AddressError(f"another server is listening on {path}")
+    elif not (reuse and stat.S_ISREG(st.st_mode) and st.st_size == 0):
+        raise AddressError(f"bind {path}: Address already in use (file exists; -r removes an empty file)"
+                           if not reuse else
+                           f"{path}: exists and is not a socket nor an empty file, refusing to remove it")
+
+
 def _bind_path(sock: socket.socket, path: str, mode: int, reuse: bool,
                warn: Callable[[str], None] | None = None) -> tuple[int, int]:
     clear_path(path, reuse, warn)

@@ -353,6 +353,13 @@ class Relay(service.Service):
 
 
 def makeService(options: Options) -> Relay:
+    from sbus.options import StartupError
+    from sbus.server.address import AddressError, check_bindable
+
+    try:  # the relay binds once its master answers: fail now for what is already known
+        check_bindable(options["socket"], bool(options["reuse"]))
+    except AddressError as e:
+        raise StartupError(str(e)) from None
     return Relay(
         options["upstream"],
         options["socket"],
