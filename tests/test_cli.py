@@ -457,3 +457,23 @@ def test_broken_pipe_exits_quietly(bus, subs):
     code = s.proc.wait(TIMEOUT)
     err = s.proc.stderr.read().decode()
     assert (code, err) == (141, "")
+
+
+# --- optional dependencies ---------------------------------------------------------
+
+
+def test_link_tls_without_the_extra_is_one_line(tmp_path, bus):
+    """`twistd sbus-link --listen ssl:...` without pyOpenSSL names the extra to install."""
+    blocker = tmp_path / "blocker"
+    for name in ("OpenSSL", "service_identity"):  # as if not installed: importing them fails
+        (blocker / name).mkdir(parents=True)
+        (blocker / name / "__init__.py").write_text(f"raise ImportError('No module named {name}')\n")
+    env = environ(PYTHONPATH=os.pathsep.join([str(blocker), str(Path(__file__).resolve().parent.parent)]))
+    for endpoint in ("--listen=ssl:0:privateKey=k.pem:certKey=c.pem:caCertsDir=ca",
+                     "--connect=ssl:host=example.org:port=7010:caCertsDir=ca"):
+        r = subprocess.run([sys.executable, "-m", "twisted", "sbus-link", "--bus", bus.address, endpoint],
+                           capture_output=True, timeout=TIMEOUT, env=env, cwd=tmp_path)
+        err = r.stderr.decode()
+        assert r.returncode != 0, err
+        assert "Traceback" not in err and err.count("\n") == 1, err
+        assert "pip install 'sbus[link]'" in err, err

@@ -152,6 +152,15 @@ class Venv:
             # one line naming the extra
             assert r.returncode != 0, (what, r.stderr)
             assert r.stderr.count("\n") == 1 and "sbus[pipeline]" in r.stderr, (what, r.stderr)
+        r = self.run("python", "-c", "import OpenSSL")
+        if r.returncode != 0:  # no [link] extra here: TLS is one line naming it
+            sock = self.root / "nothing.socket"
+            r = self.run("twistd", "sbus-link", "--bus", str(sock), "--listen",
+                         "ssl:0:privateKey=k.pem:certKey=c.pem:caCertsDir=ca")
+            assert r.returncode != 0 and "Traceback" not in r.stderr, (what, r.stderr)
+            assert "pip install 'sbus[link]'" in r.stderr and r.stderr.count("\n") == 1, (what, r.stderr)
+        else:
+            assert "link" in self.extras, what
         for page in ("man1/sbus.1", "man8/sbusd.8"):
             assert (self.path / "share" / "man" / page).is_file(), (what, page)
         # the right copy: editable installs run the source tree, regular ones site-packages

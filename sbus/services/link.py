@@ -133,9 +133,21 @@ def _kind(description: str) -> tuple[str, list, dict]:
     return args[0].lower(), args[1:], kw
 
 
+def require_tls() -> None:
+    """TLS needs pyOpenSSL and service_identity, the [link] extra: without them, say so in one line."""
+    try:
+        import OpenSSL  # noqa: F401
+        import service_identity  # noqa: F401
+    except ImportError:
+        raise EndpointError("TLS needs pyOpenSSL and service_identity, which are not installed: "
+                            "pip install 'sbus[link]'") from None
+
+
 def check_endpoint(description: str, listen: bool, allow_plain: bool) -> None:
     """Raise `EndpointError` if `description` would carry the bus unprotected over a network."""
     kind, args, kw = _kind(description)
+    if kind in _TLS_KINDS:
+        require_tls()
     if kind == "unix" or allow_plain:
         return
     flag = "use ssl: with client certificates, a loopback address, or --allow-plain-tcp"
