@@ -236,3 +236,33 @@ def test_editable_then_regular_with_extras_then_editable(tmp_path_factory, sourc
         server.terminate()
         server.communicate(timeout=TIMEOUT)
     _pending_guard(v)
+
+
+def test_make_reinstalls_when_needed(tmp_path_factory, source):
+    """`make run`/`make test` reinstall when setup.py or pyproject.toml change, or when the
+    venv's sbus is not this tree's any more (a later `pip install .`), and not otherwise."""
+    import time
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    tree = tmp_path_factory.mktemp("make") / "sbus"
+    shutil.copytree(source, tree, symlinks=True)
+    v = Venv(tree, ".venv", tree)  # the Makefile's own venv
+    v.pip_install("-e . into the Makefile's venv", editable=True)
+    for marker in (".installed", ".test-installed"):
+        (tree / ".venv" / marker).touch()
+
+    def plan(target):
+        r = subprocess.run(["make", "-n", target], cwd=tree, capture_output=True, text=True, timeout=TIMEOUT,
+                           env=_env())
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    assert "pip install" not in plan("run") and "pip install" not in plan("test")
+    later = time.time() + 5
+    os.utime(tree / "setup.py", (later, later))  # an extra or an entry point changed
+    assert "pip install -q -e ." in plan("run") and "pip install -q -e '.[test]'" in plan("test")
+    for marker in (".installed", ".test-installed"):
+        os.utime(tree / ".venv" / marker, (later + 1, later + 1))
+    assert "pip install" not in plan("test")
+    v.pip_install(". over the Makefile's editable install")  # the venv no longer runs this tree
+    assert "pip install -q -e '.[test]'" in plan("test")
