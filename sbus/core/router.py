@@ -2,98 +2,149 @@
 
 The trie makes the cost of a match depend on the patterns that can match,
 not on how many subscriptions exist; the cache makes repeated keys (the
-common case on a bus) one dict lookup. Its answers are defined by the
-reference matcher `patterns.matches`, plus the secrecy rule of NOTES §4,
-which the router enforces itself so no pattern can leak a secret key.
+common case on a bus) one dict lookup. Its answers are exactly those of the
+reference matcher `patterns.matches`, for every key (a '*' in a key is an
+ordinary byte), plus the secrecy rule of NOTES §4, which the router enforces
+itself so no pattern can leak a secret key.
 
-How a pattern maps onto the trie (derived from the reference matcher, for
-keys without '*'; such keys are split on '/' into segments):
+How the reference matcher decomposes (see `patterns.matches`): a '*' never
+crosses a '/', so pattern segment i is always compared with key segment i.
+Within a segment, equal bytes advance both sides first (so a pattern '*'
+facing a key '*' is consumed as an equal byte); a pattern '*' facing any
+other byte eats the rest of the key segment. Hence for a pattern segment
+``P*R`` (P without '*') and a key segment S:
 
-* the empty pattern matches every key (a separate match-all table);
-* a trailing '/' makes the end node a "tail": it matches keys with at least
-  one more segment; otherwise the key must have exactly as many segments;
-* a segment without '*' must equal the key's segment;
-* a segment ``P*`` matches a key segment that starts with P, and is longer
-  than P if it is the key's last segment (a '*' never matches an empty end);
-  ``P**...`` is the same but can never match the key's last segment;
-* a segment ``P*R`` where R has a byte other than '*' never matches a key
-  without '*': such patterns are stored only in the bookkeeping ("dead").
+* S starts with P followed by '*': continue with R against the rest of S
+  after that '*' (the two stars were equal bytes);
+* S starts with P followed by another byte, or S is P and is not the key's
+  last segment: the star eats the rest of S, and R must be empty or, if S is
+  not the key's last segment, only stars (they eat nothing before '/');
+* otherwise no match. A segment without '*' must equal S.
 
-Keys containing '*' are rare and compare bytes with pattern bytes, so they
-take a slow path through `patterns.matches` over all distinct patterns.
+A trailing '/' on a pattern matches at least one more key segment, whatever
+it holds (a "tail"); the empty pattern matches every key (the match-all
+table).
+
+So the trie has one step per piece of a pattern: a segment ``A*B*C`` is the
+steps star A, star B, literal C, and then the next segment starts. A node
+holds `literal` (remainder of a segment without '*' -> the node after that
+segment), `star` (piece before a '*' -> the node just after that '*') and,
+at segment boundaries, the clients whose pattern ends there (`end`) or ends
+there with a '/' (`tail`). Compilation is injective: two distinct pattern
+strings never share a holder entry (``x*/`` and ``x**/`` are different
+paths), so removing one never touches another. Holders are dicts: adding and
+removing one is O(1).
+
+The cache is bounded by an estimate of its memory, not by a count of keys;
+result tuples of any length worth sharing are shared between keys; a change
+of pattern drops only the cached keys it can affect (found through an index
+of cached keys by their first segment), never the whole cache unless the
+pattern can match every key.
 """
 
 from __future__ import annotations
 
+from zope.interface import implementer
+
+from sbus.interfaces import IRouter
+
+from .credentials import SECRET_ROOT
 from .patterns import matches
 
-SECRET_ROOT = b"!/cred/"
+#: Default memory bound of the match cache (estimated bytes).
+DEFAULT_CACHE_BYTES = 16 << 20
+#: Keys longer than this are routed every time, not cached: one such key
+#: would take the room of hundreds of ordinary ones, and a walk of the trie
+#: is linear in the key's length anyway.
+CACHED_KEY_MAX = 4096
+#: Estimated cost of one cache entry besides its key's bytes: the dict slot,
+#: the key object's header, its slot in the first-segment index.
+_ENTRY_COST = 160
+#: Result tuples at least this long are shared between cache entries.
+_SHARE_MIN = 3
+#: On one change, test at most this many cached keys with the reference
+#: matcher; larger affected groups are dropped without testing.
+_TEST_MAX = 256
+#: Star tables larger than this are searched by piece length, not scanned.
+_SCAN_MAX = 4
 
-#: Longer keys are matched every time, not cached: the cache holds at most
-#: cache_size * this many bytes of keys, whatever publishers send.
-_CACHED_KEY_MAX = 512
 
-#: Above this many cached keys a change clears the whole cache instead of
-#: testing every cached key against the changed pattern.
-_SELECTIVE_INVALIDATION = 512
+def _tuple_cost(n: int) -> int:
+    return 56 + 8 * n
 
 
 class _Node:
-    """One trie node. Tables are created on first use and holders are
-    tuples: most nodes of a large subscription set are leaves with one
-    holder, and this keeps a stored pattern to a few hundred bytes."""
+    """One trie node: a point in a pattern at the start of a segment or just after a '*'.
 
-    __slots__ = ("literal", "star", "end", "tail")
+    Tables are created on first use: most nodes of a large subscription set
+    are leaves with one holder."""
+
+    __slots__ = ("literal", "star", "lens", "end", "tail")
 
     def __init__(self):
-        self.literal: dict[bytes, _Node] | None = None  # exact segment -> child
-        self.star: dict[bytes, _Node] | None = None  # prefix before '*' -> child
-        self.end: tuple = ()  # clients with a pattern ending exactly here
-        self.tail: tuple = ()  # clients with a pattern ending here with '/'
+        self.literal: dict[bytes, _Node] | None = None  # rest of a segment, no '*' -> next segment
+        self.star: dict[bytes, _Node] | None = None  # piece before a '*' -> after that '*'
+        self.lens: dict[int, int] | None = None  # big star tables: piece length -> how many pieces
+        self.end: dict | None = None  # clients whose pattern ends exactly here
+        self.tail: dict | None = None  # clients whose pattern ends here with '/'
 
     def empty(self) -> bool:
         return not (self.literal or self.star or self.end or self.tail)
 
 
-def _compile(pattern: bytes):
-    """Return (steps, tail) for the trie, or None for a pattern that can
-    never match a key without '*'. Steps are (is_star, bytes)."""
+def _compile(pattern: bytes) -> tuple[list[tuple[bool, bytes]], bool]:
+    """(steps, tail) for a non-empty pattern. Steps are (is_star, piece); the
+    mapping is injective, so distinct patterns end at distinct holders."""
     segs = pattern.split(b"/")
-    tail = False
-    if len(segs) > 1 and not segs[-1]:
-        tail = True
+    tail = len(segs) > 1 and not segs[-1]
+    if tail:
         segs.pop()
-    last = len(segs) - 1
     steps = []
-    for i, seg in enumerate(segs):
-        at = seg.find(b"*")
-        if at < 0:
-            steps.append((False, seg))
-            continue
-        rest = seg[at + 1:]
-        if rest.strip(b"*"):
-            return None
-        if rest and i == last and not tail:
-            # 'P**' needs the key to go on after the first star's stop
-            return None
-        steps.append((True, seg[:at]))
+    for seg in segs:
+        pieces = seg.split(b"*")
+        for piece in pieces[:-1]:
+            steps.append((True, piece))
+        steps.append((False, pieces[-1]))
     return steps, tail
 
 
+def _close(mid: _Node, final: bool, out: list) -> None:
+    """A star just ate the rest of a key segment: the pattern segment may end
+    here, or (not at the key's end) after more stars that eat nothing."""
+    while True:
+        lit = mid.literal
+        if lit:
+            node = lit.get(b"")
+            if node is not None:
+                out.append(node)
+        if final:
+            return
+        star = mid.star
+        if not star:
+            return
+        mid = star.get(b"")
+        if mid is None:
+            return
+
+
+@implementer(IRouter)
 class Router:
     """Clients (opaque hashables) and their patterns; `match` finds recipients."""
 
-    def __init__(self, cache_size: int = 8192):
-        self.cache_size = cache_size
+    def __init__(self, cache_bytes: int = DEFAULT_CACHE_BYTES):
+        self.cache_bytes = cache_bytes
         self._root = _Node()
-        self._all: dict[object, int] = {}  # client -> instances of the empty pattern
+        self._all: dict[object, None] = {}  # clients holding the empty pattern
         self._prefix: dict[object, bytes | None] = {}  # client -> secret prefix
         self._client_patterns: dict[object, dict[bytes, int]] = {}  # client -> pattern -> instances
         self._holders: dict[bytes, int] = {}  # pattern -> how many clients hold it
         self._count = 0
         self._cache: dict[bytes, tuple] = {}
-        #: trie nodes touched by cache misses; lets tests check that
-        #: non-matching subscriptions are not visited (not a timing test).
+        self._groups: dict[bytes, set] = {}  # first segment of a cached key -> cached keys
+        self._shared: dict[tuple, list] = {}  # result -> [the shared tuple, entries using it]
+        self._cached = 0  # estimated bytes held by the cache
+        #: trie nodes and table lookups of cache misses; lets tests check
+        #: that non-matching subscriptions are not visited (not a timing test).
         self.visited = 0
 
     # -- clients -----------------------------------------------------------
@@ -103,14 +154,16 @@ class Router:
         with to reach it (None: no secret key ever). Re-adding an existing
         client replaces its prefix and keeps its patterns."""
         if client in self._prefix:
-            self._prefix[client] = secret_prefix
-            self._cache.clear()
+            if self._prefix[client] != secret_prefix:
+                self._prefix[client] = secret_prefix
+                self._invalidate(SECRET_ROOT)
             return
         self._prefix[client] = secret_prefix
         self._client_patterns[client] = {}
 
     def remove_client(self, client) -> list[bytes]:
-        """Forget a client; return the patterns nobody holds any more."""
+        """Forget a client and every instance of every pattern it held;
+        return the patterns nobody holds any more."""
         if client not in self._prefix:
             return []
         del self._prefix[client]
@@ -126,8 +179,7 @@ class Router:
                 del holders[pattern]
                 gone.append(pattern)
             self._trie_remove(client, pattern)
-        if held:
-            self._cache.clear()
+            self._invalidate(pattern)
         return gone
 
     # -- subscriptions -----------------------------------------------------
@@ -148,8 +200,8 @@ class Router:
         return not holders
 
     def unsubscribe(self, client, pattern: bytes) -> bool | None:
-        """Remove one instance. None if the client did not hold it; else
-        True if now no client holds `pattern`, False otherwise."""
+        """Remove one instance of exactly `pattern`. None if the client did
+        not hold it; else True if now no client holds `pattern`."""
         mine = self._client_patterns.get(client)
         if not mine:
             return None
@@ -184,6 +236,11 @@ class Router:
     def client_count(self) -> int:
         return len(self._prefix)
 
+    @property
+    def cache_used(self) -> int:
+        """Estimated bytes the match cache holds (at most `cache_bytes`)."""
+        return self._cached
+
     # -- matching ----------------------------------------------------------
 
     def match(self, key: bytes) -> tuple:
@@ -191,16 +248,16 @@ class Router:
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        found = self._slow(key) if b"*" in key else self._walk(key)
+        return self._miss(key)
+
+    def _miss(self, key: bytes) -> tuple:
+        found = self._walk(key)
         if found and key.startswith(SECRET_ROOT):
             prefix = self._prefix
             found = [c for c in found if prefix[c] is not None and key.startswith(prefix[c])]
         result = tuple(found)
-        if len(key) <= _CACHED_KEY_MAX:
-            cache = self._cache
-            if len(cache) >= self.cache_size:
-                cache.clear()
-            cache[key] = result
+        if len(key) <= CACHED_KEY_MAX:
+            result = self._store(key, result)
         return result
 
     def _walk(self, key: bytes) -> set:
@@ -211,31 +268,42 @@ class Router:
         visited = 0
         for i, s in enumerate(segs):
             visited += len(live)
-            nxt = []
+            nxt: list[_Node] = []
             final = i == last
-            n = len(s)
-            for node in live:
-                if node.tail:
-                    found.update(node.tail)
-                literal = node.literal
-                if literal:
-                    child = literal.get(s)
-                    if child is not None:
-                        nxt.append(child)
-                star = node.star
-                if star:
-                    if len(star) > n + 1:
-                        # many prefixes: look up each prefix of s instead
-                        visited += n + 1
-                        for j in range(n if final else n + 1):
-                            child = star.get(s[:j])
-                            if child is not None:
-                                nxt.append(child)
-                    else:
-                        visited += len(star)
-                        for p, child in star.items():
-                            if s.startswith(p) and (len(p) < n or not final):
-                                nxt.append(child)
+            if b"*" in s:
+                for node in live:
+                    if node.tail:
+                        found.update(node.tail)
+                    visited += self._starred(node, s, final, nxt)
+            else:
+                n = len(s)
+                for node in live:
+                    if node.tail:
+                        found.update(node.tail)
+                    literal = node.literal
+                    if literal:
+                        child = literal.get(s)
+                        if child is not None:
+                            nxt.append(child)
+                    star = node.star
+                    if star:
+                        if len(star) <= _SCAN_MAX:
+                            visited += len(star)
+                            for p, mid in star.items():
+                                if s.startswith(p) and (len(p) < n or not final):
+                                    _close(mid, final, nxt)
+                        else:
+                            lens = node.lens
+                            visited += len(lens)
+                            for m in lens:
+                                if m < n:
+                                    mid = star.get(s[:m])
+                                elif m == n and not final:
+                                    mid = star.get(s)
+                                else:
+                                    continue
+                                if mid is not None:
+                                    _close(mid, final, nxt)
             if not nxt:
                 self.visited += visited
                 return found
@@ -247,73 +315,244 @@ class Router:
                 found.update(node.end)
         return found
 
-    def _slow(self, key: bytes) -> set:
-        return {
-            client
-            for client, held in self._client_patterns.items()
-            if any(matches(pattern, key) for pattern in held)
-        }
+    @staticmethod
+    def _starred(node: _Node, s: bytes, final: bool, out: list) -> int:
+        """Key segment `s` contains '*': the general case of the rules in the
+        module docstring, one key '*' at a time. Returns lookups done."""
+        visited = 0
+        frontier = [node]
+        while True:
+            q = s.find(b"*")
+            if q < 0:
+                break
+            head = s[:q]
+            nxt = []
+            for nd in frontier:
+                star = nd.star
+                if not star:
+                    continue
+                # pieces shorter than `head`: the star eats all of s; the
+                # piece equal to `head`: the two stars are equal bytes
+                lens = nd.lens if len(star) > _SCAN_MAX else {len(p): 1 for p in star}
+                visited += len(lens)
+                for m in lens:
+                    if m < q:
+                        mid = star.get(head[:m])
+                        if mid is not None:
+                            _close(mid, final, out)
+                    elif m == q:
+                        mid = star.get(head)
+                        if mid is not None:
+                            nxt.append(mid)
+            if not nxt:
+                return visited
+            frontier = nxt
+            s = s[q + 1:]
+        # the rest of the segment has no '*': as in the walk
+        n = len(s)
+        for nd in frontier:
+            visited += 1
+            literal = nd.literal
+            if literal:
+                child = literal.get(s)
+                if child is not None:
+                    out.append(child)
+            star = nd.star
+            if star:
+                lens = nd.lens if len(star) > _SCAN_MAX else {len(p): 1 for p in star}
+                visited += len(lens)
+                for m in lens:
+                    if m < n:
+                        mid = star.get(s[:m])
+                    elif m == n and not final:
+                        mid = star.get(s)
+                    else:
+                        continue
+                    if mid is not None:
+                        _close(mid, final, out)
+        return visited
 
-    # -- internals ---------------------------------------------------------
+    # -- the cache ---------------------------------------------------------
+
+    def _store(self, key: bytes, result: tuple) -> tuple:
+        cost = _ENTRY_COST + len(key)
+        if len(result) >= _SHARE_MIN:
+            entry = self._shared.get(result)
+            if entry is None:
+                self._shared[result] = [result, 1]
+                cost += _tuple_cost(len(result))
+            else:
+                result = entry[0]
+                entry[1] += 1
+        else:
+            cost += _tuple_cost(len(result))
+        if cost > self.cache_bytes:
+            self._deref(result)
+            return result
+        self._cache[key] = result
+        first = key.split(b"/", 1)[0]
+        group = self._groups.get(first)
+        if group is None:
+            self._groups[first] = {key}
+        else:
+            group.add(key)
+        self._cached += cost
+        if self._cached > self.cache_bytes:
+            self._evict()
+        return result
+
+    def _deref(self, result: tuple) -> int:
+        """Release one use of `result`; return the bytes that frees."""
+        n = len(result)
+        if n < _SHARE_MIN:
+            return _tuple_cost(n)
+        entry = self._shared[result]
+        entry[1] -= 1
+        if entry[1]:
+            return 0
+        del self._shared[result]
+        return _tuple_cost(n)
+
+    def _drop(self, key: bytes) -> None:
+        result = self._cache.pop(key)
+        self._cached -= _ENTRY_COST + len(key) + self._deref(result)
+
+    def _evict(self) -> None:
+        """Over budget: drop the oldest entries until a quarter of the budget is free."""
+        target = self.cache_bytes * 3 // 4
+        excess = self._cached - target
+        victims = []
+        for key, result in self._cache.items():
+            if excess <= 0:
+                break
+            victims.append(key)
+            excess -= _ENTRY_COST + len(key) + (_tuple_cost(len(result)) if len(result) < _SHARE_MIN else 0)
+        groups = self._groups
+        for key in victims:
+            self._drop(key)
+            first = key.split(b"/", 1)[0]
+            group = groups[first]
+            group.discard(key)
+            if not group:
+                del groups[first]
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+        self._groups.clear()
+        self._shared.clear()
+        self._cached = 0
 
     def _invalidate(self, pattern: bytes) -> None:
-        cache = self._cache
-        if not cache:
+        """Drop the cached keys whose answer a change of `pattern` can alter."""
+        if not self._cache:
             return
-        if not pattern or len(cache) > _SELECTIVE_INVALIDATION:
-            cache.clear()
-            return
-        for key in [k for k in cache if matches(pattern, k)]:
-            del cache[key]
+        first = pattern.split(b"/", 1)[0]
+        star = first.find(b"*")
+        groups = self._groups
+        if star < 0:
+            if not pattern:
+                self.clear_cache()
+                return
+            # a segment without '*' matches only an equal key segment
+            group = groups.get(first)
+            affected = [first] if group else []
+        else:
+            head = first[:star]
+            if not head:
+                if len(self._cache) > _TEST_MAX:
+                    self.clear_cache()
+                    return
+                affected = list(groups)
+            else:
+                affected = [g for g in groups if g.startswith(head)]
+        budget = _TEST_MAX
+        for name in affected:
+            group = groups[name]
+            if len(group) <= budget:
+                budget -= len(group)
+                doomed = [k for k in group if matches(pattern, k)]
+            else:
+                doomed = list(group)
+            for key in doomed:
+                self._drop(key)
+                group.discard(key)
+            if not group:
+                del groups[name]
+
+    # -- the trie ----------------------------------------------------------
 
     def _trie_add(self, client, pattern: bytes) -> None:
         """Called for a client's first instance of `pattern`."""
         if not pattern:
-            self._all[client] = 1
+            self._all[client] = None
             return
-        compiled = _compile(pattern)
-        if compiled is None:
-            return
-        steps, tail = compiled
+        steps, tail = _compile(pattern)
         node = self._root
-        for is_star, seg in steps:
+        for is_star, piece in steps:
             if is_star:
                 table = node.star
                 if table is None:
                     table = node.star = {}
+                child = table.get(piece)
+                if child is None:
+                    child = table[piece] = _Node()
+                    lens = node.lens
+                    if lens is not None:
+                        lens[len(piece)] = lens.get(len(piece), 0) + 1
+                    elif len(table) > _SCAN_MAX:
+                        lens = node.lens = {}
+                        for p in table:
+                            lens[len(p)] = lens.get(len(p), 0) + 1
             else:
                 table = node.literal
                 if table is None:
                     table = node.literal = {}
-            child = table.get(seg)
-            if child is None:
-                child = table[seg] = _Node()
+                child = table.get(piece)
+                if child is None:
+                    child = table[piece] = _Node()
             node = child
         if tail:
-            node.tail += (client,)
+            if node.tail is None:
+                node.tail = {}
+            node.tail[client] = None
         else:
-            node.end += (client,)
+            if node.end is None:
+                node.end = {}
+            node.end[client] = None
 
     def _trie_remove(self, client, pattern: bytes) -> None:
         """Called when a client's last instance of `pattern` goes."""
         if not pattern:
             del self._all[client]
             return
-        compiled = _compile(pattern)
-        if compiled is None:
-            return
-        steps, tail = compiled
+        steps, tail = _compile(pattern)
         node = self._root
         path = []
-        for is_star, seg in steps:
-            table = node.star if is_star else node.literal
-            path.append((table, seg))
-            node = table[seg]
+        for is_star, piece in steps:
+            path.append((node, is_star, piece))
+            node = (node.star if is_star else node.literal)[piece]
         if tail:
-            node.tail = tuple(c for c in node.tail if c is not client)
+            del node.tail[client]
+            if not node.tail:
+                node.tail = None
         else:
-            node.end = tuple(c for c in node.end if c is not client)
-        for table, seg in reversed(path):
-            if not table[seg].empty():
+            del node.end[client]
+            if not node.end:
+                node.end = None
+        for parent, is_star, piece in reversed(path):
+            table = parent.star if is_star else parent.literal
+            if not table[piece].empty():
                 break
-            del table[seg]
+            del table[piece]
+            if is_star:
+                lens = parent.lens
+                if lens is not None:
+                    n = lens[len(piece)] - 1
+                    if n:
+                        lens[len(piece)] = n
+                    else:
+                        del lens[len(piece)]
+                if not table:
+                    parent.star = parent.lens = None
+            elif not table:
+                parent.literal = None
