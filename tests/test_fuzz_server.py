@@ -30,11 +30,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
 from helpers import MAX_PACKET, recv, set_big_buffers, sync, wait_closed
+from sbus.core.credentials import SECRET_ROOT as ROOT
 from sbus.core.patterns import matches
 from helpers import SbusdProcess
 
 NOBODY = 65534
-ROOT = b"!/cred/"
 MAX_CLIENTS = 5
 
 

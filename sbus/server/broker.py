@@ -21,7 +21,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from sbus.core import codec, flood
-from sbus.core.credentials import CredentialError, check_key, check_pattern, secret_prefix, whoami
+from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key, check_pattern, secret_prefix, whoami
 from sbus.core.router import Router
 from sbus.server.config import SEGMENT_COST, ServerConfig
 
@@ -201,9 +201,9 @@ class BrokerProtocol(protocol.Protocol):
         try:
             pattern = check_pattern(pattern, self.cred, self._prefix)
         except CredentialError as e:
-            reason = FORBIDDEN if pattern.startswith(b"!/cred/") else INVALID_BANG
+            reason = FORBIDDEN if pattern.startswith(SECRET_ROOT) else INVALID_BANG
             return self.misbehaved(reason, str(e))
-        if pattern.startswith(b"!/cred/") and not self._ownerAlive():
+        if pattern.startswith(SECRET_ROOT) and not self._ownerAlive():
             return self.misbehaved(OWNER_GONE, f"secret pattern refused: the process that connected "
                                                f"(pid {self.cred.pid}) has exited, its pid is not this "
                                                f"connection's any more")
@@ -213,7 +213,7 @@ class BrokerProtocol(protocol.Protocol):
         if segments > config.max_pattern_segments:
             return self.misbehaved(TOO_MANY_SUBSCRIPTIONS, f"pattern of {segments} segments, over the limit "
                                                            f"of {config.max_pattern_segments}")
-        cost = len(pattern) + SEGMENT_COST * segments
+        cost = len(pattern) + SEGMENT_COST * (segments + pattern.count(b"*"))  # each '*' is a trie node too
         uid = self.cred.uid
         for have, limit, what in (
             (self.subscriptions + 1, config.max_subscriptions, "subscriptions per client"),
@@ -243,7 +243,7 @@ class BrokerProtocol(protocol.Protocol):
         held = self.factory.router.unsubscribe(self, pattern)
         if held is None:
             return
-        cost = len(pattern) + SEGMENT_COST * (pattern.count(b"/") + 1)
+        cost = len(pattern) + SEGMENT_COST * (pattern.count(b"/") + pattern.count(b"*") + 1)
         self.subscriptions -= 1
         self.subscription_bytes -= cost
         self.factory.uid_subscriptions[self.cred.uid] -= 1

@@ -16,7 +16,7 @@ DEFAULT_MAX_SUBSCRIPTIONS = 100_000
 DEFAULT_MAX_UID_SUBSCRIPTIONS = 1_000_000
 DEFAULT_MAX_UID_CONNECTIONS = 4096
 #: What stored patterns may cost, estimated as their bytes plus SEGMENT_COST per '/'-segment
-#: (each segment can be a trie node of its own), per client and per uid.
+#: and per '*' (each can be a trie node of its own), per client and per uid.
 DEFAULT_MAX_SUBSCRIPTION_BYTES = 32 << 20
 DEFAULT_MAX_UID_SUBSCRIPTION_BYTES = 128 << 20
 DEFAULT_MAX_PATTERN_SEGMENTS = 256

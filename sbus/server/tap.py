@@ -31,9 +31,10 @@ from sbus.server.config import (
     ServerConfig,
 )
 from sbus.core.codec import MAX_PACKET
+from sbus.core.credentials import SECRET_ROOT
 
 #: A credential prefix: empty, or one or more ``!/cred/GID/UID/PID/`` links.
-_CRED_PREFIX = re.compile(rb"(?:!/cred/[0-9]+/[0-9]+/[0-9]+/)*")
+_CRED_PREFIX = re.compile(rb"(?:" + re.escape(SECRET_ROOT) + rb"[0-9]+/[0-9]+/[0-9]+/)*")
 MIN_PACKET_LIMIT = 17  # "must be > 16"
 MAX_PACKET_LIMIT = 16 * 1024 * 1024
 
