@@ -84,7 +84,12 @@ def render(address: str, stats: dict, before: dict | None, dt: float, interval: 
     if "id" in stats:
         head += f"  bus {_clean(stats['id'])}"
     lines = [head, ""]
-    lines.append(f"clients {stats.get('clients', '-')}   subscriptions {stats.get('subscriptions', '-')}")
+    line = f"clients {stats.get('clients', '-')}   subscriptions {stats.get('subscriptions', '-')}"
+    if "queued_bytes" in stats:
+        line += f"   queued {_si(stats['queued_bytes'], 'B')}"
+    if stats.get("scope") == "uid":
+        line += "   (your uid's clients only)"
+    lines.append(line)
     for direction in ("in", "out"):
         msgs = _rate(stats, before, f"packets_{direction}", dt)
         nbytes = _rate(stats, before, f"bytes_{direction}", dt)
