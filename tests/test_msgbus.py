@@ -9,6 +9,7 @@ each client in order.
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 
@@ -115,8 +116,7 @@ def test_readme_session_with_sbus_both_ways(bus, gateway):
 
     # errors: the connection stays usable
     for bad, why in ((b"bogus", b"unknown command"), (b"", b"empty"), (b"sub", b"channel"),
-                     (b"send x foo", b"bad length"), (b"send 3", b"channel"),
-                     (b"ping now", b"no arguments")):
+                     (b"send 3\nab", b"channel"), (b"ping now", b"no arguments")):
         reply = sender.command(bad)
         assert reply.startswith(b"error ") and why in reply, (bad, reply)
         assert b"\n" not in reply
@@ -207,3 +207,190 @@ def test_sender_vanishing_mid_message_sends_nothing(bus, gateway):
     other = MsgbusClient(gw.port)
     other.send(b"send 4 q\nnext")
     assert listener.message() == b"next"
+
+
+# ---------------------------------------------------------------- attacks (issue 11 item 6, issue 16 item 3)
+
+
+def test_a_refused_send_never_runs_its_payload(gateway):
+    gw = gateway()
+    c = MsgbusClient(gw.port)
+    # 'send 10' names no channel: refused, but its 10 bytes are a message, not commands
+    c.send(b"send 10\nping\nping\nping\n")
+    assert c.line().startswith(b"error send needs")
+    assert c.line() == b"pong"                  # the third ping only: after the 10 bytes
+    assert c.command(b"listen") == b"ack listen"  # no second pong came before this
+    # a channel over the length limit: refused the same way
+    c.send(b"send 5 " + b"c" * 5000 + b"\nping\nping\n")
+    assert b"over the limit" in c.line()
+    assert c.line() == b"pong"
+    # a length that is no number: where the message ends is unknown, so the connection closes
+    c.send(b"send 1O chan\nping\n")
+    rest = c.closed()
+    assert rest.startswith(b"error send: bad length") and b"pong" not in rest, rest
+
+
+def test_a_half_closed_client_gets_its_replies(gateway):
+    gw = gateway()
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=TIMEOUT) as s:
+        s.sendall(b"ping\nsub a\nping\n")          # what `printf ... | nc -N` does
+        s.shutdown(socket.SHUT_WR)
+        got = b""
+        while chunk := s.recv(4096):
+            got += chunk
+    assert got == b"pong\nack sub\npong\n"
+
+
+def test_backlog_default_and_option(gateway):
+    import shutil
+    import subprocess
+
+    if shutil.which("ss") is None:
+        pytest.skip("ss (iproute2) is not installed")
+
+    def backlog(port):
+        out = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True).stdout
+        return int(out.split()[2])  # State Recv-Q Send-Q: Send-Q is the backlog of a listener
+
+    assert backlog(gateway().port) >= 1024
+    assert backlog(gateway("--backlog", "2000").port) == 2000
+
+
+def test_thousand_simultaneous_connects_are_served(gateway):
+    import selectors
+    import time
+
+    gw = gateway()
+    t0 = time.monotonic()
+    socks = []
+    try:
+        for _ in range(1000):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", gw.port))
+            socks.append(s)
+        sel = selectors.DefaultSelector()
+        for s in socks:
+            s.send  # noqa: B018
+            sel.register(s, selectors.EVENT_WRITE)
+        pending = set(socks)
+        while pending:
+            events = sel.select(TIMEOUT)
+            assert events, f"{len(pending)} of 1000 connects still pending after {TIMEOUT}s"
+            for key, _ in events:
+                sel.unregister(key.fileobj)
+                pending.discard(key.fileobj)
+                key.fileobj.setblocking(True)
+                key.fileobj.settimeout(TIMEOUT)
+                key.fileobj.sendall(b"ping\n")
+        for s in socks:
+            assert s.recv(16) == b"pong\n"
+        elapsed = time.monotonic() - t0
+    finally:
+        for s in socks:
+            s.close()
+    assert elapsed < 8, elapsed  # was 11 s with a backlog of 50 (SYN retries); ~1 s here
+
+
+def test_another_uid_is_refused_on_loopback(bus, gateway):
+    from helpers import run_as
+
+    gw = gateway()
+    owner = MsgbusClient(gw.port)
+    assert owner.command(b"sub payroll") == b"ack sub"
+    assert owner.command(b"listen") == b"ack listen"
+    observer = connect(bus.address)
+    send(observer, sub(b"msgbus/"))
+    sync(observer)
+    pub = connect(bus.address)
+
+    def attacker():
+        s = socket.create_connection(("127.0.0.1", gw.port), timeout=TIMEOUT)
+        s.sendall(b"sub payroll\nlisten\nsend 8 cmd/shutdown\nshutdown")
+        got = b""
+        try:
+            while chunk := s.recv(4096):
+                got += chunk
+        except OSError as e:
+            got += f" ({e})".encode()
+        return repr(got)
+
+    got = run_as(65534, 65534, attacker)
+    assert got.startswith("b'error uid 65534") and "may not open the bus" in got, got
+    assert "pong" not in got and "ack" not in got and "recv" not in got, got
+    # nothing was published, and the owner is still served (a marker proves the order)
+    send(pub, msg(b"msgbus/payroll", b"salary"))
+    assert owner.message() == b"salary"
+    assert recv(observer) == msg(b"msgbus/payroll", b"salary")
+    gw.wait_log(r"refused msgbus client 127\.0\.0\.1:\d+: uid 65534 \(sock_diag\) may not open")
+    observer.close()
+    pub.close()
+
+
+def test_unix_port_takes_the_bus_mode(bus, gateway, tmp_path):
+    import stat as stat_mod
+
+    from helpers import run_as
+
+    path = tmp_path / "msgbus.sock"
+    p = TwistdProcess(["sbus-msgbus", "--bus", bus.address, "--port", f"unix:{path}"], tmp_path)
+    try:
+        p.wait_log(r"msgbus gateway listening on")
+        assert stat_mod.S_IMODE(os.stat(bus.address).st_mode) == 0o700
+        assert stat_mod.S_IMODE(os.stat(path).st_mode) == 0o700    # Twisted's default was 0666
+        os.chmod(tmp_path, 0o755)
+
+        def attacker():
+            s = socket.socket(socket.AF_UNIX)
+            try:
+                s.connect(str(path))
+            except PermissionError:
+                return "EACCES"
+            s.sendall(b"ping\n")
+            return repr(s.recv(100))
+
+        assert run_as(65534, 65534, attacker) == "EACCES"
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(path))
+            s.sendall(b"ping\n")
+            assert s.recv(100) == b"pong\n"
+    finally:
+        p.stop()
+
+
+def test_a_taken_port_is_fatal_and_logged(bus, tmp_path):
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        p = TwistdProcess(["sbus-msgbus", "--bus", bus.address, "--port",
+                           f"tcp:{port}:interface=127.0.0.1"], tmp_path)
+        try:
+            code = p.proc.wait(TIMEOUT)
+        finally:
+            p.stop()
+    assert code != 0
+    log = p.log()
+    assert re.search(rf"cannot listen on tcp:{port}:interface=127.0.0.1: .*[Aa]ddress already in use", log), log
+    assert "Traceback" not in log, log
+
+
+def test_channel_memory_is_bounded(gateway):
+    def rss(pid):
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:")) * 1024
+
+    gw = gateway()
+    c = MsgbusClient(gw.port)
+    assert c.command(b"ping") == b"pong"
+    before = rss(gw.proc.pid)
+    for i in range(5):                              # 60 KB channels: one trie node per byte before
+        assert b"over the limit" in c.command(b"sub " + bytes([65 + i]) * 60_000)
+    assert b"over the limit of 1024 channels" in c.command(b"sub " + b" ".join(b"%d" % i for i in range(2000)))
+    # within the limits: 1,024 channels of 256 bytes (the per-client byte budget)
+    for i in range(16):
+        line = b"sub " + b" ".join(b"%03d%03d" % (i, j) + b"x" * 250 for j in range(64))
+        assert c.command(line) == b"ack sub"
+    assert b"over the limit" in c.command(b"sub one-more-channel")
+    grown = rss(gw.proc.pid) - before
+    assert grown < 30 << 20, f"gateway grew by {grown >> 20} MiB"

@@ -86,11 +86,16 @@ from collections import deque
 
 from twisted.application import service
 from twisted.internet import defer, endpoints, protocol
+from twisted.internet.interfaces import IHalfCloseableProtocol
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python import usage
+from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from sbus.options import positive_int
+from sbus.services.access import BusAccess, endpoint_kind, peer_uid, server_endpoint
+from sbus.services.shutdown import exit_zero_on_sigterm
 
 from sbus.core.codec import MAX_PACKET
 from sbus.core.credentials import CredentialError, check_key
@@ -103,12 +108,21 @@ PACKET_OVERHEAD = len(b"MSG ") + len(KEY_PREFIX) + 1
 DEFAULT_PORT = "tcp:11111:interface=127.0.0.1"
 DEFAULT_MAX_LINE = 64 * 1024
 DEFAULT_QUEUE_BYTES = 4 << 20
+DEFAULT_BACKLOG = 1024
+DEFAULT_MAX_CLIENTS = 4096
+DEFAULT_MAX_CHANNEL = 4096          # bytes in one channel name
+DEFAULT_MAX_CHANNELS = 1024         # channels one client may hold
+DEFAULT_MAX_CHANNEL_BYTES = 256 << 10  # their total bytes
 
 
 class ChannelTrie:
-    """Clients by channel, in a byte trie; `collect(s)` finds those on channels starting with s.
+    """Clients by channel, in a radix (path-compressed) byte trie.
 
-    A node is ``[children: dict[int, node], members: set]``.
+    `collect(s)` finds the clients on channels starting with s. A node is
+    ``[edges, members]``; ``edges`` maps the first byte of an edge label to
+    ``[label, child]``. Every node but the root holds members or has at least
+    two edges (chains of one-child nodes are merged), so memory is
+    O(distinct channels + their bytes), not one node per byte.
     """
 
     __slots__ = ("root", "channels")
@@ -119,12 +133,22 @@ class ChannelTrie:
 
     def add(self, channel: bytes, member) -> bool:
         node = self.root
-        for byte in channel:
-            children = node[0]
-            child = children.get(byte)
-            if child is None:
-                child = children[byte] = [{}, set()]
-            node = child
+        rest = channel
+        while rest:
+            edge = node[0].get(rest[0])
+            if edge is None:
+                child = [{}, set()]
+                node[0][rest[0]] = [bytes(rest), child]
+                node = child
+                break
+            label = edge[0]
+            k = len(_common_prefix(label, rest))
+            if k < len(label):  # split the edge at k
+                mid = [{label[k]: [label[k:], edge[1]]}, set()]
+                edge[0] = label[:k]
+                edge[1] = mid
+            node = edge[1]
+            rest = rest[k:]
         if member in node[1]:
             return False
         node[1].add(member)
@@ -132,44 +156,85 @@ class ChannelTrie:
         return True
 
     def remove(self, channel: bytes, member) -> bool:
-        path = []
+        path = []  # (parent node, first byte of the edge taken)
         node = self.root
-        for byte in channel:
-            child = node[0].get(byte)
-            if child is None:
+        rest = channel
+        while rest:
+            edge = node[0].get(rest[0])
+            if edge is None or not rest.startswith(edge[0]):
                 return False
-            path.append((node, byte))
-            node = child
+            path.append((node, rest[0]))
+            rest = rest[len(edge[0]):]
+            node = edge[1]
         if member not in node[1]:
             return False
         node[1].discard(member)
         self.channels -= 1
-        # prune nodes that hold nothing any more
-        while path and not node[0] and not node[1]:
+        # prune: drop empty leaves, merge member-less nodes left with one edge
+        while path:
             parent, byte = path.pop()
-            del parent[0][byte]
-            node = parent
+            edge = parent[0][byte]
+            if node[1]:
+                break
+            if not node[0]:
+                del parent[0][byte]
+                node = parent
+                continue
+            if len(node[0]) == 1:
+                (label, child), = node[0].values()
+                edge[0] = edge[0] + label
+                edge[1] = child
+            break
         return True
 
     def collect(self, prefix: bytes, into: set) -> set:
         """Add to `into` every member registered on a channel starting with `prefix`."""
         node = self.root
-        for byte in prefix:
-            node = node[0].get(byte)
-            if node is None:
+        rest = prefix
+        while rest:
+            edge = node[0].get(rest[0])
+            if edge is None:
                 return into
+            label = edge[0]
+            if len(rest) <= len(label):
+                if not label.startswith(rest):
+                    return into
+                node = edge[1]
+                break
+            if not rest.startswith(label):
+                return into
+            rest = rest[len(label):]
+            node = edge[1]
         stack = [node]
         while stack:
             node = stack.pop()
             if node[1]:
                 into.update(node[1])
-            stack.extend(node[0].values())
+            stack.extend(e[1] for e in node[0].values())
         return into
+
+    def nodes(self) -> int:
+        """Nodes in the trie, root included (for tests of its memory bound)."""
+        n, stack = 0, [self.root]
+        while stack:
+            node = stack.pop()
+            n += 1
+            stack.extend(e[1] for e in node[0].values())
+        return n
 
     def __bool__(self):
         return bool(self.root[0] or self.root[1])
 
 
+def _common_prefix(a: bytes, b: bytes) -> bytes:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return a[:i]
+
+
+@implementer(IHalfCloseableProtocol)
 class MsgbusProtocol(protocol.Protocol):
     """One msgbus client connection (also a streaming producer for its own transport)."""
 
@@ -180,6 +245,9 @@ class MsgbusProtocol(protocol.Protocol):
         self._buf = bytearray()
         self._need: int | None = None       # body bytes still expected after 'send'
         self._send_channels: list[bytes] = []
+        self._skip = 0                      # body bytes of a refused 'send' still to discard
+        self.channel_bytes = 0
+        self.uid: int | None = None
         self._closing = False
         self._congested = False
         self._pending: deque = deque()
@@ -191,8 +259,26 @@ class MsgbusProtocol(protocol.Protocol):
     def connectionMade(self):
         peer = self.transport.getPeer()
         self.peer = f"{getattr(peer, 'host', peer)}:{getattr(peer, 'port', '')}"
+        refusal = self.gateway.admit(self)
+        if refusal:
+            self.gateway.refused += 1
+            log.warn("refused msgbus client {peer}: {why}", peer=self.peer, why=refusal)
+            self._closing = True
+            self.transport.write(b"error " + refusal.encode("utf-8", "replace") + b"\n")
+            self.transport.loseConnection()
+            return
         self.transport.registerProducer(self, True)
         self.gateway.clientConnected(self)
+
+    # IHalfCloseableProtocol: the client sent everything (printf ... | nc -N)
+    def readConnectionLost(self):
+        """Answer what was sent (already done, in order), then close once it is written."""
+        if not self._closing:
+            self.close()
+
+    def writeConnectionLost(self):
+        if not self._closing:
+            self.close()
 
     def connectionLost(self, reason=None):
         self._closing = True
@@ -261,6 +347,13 @@ class MsgbusProtocol(protocol.Protocol):
         pos = 0
         max_line = self.gateway.max_line
         while not self._closing:
+            if self._skip:
+                n = min(self._skip, len(buf) - pos)
+                pos += n
+                self._skip -= n
+                if self._skip:
+                    break
+                continue
             if self._need is not None:
                 if len(buf) - pos < self._need:
                     break
@@ -302,18 +395,36 @@ class MsgbusProtocol(protocol.Protocol):
             return False
         return True
 
-    def _channels(self, name: str, args) -> list[bytes] | None:
+    def _channels(self, name: str, args, quiet: bool = False) -> list[bytes] | None:
+        """The channels of a command, or None after an error line (`quiet`: the caller says it)."""
+        why = None
         if not args:
-            self.error(f"{name} needs at least one channel")
-            return None
-        if any(b"\0" in a for a in args):
-            self.error(f"{name}: a channel may not contain a NUL byte")
+            why = f"{name} needs at least one channel"
+        elif any(b"\0" in a for a in args):
+            why = f"{name}: a channel may not contain a NUL byte"
+        else:
+            longest = max(len(a) for a in args)
+            if longest > self.gateway.max_channel:
+                why = f"{name}: a channel of {longest} bytes is over the limit of {self.gateway.max_channel}"
+        if why is not None:
+            if quiet:
+                self._why = why
+            else:
+                self.error(why)
             return None
         return args
 
     def do_sub(self, args):
         channels = self._channels("sub", args)
         if channels is not None:
+            new = set(channels) - self.channels
+            g = self.gateway
+            if len(self.channels) + len(new) > g.max_channels:
+                return self.error(f"sub: over the limit of {g.max_channels} channels per client")
+            added = sum(len(c) for c in new)
+            if self.channel_bytes + added > g.max_channel_bytes:
+                return self.error(f"sub: over the limit of {g.max_channel_bytes} channel bytes per client")
+            self.channel_bytes += added
             for c in channels:
                 if c not in self.channels:
                     self.channels.add(c)
@@ -326,6 +437,7 @@ class MsgbusProtocol(protocol.Protocol):
             for c in channels:
                 if c in self.channels:
                     self.channels.discard(c)
+                    self.channel_bytes -= len(c)
                     self.gateway.trie.remove(c, self)
             self.sendLine(b"ack unsub")
 
@@ -348,14 +460,18 @@ class MsgbusProtocol(protocol.Protocol):
             return self.error("send needs a length and at least one channel")
         size = args[0]
         if not (size.isdigit() and size.isascii()):
-            return self.error(f"send: bad length {size.decode('utf-8', 'replace')!r}")
-        channels = self._channels("send", args[1:])
-        if channels is None:
-            return
+            # where the message ends is unknown: its bytes must never be read as commands
+            return self.error(f"send: bad length {size.decode('utf-8', 'replace')!r}; closing",
+                              close=True)
         n = int(size)
-        limit = self.gateway.limit_for(channels)
+        channels = self._channels("send", args[1:], quiet=True)
+        limit = self.gateway.limit_for(channels or [b""])
         if n > limit:
             return self.error(f"send: message of {n} bytes is over the limit of {limit} bytes", close=True)
+        if channels is None:
+            # refused, but its X bytes are announced: discard them, never run them as commands
+            self._skip = n
+            return self.error(self._why)
         self._need = n
         self._send_channels = channels
 
@@ -376,7 +492,18 @@ class MsgbusGateway(protocol.Factory):
     noisy = False
 
     def __init__(self, *, max_packet: int = MAX_PACKET, max_message: int | None = None,
-                 max_line: int = DEFAULT_MAX_LINE, queue_bytes: int = DEFAULT_QUEUE_BYTES):
+                 max_line: int = DEFAULT_MAX_LINE, queue_bytes: int = DEFAULT_QUEUE_BYTES,
+                 max_clients: int = DEFAULT_MAX_CLIENTS, max_channel: int = DEFAULT_MAX_CHANNEL,
+                 max_channels: int = DEFAULT_MAX_CHANNELS,
+                 max_channel_bytes: int = DEFAULT_MAX_CHANNEL_BYTES,
+                 access: BusAccess | None = None, allow_remote: bool = False):
+        self.max_clients = max_clients
+        self.max_channel = max_channel
+        self.max_channels = max_channels
+        self.max_channel_bytes = max_channel_bytes
+        self.access = access if access is not None else BusAccess(None)
+        self.allow_remote = allow_remote
+        self.refused = 0
         self.max_packet = max_packet
         self.max_message = max_message
         self.max_line = max_line
@@ -394,6 +521,20 @@ class MsgbusGateway(protocol.Factory):
 
     def buildProtocol(self, addr):
         return MsgbusProtocol(self)
+
+    def admit(self, client: MsgbusProtocol) -> str | None:
+        """None if the client may use the bus; else why not (one line)."""
+        if len(self.clients) >= self.max_clients:
+            return f"too many clients (limit {self.max_clients})"
+        uid, how = peer_uid(client.transport)
+        client.uid = uid
+        if uid is None:
+            if self.allow_remote:
+                return None
+            return (f"uid unknown ({how}: not a local peer); remote clients need --allow-remote")
+        if not self.access.allows(uid):
+            return f"uid {uid} ({how}) may not open the bus; allowed: {self.access.describe()}"
+        return None
 
     def limit_for(self, channels: list[bytes]) -> int:
         if self.max_message is not None:
@@ -460,8 +601,11 @@ class MsgbusService(service.MultiService):
     name = "sbus-msgbus"
 
     def __init__(self, bus, port: str = DEFAULT_PORT, *, stats_interval: float = 60.0,
-                 max_delay: float = 10.0, reactor=None, **gateway_options):
+                 max_delay: float = 10.0, reactor=None, backlog: int = DEFAULT_BACKLOG,
+                 **gateway_options):
         super().__init__()
+        self.backlog = backlog
+        gateway_options.setdefault("access", BusAccess(bus))
         self.bus_address = bus
         self.port = port
         self.stats_interval = stats_interval
@@ -514,22 +658,26 @@ class MsgbusService(service.MultiService):
         gateway.bus = self.client
         self.client.start()
 
-        endpoint = endpoints.serverFromString(self.reactor, self.port)
-        d = endpoint.listen(gateway)
-
-        def listening(port):
-            self._listening = port
-            host = port.getHost()
-            log.info("msgbus gateway listening on {host}:{port}", host=getattr(host, "host", host),
-                     port=getattr(host, "port", ""))
-            return port
-
-        d.addCallback(listening)
+        exit_zero_on_sigterm(self.reactor)
+        endpoint = server_endpoint(self.reactor, self.port, gateway.access, self.backlog)
+        result = []
+        endpoint.listen(gateway).addBoth(result.append)
+        if not result or isinstance(result[0], Failure):
+            # A port someone else holds would leave clients talking to the squatter: fatal.
+            why = result[0].getErrorMessage() if result else "listening did not complete"
+            log.critical("msgbus gateway: cannot listen on {port}: {why}; exiting", port=self.port, why=why)
+            self.client.stop()
+            raise SystemExit(f"sbus-msgbus: cannot listen on {self.port}: {why}")
+        port = self._listening = result[0]
+        host = port.getHost()
+        log.info("msgbus gateway listening on {host}:{port} (admits {who}{remote})",
+                 host=getattr(host, "host", getattr(host, "name", host)), port=getattr(host, "port", ""),
+                 who=gateway.access.describe(),
+                 remote="; remote peers too (--allow-remote)" if gateway.allow_remote else "")
         super().startService()
         self._loop = LoopingCall(self._report, False)
         self._loop.clock = self.reactor
         self._loop.start(self.stats_interval, now=False)
-        return d
 
     def stopService(self):
         super().stopService()
@@ -550,7 +698,7 @@ class MsgbusService(service.MultiService):
             "clients": len(g.clients), "from_clients": g.received_clients, "from_bus": g.received_bus,
             "delivered": g.delivered, "published": g.published,
             "drops": {"slow_client": g.dropped_clients, "not_published": g.dropped_bus},
-            "errors": g.errors, "reconnects": max(0, self.connects - 1),
+            "errors": g.errors, "refused": g.refused, "reconnects": max(0, self.connects - 1),
         }
 
     def _report(self, final: bool) -> None:
@@ -560,7 +708,7 @@ class MsgbusService(service.MultiService):
         self._last = st
         log.info("{what}: clients={clients}; messages from clients={fc} from bus={fb}; delivered={d}; "
                  "published to bus={p}; drops slow client={ds} not published={dn}; errors={e}; "
-                 "reconnects={r}", what="stopped" if final else "stats", clients=st["clients"],
+                 "refused={rf}; reconnects={r}", rf=st["refused"], what="stopped" if final else "stats", clients=st["clients"],
                  fc=st["from_clients"], fb=st["from_bus"], d=st["delivered"], p=st["published"],
                  ds=st["drops"]["slow_client"], dn=st["drops"]["not_published"], e=st["errors"],
                  r=st["reconnects"])
@@ -586,6 +734,17 @@ class Options(usage.Options):
                                                         "socket buffer; more is dropped."],
         ["stats-interval", None, "60", "Seconds between stats lines in the log (only if changed)."],
         ["max-delay", None, "10", "Longest bus reconnect back-off, seconds."],
+        ["backlog", None, str(DEFAULT_BACKLOG), "Listen backlog (connections waiting for accept)."],
+        ["max-clients", None, str(DEFAULT_MAX_CLIENTS), "Clients served at once; more are refused."],
+        ["max-channel", None, str(DEFAULT_MAX_CHANNEL), "Longest channel name, bytes."],
+        ["max-channels", None, str(DEFAULT_MAX_CHANNELS), "Channels one client may hold."],
+        ["max-channel-bytes", None, str(DEFAULT_MAX_CHANNEL_BYTES),
+         "Total bytes of the channels one client may hold."],
+    ]
+    optFlags = [
+        ["allow-remote", None, "Admit TCP peers on other hosts (their uid cannot be checked). "
+                               "Local peers are always checked: only uids that could open the bus "
+                               "socket are served."],
     ]
 
     def postOptions(self):
@@ -595,7 +754,8 @@ class Options(usage.Options):
                 parse(self["bus"])
             except AddressError as e:
                 raise usage.UsageError(f"--bus: {e}") from None
-        for name in ("max-packet", "max-line", "queue-bytes"):
+        for name in ("max-packet", "max-line", "queue-bytes", "backlog", "max-clients", "max-channel",
+                     "max-channels", "max-channel-bytes"):
             self[name] = positive_int(name, self[name])
         if self["max-packet"] <= PACKET_OVERHEAD + 1:
             raise usage.UsageError(f"--max-packet: must be over {PACKET_OVERHEAD + 1}")
@@ -610,6 +770,7 @@ class Options(usage.Options):
                 raise usage.UsageError(f"--{name}: must be positive")
         try:
             # parse only (no reactor is touched before twistd chooses one)
+            endpoint_kind(self["port"])
             endpoints.serverFromString(object(), self["port"])
         except (ValueError, KeyError, TypeError) as e:
             raise usage.UsageError(f"--port: bad endpoint {self['port']!r}: {e}") from None
@@ -620,5 +781,8 @@ def makeService(options) -> MsgbusService:
         options["bus"], options["port"], stats_interval=options["stats-interval"],
         max_delay=options["max-delay"], max_packet=options["max-packet"],
         max_message=options["max-message"], max_line=options["max-line"],
-        queue_bytes=options["queue-bytes"],
+        queue_bytes=options["queue-bytes"], backlog=options["backlog"],
+        max_clients=options["max-clients"], max_channel=options["max-channel"],
+        max_channels=options["max-channels"], max_channel_bytes=options["max-channel-bytes"],
+        allow_remote=bool(options["allow-remote"]),
     )

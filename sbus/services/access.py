@@ -1,0 +1,321 @@
+"""Who may reach a bus through a service: the rule every service applies.
+
+**Rule: nobody reaches a bus through a service who could not have opened its
+socket.** A gateway, link or bridge is a client of a bus; whoever talks to
+the service talks to that bus with the service's credentials. So a service
+admits a peer only if the peer's uid could ``connect()`` to the bus socket
+itself, and the sockets a service creates are no wider than the bus's.
+
+* `BusAccess.allows(uid)`: for a bus on a filesystem path, the kernel's own
+  answer, worked out from the modes: root, or search (``x``) permission on
+  every directory of the path and write permission on the socket file,
+  for the uid's primary and supplementary groups (from the user database).
+  The service's own uid is always allowed (it reaches the bus already). An
+  abstract address or an inherited descriptor has no file mode: only the
+  service's own uid and root. The answer is worked out again on every
+  check (modes can change; the check is cheap and happens once per
+  connection, not per message).
+* `peer_uid(transport)`: the uid of whoever is at the other end of a
+  connection we accepted or made: ``SO_PEERCRED`` on a unix socket, the
+  owner of the peer's socket in ``/proc/net/tcp`` and ``tcp6`` for a TCP
+  connection whose peer is on this host (loopback, or one of our own
+  addresses), ``None`` when it cannot be known (a remote host).
+* `server_endpoint(...)`: a Twisted server endpoint from a description; a
+  ``unix:`` one is created with the bus socket's mode (never wider, whatever
+  ``mode=`` says) under a restrictive umask (no window where it is 0666), and
+  given to the bus socket's owner when we run as root; TCP and SSL get the
+  service's default ``backlog=`` unless the description names one.
+"""
+
+from __future__ import annotations
+
+import grp
+import ipaddress
+import os
+import pwd
+import socket
+import stat
+import struct
+
+from twisted.internet import defer, endpoints
+from twisted.logger import Logger
+
+from sbus.address import AddressError, parse_address
+
+log = Logger(namespace="sbus.access")
+
+SO_PEERCRED = getattr(socket, "SO_PEERCRED", 17)
+
+
+# ---------------------------------------------------------------- who could open the bus
+
+
+def user_groups(uid: int) -> set[int]:
+    """The uid's primary and supplementary gids, from the user database (empty if unknown)."""
+    try:
+        pw = pwd.getpwuid(uid)
+    except KeyError:
+        return set()
+    gids = {pw.pw_gid}
+    try:
+        gids.update(os.getgrouplist(pw.pw_name, pw.pw_gid))
+    except OSError:
+        gids.update(g.gr_gid for g in grp.getgrall() if pw.pw_name in g.gr_mem)
+    return gids
+
+
+def _permits(st: os.stat_result, uid: int, gids: set[int], bit: int) -> bool:
+    """Would the permission `bit` (4 r, 2 w, 1 x) be granted to uid/gids by these mode bits?"""
+    mode = st.st_mode
+    if st.st_uid == uid:
+        return bool(mode & (bit << 6))
+    if st.st_gid in gids:
+        return bool(mode & (bit << 3))
+    return bool(mode & bit)
+
+
+def may_connect(uid: int, path: str) -> bool:
+    """Could `uid` connect() to the unix socket at `path` (mode bits; ACLs are not read)?"""
+    if uid == 0:
+        return True
+    gids = user_groups(uid)
+    path = os.path.abspath(path)
+    try:
+        parts = path.split("/")[1:]
+        d = "/"
+        for name in parts[:-1]:
+            d = os.path.join(d, name)
+            if not _permits(os.stat(d), uid, gids, 1):
+                return False
+        st = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISSOCK(st.st_mode) and _permits(st, uid, gids, 2)
+
+
+class BusAccess:
+    """Who could open the bus at `address` (see the module text)."""
+
+    def __init__(self, address):
+        self.text = str(address) if address else ""
+        self.path = None
+        if self.text:
+            try:
+                addr = parse_address(self.text)
+            except AddressError:
+                addr = None
+            if addr is not None and addr.kind == "path":
+                self.path = addr.value
+        self.own_uid = os.getuid()
+
+    def allows(self, uid: int | None) -> bool:
+        if uid is None:
+            return False
+        if uid == self.own_uid or uid == 0:
+            return True
+        return self.path is not None and may_connect(uid, self.path)
+
+    def socket_mode(self) -> tuple[int, int | None, int | None]:
+        """(permission bits, owner uid, group gid) of the bus socket; 0600 and None for no file."""
+        if self.path is not None:
+            try:
+                st = os.stat(self.path)
+                return stat.S_IMODE(st.st_mode) & 0o777, st.st_uid, st.st_gid
+            except OSError:
+                pass
+        return 0o600, None, None
+
+    def describe(self) -> str:
+        if self.path is None:
+            return "the service's own uid and root (the bus address has no file mode)"
+        mode, uid, gid = self.socket_mode()
+        return f"uids that could open {self.path} (mode {mode:04o}, owner uid {uid}, gid {gid})"
+
+
+# ---------------------------------------------------------------- who is at the other end
+
+
+def unix_peer_uid(sock: socket.socket) -> int | None:
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid
+
+
+def _ip(text: str) -> ipaddress._BaseAddress:
+    addr = ipaddress.ip_address(text.split("%", 1)[0])
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped
+    return addr
+
+
+def _proc_addr(field: str):
+    """Decode ``HEX:PORT`` of /proc/net/tcp(6) (32-bit words in host order) into (ip, port)."""
+    hexaddr, hexport = field.split(":")
+    raw = b"".join(struct.pack("=I", int(hexaddr[i:i + 8], 16)) for i in range(0, len(hexaddr), 8))
+    addr = ipaddress.ip_address(raw)
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr, int(hexport, 16)
+
+
+NETLINK_SOCK_DIAG = 4
+SOCK_DIAG_BY_FAMILY = 20
+NLMSG_ERROR = 2
+INET_DIAG_NOCOOKIE = 0xFFFFFFFF
+
+
+def _diag_lookup(family: int, src: bytes, sport: int, dst: bytes, dport: int) -> int | None:
+    """The uid of the TCP socket src:sport -> dst:dport, by an exact sock_diag query (no dump)."""
+    pad = lambda a: a + b"\0" * (16 - len(a))  # noqa: E731
+    sockid = (struct.pack("!HH", sport, dport) + pad(src) + pad(dst)
+              + struct.pack("=III", 0, INET_DIAG_NOCOOKIE, INET_DIAG_NOCOOKIE))
+    req = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF) + sockid
+    hdr = struct.pack("=IHHII", 16 + len(req), SOCK_DIAG_BY_FAMILY, 1, 1, 0)  # NLM_F_REQUEST
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as nl:
+        nl.settimeout(1.0)
+        nl.sendto(hdr + req, (0, 0))
+        data = nl.recv(65536)
+    length, kind = struct.unpack_from("=IH", data)
+    if kind == NLMSG_ERROR:
+        (err,) = struct.unpack_from("=i", data, 16)
+        if err == 0:
+            return None
+        raise OSError(-err, os.strerror(-err))
+    if kind != SOCK_DIAG_BY_FAMILY or length < 16 + 72:
+        return None
+    (uid,) = struct.unpack_from("=I", data, 16 + 64)
+    return uid
+
+
+def _proc_scan(peer, ours, tables) -> int | None:
+    """The same answer from /proc/net/tcp and tcp6 (slower: a table scan)."""
+    for table in tables:
+        try:
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    fields = line.split()
+                    if len(fields) < 8:
+                        continue
+                    try:
+                        if _proc_addr(fields[1]) == peer and _proc_addr(fields[2]) == ours:
+                            return int(fields[7])
+                    except ValueError:
+                        continue
+        except OSError:
+            continue
+    return None
+
+
+def tcp_owner_uid(peer_host: str, peer_port: int, our_host: str, our_port: int,
+                  tables=("/proc/net/tcp", "/proc/net/tcp6")) -> int | None:
+    """The uid owning the socket at peer_host:peer_port connected to our_host:our_port, if local.
+
+    The peer's socket exists on this host only if the peer is on this host;
+    a remote peer gives None. Asked of the kernel by an exact ``sock_diag``
+    lookup (what ``ss`` uses; one socket, no table dump), else by scanning
+    ``/proc/net/tcp`` and ``tcp6``.
+    """
+    peer = (_ip(peer_host), peer_port)
+    ours = (_ip(our_host), our_port)
+    try:
+        if peer[0].version == 4 and ours[0].version == 4:
+            uid = _diag_lookup(socket.AF_INET, peer[0].packed, peer_port, ours[0].packed, our_port)
+            if uid is not None:
+                return uid
+            # a client on an IPv6 socket reaching our IPv4 address, as ::ffff:a.b.c.d
+            mapped = lambda a: ipaddress.IPv6Address("::ffff:" + str(a)).packed  # noqa: E731
+            return _diag_lookup(socket.AF_INET6, mapped(peer[0]), peer_port, mapped(ours[0]), our_port)
+        if peer[0].version == 6 and ours[0].version == 6:
+            return _diag_lookup(socket.AF_INET6, peer[0].packed, peer_port, ours[0].packed, our_port)
+        return None
+    except OSError:
+        return _proc_scan(peer, ours, tables)
+
+
+def peer_uid(transport) -> tuple[int | None, str]:
+    """(uid, how) of the peer of a connected Twisted transport; uid None if unknown (remote)."""
+    handle = getattr(transport, "getHandle", None)
+    sock = handle() if handle is not None else None
+    # TLS transports wrap the TCP one
+    inner = getattr(transport, "transport", None)
+    if not isinstance(sock, socket.socket) and inner is not None and hasattr(inner, "getHandle"):
+        sock = inner.getHandle()
+    if not isinstance(sock, socket.socket):
+        return None, "no socket"
+    if sock.family == socket.AF_UNIX:
+        return unix_peer_uid(sock), "SO_PEERCRED"
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            peer = sock.getpeername()
+            ours = sock.getsockname()
+        except OSError:
+            return None, "not connected"
+        return tcp_owner_uid(peer[0], peer[1], ours[0], ours[1]), "sock_diag"
+    return None, f"address family {sock.family}"
+
+
+# ---------------------------------------------------------------- sockets we create
+
+
+def endpoint_kind(description: str) -> tuple[str, list, dict]:
+    args, kw = endpoints._parse(description)
+    if not args or not args[0]:
+        raise ValueError(f"endpoint {description!r} has no type (tcp:, ssl:, unix:, ...)")
+    return args[0].lower(), list(args[1:]), dict(kw)
+
+
+class PrivateUNIXServerEndpoint:
+    """A ``unix:`` server endpoint whose socket gets the bus socket's mode and owner."""
+
+    def __init__(self, reactor, path: str, access: BusAccess, mode: int | None = None,
+                 backlog: int = 50, lockfile: bool = True):
+        self.reactor = reactor
+        self.path = path
+        self.access = access
+        self.mode = mode
+        self.backlog = backlog
+        self.lockfile = lockfile
+
+    def listen(self, factory):
+        bus_mode, owner, group = self.access.socket_mode()
+        mode = bus_mode if self.mode is None else (self.mode & bus_mode)
+        old = os.umask(0o777 & ~mode)
+        try:
+            port = self.reactor.listenUNIX(self.path, factory, backlog=self.backlog, mode=mode,
+                                           wantPID=self.lockfile)
+        except Exception:
+            return defer.fail()
+        finally:
+            os.umask(old)
+        if os.getuid() == 0 and owner is not None and owner != 0:
+            try:
+                os.lchown(self.path, owner, group if group is not None else -1)
+            except OSError as e:
+                log.warn("could not give {path} to uid {uid}: {err}", path=self.path, uid=owner, err=e)
+        return defer.succeed(port)
+
+
+def server_endpoint(reactor, description: str, access: BusAccess, default_backlog: int | None = None):
+    """`serverFromString`, but ``unix:`` takes the bus's mode and TCP/SSL a default backlog."""
+    kind, args, kw = endpoint_kind(description)
+    if kind == "unix":
+        names = ["address", "mode", "backlog", "lockfile"]
+        for name, value in zip(names, args):
+            kw.setdefault(name, value)
+        unknown = set(kw) - set(names)
+        if unknown:
+            raise ValueError(f"unix: does not take {', '.join(sorted(unknown))}")
+        if "address" not in kw:
+            raise ValueError("unix: needs a path")
+        mode = int(kw["mode"], 8) if "mode" in kw else None
+        backlog = int(kw.get("backlog", default_backlog or 50))
+        lockfile = bool(int(kw.get("lockfile", 1)))
+        return PrivateUNIXServerEndpoint(reactor, kw["address"], access, mode, backlog, lockfile)
+    if default_backlog is not None and kind in ("tcp", "tcp6", "ssl") \
+            and "backlog" not in kw and len(args) < (3 if kind != "ssl" else 6):
+        description = f"{description}:backlog={default_backlog}"
+    return endpoints.serverFromString(reactor, description)
