@@ -22,6 +22,8 @@ import struct
 import subprocess
 import sys
 import time
+import shutil
+import tempfile
 import uuid
 
 import pytest
@@ -172,16 +174,37 @@ def without_probes(packets):
     return [p for p in packets if not p.startswith(b"MSG probe/")]
 
 
-def cross_identity(agent: Agent) -> bytes:
-    """Ask the links on the agent's bus for its identity across (the documented way)."""
+def cross_identity(agent: Agent, trusted_uids=(os.getuid(), 0)) -> bytes:
+    """The agent's identity across the link, the documented way (docs/relay-link.md).
+
+    Discovery on `sbus-link/whoami` names candidate links (forgeable); a
+    trusted candidate is asked on its own secret key with a nonce, and only
+    an answer carrying that nonce counts. Forged replies are skipped.
+    """
     w = agent.call("whoami")[1]
     reply_key = w + b"/sbus-link/whoami"
+    head = b"MSG " + reply_key + b"\0"
     agent.send(sub(reply_key))
     agent.sync()
     agent.send(msg("sbus-link/whoami", w))
-    p = agent.recv(TIMEOUT)
-    assert p and p.startswith(b"MSG " + reply_key + b"\0"), p
-    return p[len(b"MSG " + reply_key + b"\0"):]
+    nonces = {}
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        p = agent.recv(TIMEOUT)
+        assert p, "no answer from a link"
+        if not p.startswith(head):
+            continue
+        kind, _, rest = p[len(head):].partition(b"\0")
+        if kind == b"link":
+            m = re.fullmatch(rb"(?:.*/)?!/cred/\d+/(\d+)/\d+", rest)
+            if m and int(m.group(1)) in trusted_uids and rest not in nonces:
+                nonces[rest] = uuid.uuid4().hex.encode()
+                agent.send(msg(rest + b"/sbus-link/whoami", w + b"\0" + nonces[rest]))
+        elif kind == b"answer":
+            nonce, _, identity = rest.partition(b"\0")
+            if nonce in nonces.values():
+                return identity
+    raise AssertionError("no verified answer")
 
 
 # ---------------------------------------------------------------- tests
@@ -307,13 +330,25 @@ def test_plain_tcp_refused_off_loopback_without_flag(tmp_path, pki):
     assert r.returncode != 0
 
 
+def shared_key(tmp_path, name="link.key", owner=None) -> str:
+    path = tmp_path / name
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, os.urandom(32).hex().encode() + b"\n")
+    os.close(fd)
+    if owner is not None:
+        os.chown(path, owner, owner)
+    return str(path)
+
+
 def test_plain_tcp_allowed_with_flag_and_on_loopback(start_bus, tmp_path, procs):
     bus_a, bus_b = start_bus(), start_bus()
-    a = LinkProc(tmp_path, bus_a, "--listen", "tcp:0:interface=0.0.0.0", "--allow-plain-tcp", name="link-a")
+    key = shared_key(tmp_path)
+    a = LinkProc(tmp_path, bus_a, "--listen", "tcp:0:interface=0.0.0.0", "--allow-plain-tcp",
+                 "--key-file", key, name="link-a")
     procs.append(a)
     port = a.port()
     b = LinkProc(tmp_path, bus_b, "--connect", f"tcp:host=127.0.0.1:port={port}",
-                 "--pattern", "only/", name="link-b")
+                 "--pattern", "only/", "--key-file", key, name="link-b")
     procs.append(b)
     a.wait_log("link up"), b.wait_log("link up")
     with connect(bus_a.address) as ra, connect(bus_b.address) as rb, \
@@ -362,3 +397,196 @@ def test_link_survives_a_bus_restart(start_bus, tmp_path, procs):
     b.stop()
     assert b.stats()["bus_reconnects"] == 1
     bus_b2.stop()
+
+
+# ---------------------------------------------------------------- attacks (issue 11 item 5, issue 16 items 4, 9)
+
+NOBODY = 65534
+
+
+def run_link_as(uid: int, log_path, argv) -> subprocess.Popen:
+    """`twistd -n sbus-link ARGV` as `uid` (tests/run_as_user.py drops to it before anything else)."""
+    log = open(log_path, "wb")
+    return subprocess.Popen(
+        [sys.executable, os.path.join(os.path.dirname(__file__), "run_as_user.py"), str(uid),
+         "-n", "--pidfile=", "sbus-link", "--initial-delay", "0.05",
+         "--max-delay", "0.5", "--stats-interval", "0", *argv],
+        stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=child_env())
+
+
+def stop_child(proc) -> None:
+    proc.terminate()
+    try:
+        proc.wait(TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def test_loopback_tcp_needs_the_shared_key(tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "twisted", "sbus-link", "--bus", "x.sock", *args],
+                              capture_output=True, timeout=TIMEOUT, cwd=tmp_path, env=child_env(),
+                              stdin=subprocess.DEVNULL)
+
+    for args in (["--listen", "tcp:0:interface=127.0.0.1"], ["--connect", "tcp:host=127.0.0.1:port=7999"],
+                 ["--listen", "tcp:0:interface=0.0.0.0", "--allow-plain-tcp"]):
+        r = run(*args)
+        err = r.stderr.decode().strip()
+        assert r.returncode != 0 and len(err.splitlines()) == 1 and "--key-file" in err, (args, err)
+    loose = tmp_path / "loose.key"
+    loose.write_text("x" * 40)
+    loose.chmod(0o644)
+    r = run("--listen", "tcp:0:interface=127.0.0.1", "--key-file", str(loose))
+    err = r.stderr.decode().strip()
+    assert r.returncode != 0 and "chmod 600" in err and len(err.splitlines()) == 1, err
+
+
+def test_another_uid_on_a_loopback_link_injects_and_reads_nothing(start_bus, tmp_path, procs):
+    from helpers import run_as
+
+    bus_a, bus_b = start_bus(), start_bus()
+    attacker_bus = start_bus(address="/dev/unix/abstract/00" + uuid.uuid4().hex)  # nobody can connect
+    from sbus.address import sockaddr
+    attacker_addr = sockaddr(attacker_bus.address)
+    key = shared_key(tmp_path)
+    a = LinkProc(tmp_path, bus_a, "--listen", "tcp:0:interface=127.0.0.1", "--key-file", key, name="link-a")
+    procs.append(a)
+    port = a.port()
+    b = LinkProc(tmp_path, bus_b, "--connect", f"tcp:host=127.0.0.1:port={port}", "--key-file", key,
+                 name="link-b")
+    procs.append(b)
+    a.wait_log("link up"), b.wait_log("link up")
+    assert "proved it holds the shared key" in a.log()
+
+    # The attacker: the project's own link command, as uid 65534, with a key of its own.
+    wrong = tempfile.mkdtemp(prefix="sbus-nobody-")
+    os.chown(wrong, NOBODY, NOBODY)
+    wrong_key = os.path.join(wrong, "guess.key")
+    fd = os.open(wrong_key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, b"0123456789abcdef0123456789abcdef\n")
+    os.close(fd)
+    os.chown(wrong_key, NOBODY, NOBODY)
+    attacker_log = tmp_path / "attacker.log"
+    with connect(bus_a.address) as victim_sub, connect(bus_a.address) as victim_pub, \
+            connect(attacker_addr) as loot:
+        send(victim_sub, sub(""))
+        send(loot, sub(""))
+        sync(victim_sub), sync(loot)
+        attacker = run_link_as(NOBODY, attacker_log, ["--bus", attacker_bus.address, "--connect",
+                                                 f"tcp:host=127.0.0.1:port={port}", "--key-file", wrong_key])
+        try:
+            a.wait_log("authentication failed: wrong key", count=2)   # it retried: still refused
+            with connect(attacker_addr) as inject:                 # what it tries to inject
+                send(inject, msg("cmd/shutdown", b"now"))
+                sync(inject)
+            send(victim_pub, msg("payroll/alice", b"secret salary"))      # what it tries to read
+        finally:
+            stop_child(attacker)
+        # a raw client of uid 65534 speaking the link protocol without the key
+        port_ = port
+
+        def raw():
+            s = socket.create_connection(("127.0.0.1", port_), timeout=TIMEOUT)
+            hello = b'CMSG link/hello\0{"version": 1, "whoami": null, "max_packet": 409600}'
+            got = b""
+            try:
+                for frame in (hello, b"MSG cmd/shutdown\0raw"):
+                    s.sendall(len(frame).to_bytes(4, "big") + frame)
+                while chunk := s.recv(65536):
+                    got += chunk
+            except OSError:
+                pass
+            return repr(got)
+
+        "127.0.0.1".encode("idna")  # the codec loads lazily, from where uid 65534 cannot read
+        got = run_as(NOBODY, NOBODY, raw)
+        assert got.startswith("b") and "x00MSG " not in got and "hello" not in got, got  # closed
+        a.wait_log("before authentication")
+        marker = msg("marker/a", b"end")
+        send(victim_pub, marker)
+        seen = [p for p in drain_until_all(victim_sub, [marker])]
+        assert seen == [msg("payroll/alice", b"secret salary"), marker], seen  # nothing injected
+        send(loot, msg("marker/loot"))
+        loot_got = drain_until_all(loot, [msg("marker/loot")])
+        assert [p for p in loot_got if b"payroll" in p] == [], loot_got           # nothing read
+    log = attacker_log.read_text()
+    assert "link up" not in log and "authentication failed" in log, log
+    # the real peer was never displaced
+    assert "replaces the link" not in a.log() and a.log().count("link up") == 1
+    with connect(bus_b.address) as rb:
+        send(rb, sub("probe/"))
+        sync(rb)
+        wait_flow(bus_a.address, rb)
+
+
+def test_unix_link_socket_takes_the_bus_mode_and_checks_the_peer_uid(start_bus, tmp_path, procs):
+    from helpers import run_as
+
+    bus_a = start_bus()
+    d = tempfile.mkdtemp(prefix="sbus-link-test-")   # a directory every uid may search
+    os.chmod(d, 0o755)
+    path = os.path.join(d, "link.sock")
+    a = LinkProc(tmp_path, bus_a, "--listen", f"unix:{path}", name="link-a")
+    procs.append(a)
+    a.wait_log("listening on")
+    assert os.stat(bus_a.address).st_mode & 0o777 == 0o700
+    assert os.stat(path).st_mode & 0o777 == 0o700          # Twisted's default was 0666
+
+    def attacker():
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect(str(path))
+        except PermissionError:
+            return "EACCES"
+        hello = b'CMSG link/hello\0{"version": 1, "whoami": null, "max_packet": 409600}'
+        got = b""
+        try:
+            s.sendall(len(hello).to_bytes(4, "big") + hello)
+            while chunk := s.recv(65536):
+                got += chunk
+        except OSError:
+            pass
+        return "closed: " + repr(got)
+
+    assert run_as(NOBODY, NOBODY, attacker) == "EACCES"
+    os.chmod(path, 0o777)                                   # an operator's mistake: still refused
+    got = run_as(NOBODY, NOBODY, attacker)
+    assert got.startswith("closed: ") and "hello" not in got, got
+    a.wait_log("uid 65534 (SO_PEERCRED) may not open the bus")
+    assert "link up" not in a.log()
+    a.stop()
+    shutil.rmtree(d)
+
+
+def test_a_forged_whoami_answer_is_ignored(start_bus, tmp_path, procs):
+    from sbus.address import sockaddr
+
+    bus_a = start_bus(address="/dev/unix/abstract/00" + uuid.uuid4().hex)  # no file mode: 65534 connects
+    bus_b = start_bus()
+    key = shared_key(tmp_path)
+    a = LinkProc(tmp_path, bus_a, "--listen", "tcp:0:interface=127.0.0.1", "--key-file", key, name="link-a")
+    procs.append(a)
+    b = LinkProc(tmp_path, bus_b, "--connect", f"tcp:host=127.0.0.1:port={a.port()}", "--key-file", key,
+                 name="link-b")
+    procs.append(b)
+    a.wait_log("link up"), b.wait_log("link up")
+    asker = Agent(sockaddr(bus_a.address))
+    forger = Agent(sockaddr(bus_a.address), uid=NOBODY, gid=NOBODY)
+    try:
+        w = asker.call("whoami")[1]
+        reply_key = w + b"/sbus-link/whoami"
+        asker.send(sub(reply_key))
+        asker.sync()
+        # the forger answers first, in every form: the old one, a discovery naming itself, a
+        # guessed challenge answer, and a discovery naming the real link (which is harmless)
+        fw = forger.call("whoami")[1]
+        for payload in (b"!/cred/0/0/1/" + w, b"link\0" + fw, b"answer\0" + b"0" * 32 + b"\0FORGED",
+                        b"answer\0\0FORGED"):
+            forger.send(msg(reply_key, payload))
+        forger.sync()
+        identity = cross_identity(asker)
+        assert identity == b"!/cred/%d/%d/%d/" % (os.getgid(), os.getuid(), b.pid) + w, identity
+    finally:
+        asker.kill()
+        forger.kill()

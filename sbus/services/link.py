@@ -66,6 +66,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import socket
 from collections import Counter
 
 from twisted.application import service
@@ -88,15 +89,24 @@ from sbus.core import codec
 from sbus.core.codec import MAX_PACKET
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key
 from sbus.core.patterns import matches
+from sbus.services import access as bus_access
+from sbus.services.linkauth import AUTH, PROOF, AuthError, Handshake, load_key
+from sbus.services.shutdown import exit_zero_on_sigterm
 
 log = Logger(namespace="sbus.link")
 
 VERSION = 1
+#: Seconds a connection has to prove it holds the shared key.
+AUTH_TIMEOUT = 10.0
 HELLO = b"link/hello"
 PING = b"link/ping"
 #: The key clients publish their whoami on to learn their identity across the link.
 WHOAMI_REQUEST = b"sbus-link/whoami"
 _WHOAMI_REPLY_SUFFIX = b"/" + WHOAMI_REQUEST
+#: First field of a discovery reply (``link\0<link whoami>``) and of an answer
+#: to a challenge (``answer\0<nonce>\0<identity>``).
+WHOAMI_LINK = b"link"
+WHOAMI_ANSWER = b"answer"
 
 
 def _show(b: bytes | None) -> str:
@@ -143,8 +153,28 @@ def require_tls() -> None:
                             "pip install 'sbus[link]'") from None
 
 
-def check_endpoint(description: str, listen: bool, allow_plain: bool) -> None:
-    """Raise `EndpointError` if `description` would carry the bus unprotected over a network."""
+def check_endpoint(description: str, listen: bool, allow_plain: bool, has_key: bool = False) -> None:
+    """Raise `EndpointError` if `description` would carry the bus unprotected.
+
+    Every transport authenticates the peer: ``unix:`` by the peer's uid
+    (checked on each connection), ``ssl:`` by certificates (``caCertsDir=``),
+    anything else (plain TCP, loopback included) by the shared key of
+    ``--key-file``. Off loopback, plain TCP also needs ``--allow-plain-tcp``.
+    """
+    _check_network(description, listen, allow_plain)
+    kind, args, kw = _kind(description)
+    if kind == "unix" or has_key:
+        return
+    if kind == "ssl" and "caCertsDir" in kw:
+        return
+    if kind == "tls" and not listen:
+        return
+    raise EndpointError(f"refusing {description}: nothing authenticates the peer (any local user "
+                        f"could join the bus); give --key-file FILE (a shared key, mode 0600, the "
+                        f"same on both ends) or use ssl: with caCertsDir= and certificates")
+
+
+def _check_network(description: str, listen: bool, allow_plain: bool) -> None:
     kind, args, kw = _kind(description)
     if kind in _TLS_KINDS:
         require_tls()
@@ -265,6 +295,8 @@ class Options(usage.Options):
         ["max-delay", None, "30", "Longest reconnection delay, seconds."],
         ["keepalive", None, "30", "Ping the peer this often; drop it after 3 silent intervals (0: off)."],
         ["stats-interval", None, "60", "Log a statistics line this often, seconds (0: only at exit)."],
+        ["key-file", "k", None, "Shared key (a file only its owner may read, the same on both ends): "
+                                "both ends prove they hold it at every connection. Needed for plain TCP."],
     ]
 
     def __init__(self):
@@ -292,8 +324,10 @@ class Options(usage.Options):
         listen = bool(self["listen"])
         desc = self["listen"] or self["connect"]
         try:
-            check_endpoint(desc, listen, bool(self["allow-plain-tcp"]))
-        except EndpointError as e:
+            check_endpoint(desc, listen, bool(self["allow-plain-tcp"]), bool(self["key-file"]))
+            if self["key-file"]:
+                load_key(self["key-file"])
+        except (EndpointError, AuthError) as e:
             # One line on stderr and a non-zero status, not the whole usage text.
             raise SystemExit(f"sbus-link: --{'listen' if listen else 'connect'}: {e}") from None
         try:
@@ -337,6 +371,9 @@ class PeerProtocol(Int32StringReceiver, TimeoutMixin):
         self.remote_whoami: bytes | None = None
         self.name = "?"
         self._ping = None
+        #: The shared-key handshake (None: the transport authenticates the peer).
+        self.auth: Handshake | None = None
+        self.auth_timer = None
 
     def connectionMade(self):
         peer = self.transport.getPeer()
@@ -377,6 +414,9 @@ class PeerProtocol(Int32StringReceiver, TimeoutMixin):
 
     def connectionLost(self, reason=protocol.connectionDone):
         self.setTimeout(None)
+        if self.auth_timer is not None and self.auth_timer.active():
+            self.auth_timer.cancel()
+        self.auth_timer = None
         if self._ping is not None and self._ping.running:
             self._ping.stop()
         self.link.peerLost(self, reason)
@@ -426,8 +466,13 @@ class Link(service.MultiService):
     def __init__(self, bus: str, listen: str | None = None, connect: str | None = None,
                  patterns=(b"",), max_packet: int = MAX_PACKET, initialDelay: float = 0.2,
                  maxDelay: float = 30.0, keepalive: float = 30.0, statsInterval: float = 60.0,
-                 reactor=None):
+                 reactor=None, key_file: str | None = None):
         super().__init__()
+        #: Who may reach the bus: a unix peer must be one of them (`sbus.services.access`).
+        self.access = bus_access.BusAccess(bus)
+        #: The shared key (`sbus.services.linkauth`); None: the transport authenticates.
+        self.key = load_key(key_file) if key_file else None
+        self.role = "listen" if listen else "connect"
         if reactor is None:
             from twisted.internet import reactor as default_reactor
             reactor = default_reactor
@@ -470,7 +515,10 @@ class Link(service.MultiService):
 
         factory = PeerFactory(self)
         if listen:
-            self.endpoint = server_endpoint(reactor, listen)
+            if _kind(listen)[0] == "unix":
+                self.endpoint = bus_access.server_endpoint(reactor, listen, self.access)
+            else:
+                self.endpoint = server_endpoint(reactor, listen)
             self.server = StreamServerEndpointService(self.endpoint, factory)
             self.server._raiseSynchronously = True
             self.server.setServiceParent(self)
@@ -488,6 +536,7 @@ class Link(service.MultiService):
         log.info("sbus-link: bus {bus}, {how} {where}, exporting {patterns}", bus=self.bus_address,
                  how="listening on" if self.listen else "connecting to", where=self.listen or self.connect,
                  patterns=", ".join(repr(_show(p)) for p in self.patterns))
+        exit_zero_on_sigterm(self.reactor)
         super().startService()
         if self.listen:
             d = self.server._waitingForPort
@@ -587,6 +636,10 @@ class Link(service.MultiService):
                 self.drops["foreign_secret"] += 1
                 return
             rest = key[len(own):]
+            if rest == WHOAMI_REQUEST:
+                # <link>/sbus-link/whoami: only this process receives it (a secret key of ours)
+                self._answerChallenge(packet[end + 1:])
+                return
             if not rest.startswith(SECRET_ROOT):
                 self.drops["bad_mapped_key"] += 1
                 return
@@ -611,20 +664,39 @@ class Link(service.MultiService):
         peer.sendString(packet)
         self.to_remote += 1
 
-    def _answerWhoami(self, asker: bytes) -> None:
+    def _replyKey(self, asker: bytes) -> bytes | None:
         if parse_whoami(asker) is None or self.local is None:
+            return None
+        key = asker + _WHOAMI_REPLY_SUFFIX
+        try:
+            check_key(key)
+        except CredentialError:
+            return None
+        return key
+
+    def _answerWhoami(self, asker: bytes) -> None:
+        """Discovery: tell the asker this link's whoami (anyone can forge this; see the challenge)."""
+        key = self._replyKey(asker)
+        if key is None:
+            self.drops["bad_whoami_request"] += 1
+            return
+        self.local.sendPacket(b"MSG " + key + b"\0" + WHOAMI_LINK + b"\0" + self.whoami)
+
+    def _answerChallenge(self, request: bytes) -> None:
+        """``<asker whoami>\\0<nonce>`` on our secret key: the answer carries the nonce back.
+
+        Only this process could read the nonce, so an answer with it came from
+        here: a forged answer (anyone may publish on the asker's key) lacks it.
+        """
+        asker, _, nonce = request.partition(b"\0")
+        key = self._replyKey(asker)
+        if key is None or not 8 <= len(nonce) <= 128 or b"\0" in nonce:
             self.drops["bad_whoami_request"] += 1
             return
         peer = self.peer
         remote = peer.remote_whoami if peer is not None else None
         answer = remote + b"/" + asker if remote else b""
-        key = asker + _WHOAMI_REPLY_SUFFIX
-        try:
-            check_key(key)
-        except CredentialError:
-            self.drops["bad_whoami_request"] += 1
-            return
-        self.local.sendPacket(b"MSG " + key + b"\0" + answer)
+        self.local.sendPacket(b"MSG " + key + b"\0" + WHOAMI_ANSWER + b"\0" + nonce + b"\0" + answer)
         self.whoami_answers += 1
 
     # -- the peer
@@ -636,8 +708,57 @@ class Link(service.MultiService):
 
     def peerConnected(self, peer: PeerProtocol):
         log.info("sbus-link: connection from/to {peer}", peer=peer.name)
+        refusal = self._refusal(peer)
+        if refusal:
+            self.drops["peer_refused"] += 1
+            log.warn("sbus-link: refusing {peer}: {why}", peer=peer.name, why=refusal)
+            peer.transport.abortConnection()
+            return
         self.conns.add(peer)
-        peer.sendFrame(self._hello())
+        if self.key is not None:
+            peer.auth = Handshake(self.key, self.role)
+            peer.sendFrame(peer.auth.opening())
+            peer.auth_timer = self.reactor.callLater(AUTH_TIMEOUT, self._authTimeout, peer)
+        else:
+            peer.sendFrame(self._hello())
+
+    def _refusal(self, peer: PeerProtocol) -> str | None:
+        """Why a unix peer may not use the bus (its uid could not open the bus socket), or None."""
+        sock = peer.transport.getHandle() if hasattr(peer.transport, "getHandle") else None
+        if not isinstance(sock, socket.socket) or sock.family != socket.AF_UNIX:
+            return None
+        uid = bus_access.unix_peer_uid(sock)
+        if self.access.allows(uid):
+            return None
+        return f"uid {uid} (SO_PEERCRED) may not open the bus; allowed: {self.access.describe()}"
+
+    def _authTimeout(self, peer: PeerProtocol):
+        peer.auth_timer = None
+        if peer.auth is not None and not peer.auth.done:
+            self._peerError(peer, f"not authenticated within {AUTH_TIMEOUT:.0f}s")
+
+    def _authFrame(self, peer: PeerProtocol, frame: bytes):
+        """A frame before the peer proved it holds the key: only link/auth and link/proof."""
+        try:
+            if frame[:5] != b"CMSG ":
+                raise AuthError(f"{frame[:12]!r} before authentication")
+            key = codec.classify(frame, self.max_packet)[1]
+            if key == PING:
+                return None
+            payload = frame[5 + len(key) + 1:] if len(frame) > 5 + len(key) else None
+            replies = peer.auth.receive(key, payload)
+        except (AuthError, codec.ProtocolError) as e:
+            self.drops["peer_auth_failed"] += 1
+            return self._peerError(peer, f"authentication failed: {e}")
+        for reply in replies:
+            peer.sendFrame(reply)
+        if peer.auth.done:
+            if peer.auth_timer is not None and peer.auth_timer.active():
+                peer.auth_timer.cancel()
+            peer.auth_timer = None
+            log.info("sbus-link: {peer} proved it holds the shared key", peer=peer.name)
+            peer.sendFrame(self._hello())
+        return None
 
     def peerLost(self, peer: PeerProtocol, reason):
         why = reason.getErrorMessage() if hasattr(reason, "getErrorMessage") else reason
@@ -670,6 +791,8 @@ class Link(service.MultiService):
                  theirs=_show(peer.remote_whoami))
 
     def fromPeer(self, peer: PeerProtocol, frame: bytes) -> None:
+        if peer.auth is not None and not peer.auth.done:
+            return self._authFrame(peer, frame)
         if frame[:4] == b"MSG " and peer.ready:
             end = frame.find(b"\0", 4)
             if end < 0:
@@ -739,6 +862,7 @@ def makeService(options: Options) -> Link:
             patterns=options["patterns"], max_packet=options["max-packet"],
             initialDelay=options["initial-delay"], maxDelay=options["max-delay"],
             keepalive=options["keepalive"], statsInterval=options["stats-interval"],
+            key_file=options["key-file"],
         )
     except EndpointError as e:
         raise usage.UsageError(str(e)) from None
