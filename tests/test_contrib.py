@@ -137,7 +137,8 @@ def socket_activate(unit: Path, tmp_path: Path, **replace) -> tuple[TwistdProces
     (listen,) = read_unit(unit)["Socket"]["ListenSequentialPacket"]
     path = localise(listen, tmp_path).replace("/run/", str(tmp_path) + "/run-")
     argv = exec_argv(unit.with_suffix(".service"), tmp_path, **replace)
-    proc = TwistdProcess([unit.stem], tmp_path, argv=[tool, "--seqpacket", "-l", path, *argv])
+    proc = TwistdProcess([unit.stem], tmp_path, argv=[tool, "--seqpacket", "-E", f"PYTHONPATH={child_env()['PYTHONPATH']}",
+                                                      "-l", path, *argv])
     return proc, path
 
 
