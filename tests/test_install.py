@@ -8,6 +8,9 @@ requirement closure of the extras asked for, so pyarrow is absent without [pipel
 put on the venv's path with a .pth file, and pip runs with --no-index --no-build-isolation.
 The checks run the console scripts and `twistd` from the venv's bin/, from a directory
 outside the source tree, so nothing but the install can make them work.
+
+Marked slow (about a minute): `make test PYTEST_ARGS='-m slow'`, or
+`pytest -m slow tests/test_install.py` (the default run leaves it out).
 """
 
 from __future__ import annotations
