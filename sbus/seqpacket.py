@@ -35,6 +35,7 @@ from zope.interface import implementer
 from sbus.address import peer_credentials, size_buffers
 from sbus.core.credentials import Credentials
 from sbus.core.flood import Outbox
+from sbus.core.limits import DEFAULT_DRAIN_CAP, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_PACKETS, MAX_PACKET
 from sbus.interfaces import IPacketTransport
 
 log = Logger()
@@ -93,8 +94,8 @@ class SeqPacketTransport:
         "bytes_out", "packets_unsendable", "_hungUp", "_watch", "_aborted", "_closing", "__weakref__",
     )
 
-    def __init__(self, sock, protocol, reactor, *, max_packet, drain_cap=64,
-                 queue_bytes=4 << 20, queue_packets=16384, peer=None):
+    def __init__(self, sock, protocol, reactor, *, max_packet, drain_cap=DEFAULT_DRAIN_CAP,
+                 queue_bytes=DEFAULT_QUEUE_BYTES, queue_packets=DEFAULT_QUEUE_PACKETS, peer=None):
         sock.setblocking(False)
         size_buffers(sock, max_packet)
         self.socket = sock
@@ -558,8 +559,9 @@ class SeqPacketPort:
         self._settings = {
             name: value if value is not None else getattr(cfg, name, default)
             for name, value, default in (
-                ("max_packet", max_packet, 409600), ("drain_cap", drain_cap, 64),
-                ("queue_bytes", queue_bytes, 4 << 20), ("queue_packets", queue_packets, 16384),
+                ("max_packet", max_packet, MAX_PACKET), ("drain_cap", drain_cap, DEFAULT_DRAIN_CAP),
+                ("queue_bytes", queue_bytes, DEFAULT_QUEUE_BYTES),
+                ("queue_packets", queue_packets, DEFAULT_QUEUE_PACKETS),
             )
         }
 
@@ -665,8 +667,9 @@ class SeqPacketPort:
         self._backoff = self.reactor.callLater(0.5, resume)
 
 
-def connectSeqPacket(reactor, address, protocol, *, max_packet: int = 409600, drain_cap: int = 64,
-                     queue_bytes: int = 4 << 20, queue_packets: int = 16384) -> SeqPacketTransport:
+def connectSeqPacket(reactor, address, protocol, *, max_packet: int = MAX_PACKET,
+                     drain_cap: int = DEFAULT_DRAIN_CAP, queue_bytes: int = DEFAULT_QUEUE_BYTES,
+                     queue_packets: int = DEFAULT_QUEUE_PACKETS) -> SeqPacketTransport:
     """Connect `protocol` to the SEQPACKET socket at `address` (a path, or bytes
     starting with NUL for an abstract name); the client side of the same transport.
 

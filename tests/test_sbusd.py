@@ -477,3 +477,18 @@ def test_logfile_that_cannot_be_opened_is_one_line(tmp_path):
     assert res.returncode == 1
     assert error_line(res).startswith("sbusd: open ") and "No such file or directory" in error_line(res)
     assert not (tmp_path / "x.sock").exists()
+
+
+def test_one_definition_of_the_allowed_uid_set():
+    """sbusd -u, twistd sbus --user and ServerConfig agree: the users named plus our own uid."""
+    from sbus.server.config import ServerConfig, allowed_uid_set
+    from sbus.server.sbusd import parse_args
+    from sbus.server.tap import Options, config_from_options
+
+    me = os.getuid()
+    assert allowed_uid_set(None) is None and ServerConfig().allowed_uids is None
+    assert parse_args(["-u", "65534"]).allowed_uids() == frozenset({65534, me})
+    o = Options()
+    o.parseOptions(["--user", "65534"])
+    assert config_from_options(o).allowed_uids == frozenset({65534, me})
+    assert ServerConfig(allowed_uids=frozenset({65534})).allowed_uids == frozenset({65534, me})

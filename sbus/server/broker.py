@@ -23,7 +23,7 @@ from zope.interface import implementer
 from sbus.core import codec, flood
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key, check_pattern, secret_prefix, whoami
 from sbus.core.router import Router
-from sbus.server.config import SEGMENT_COST, ServerConfig
+from sbus.server.config import allowed_uid_set, SEGMENT_COST, ServerConfig
 
 log = Logger()
 
@@ -373,7 +373,7 @@ class BrokerFactory(protocol.Factory):
         self.had_client = False
         self.started = time.time()
         allowed = self.config.allowed_uids
-        self.allowed_uids = None if allowed is None else frozenset(allowed) | {os.getuid()}
+        self.allowed_uids = None if allowed is None else allowed_uid_set(allowed)
         # Totals of clients that have gone; live clients are summed at stats time.
         self.gone = Counter()
         self.drops = Counter()

@@ -1,14 +1,23 @@
-"""The server's settings, one object shared by `twistd sbus` and `sbusd`."""
+"""The server's settings, one object shared by `twistd sbus` and `sbusd`; the
+default limits (one definition each: `sbus.core.limits` for those the client
+side shares) and the allowed-uid set (`allowed_uid_set`)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from typing import Iterable
 
-from sbus.core.codec import MAX_PACKET
+from sbus.core.limits import DEFAULT_DRAIN_CAP, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_PACKETS, MAX_PACKET
 
-#: What one client that never reads may pin in the server (NOTES §5).
-DEFAULT_QUEUE_BYTES = 4 * 1024 * 1024
-DEFAULT_QUEUE_PACKETS = 16384
+
+def allowed_uid_set(users: Iterable[int] | None) -> frozenset[int] | None:
+    """Who may connect: None (no -u/--user given) lets anyone in; otherwise the users
+    named plus the server's own uid (as the reference server does)."""
+    if users is None:
+        return None
+    return frozenset(users) | {os.getuid()}
+
 #: How long a client in a `block` mode may hold publishers paused before it is disconnected.
 DEFAULT_STALL_TIMEOUT = 30.0
 #: So that one client or one user cannot take the whole bus's memory or descriptors.
@@ -30,10 +39,10 @@ class ServerConfig:
     queue_packets: int = DEFAULT_QUEUE_PACKETS
     #: Credential prefix: b"" for a top-level server, "<whoami on master>/" for a slave.
     cred_prefix: bytes = b""
-    #: uids allowed to connect besides the server's own; None lets anyone in.
+    #: uids allowed to connect (the server's own is added: `allowed_uid_set`); None lets anyone in.
     allowed_uids: frozenset[int] | None = None
     #: Packets read from one client per wakeup before others get a turn.
-    drain_cap: int = 64
+    drain_cap: int = DEFAULT_DRAIN_CAP
     stall_timeout: float = DEFAULT_STALL_TIMEOUT
     #: Subscriptions one client may hold (duplicates count).
     max_subscriptions: int = DEFAULT_MAX_SUBSCRIPTIONS
@@ -44,3 +53,6 @@ class ServerConfig:
     max_uid_subscription_bytes: int = DEFAULT_MAX_UID_SUBSCRIPTION_BYTES
     max_pattern_segments: int = DEFAULT_MAX_PATTERN_SEGMENTS
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.allowed_uids = allowed_uid_set(self.allowed_uids)

@@ -174,7 +174,9 @@ class Args:
         self.logfile: str | None = None
 
     def allowed_uids(self) -> frozenset[int] | None:
-        return frozenset([*self.users, os.getuid()]) if self.users else None
+        from sbus.server.config import allowed_uid_set
+
+        return allowed_uid_set(self.users or None)
 
 
 def parse_args(argv: list[str]) -> Args:

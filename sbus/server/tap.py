@@ -29,6 +29,7 @@ from sbus.server.config import (
     DEFAULT_QUEUE_PACKETS,
     DEFAULT_STALL_TIMEOUT,
     ServerConfig,
+    allowed_uid_set,
 )
 from sbus.core.codec import MAX_PACKET
 from sbus.core.credentials import SECRET_ROOT
@@ -137,7 +138,7 @@ class Options(usage.Options):
 def config_from_options(options: Options) -> ServerConfig:
     users = options["users"]
     settings = {name.replace("-", "_"): options[name] for name in ("max-packet", "cred-prefix", "stall-timeout", *_LIMITS)}
-    return ServerConfig(allowed_uids=frozenset([*users, os.getuid()]) if users else None, **settings)
+    return ServerConfig(allowed_uids=allowed_uid_set(users or None), **settings)
 
 
 def makeService(options: Options):
