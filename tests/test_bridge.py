@@ -161,8 +161,10 @@ def test_secret_keys_cross_only_when_named(start_bus, twistd):
     bus_a, bus_b = start_bus(), start_bus()
     bridge = start_bridge(twistd, bus_a.address, bus_b.address,
                           "'' a>b", "'' a>b !/cred//// to-bridge/")
-    gid, uid = os.getgid(), os.getuid()
-    secret = b"!/cred/%d/%d/%d/hello" % (gid, uid, bridge.pid)  # the bridge's own secret key on A
+    # the bridge's own secret key on A: its whoami there (as root, that of the helper process
+    # that connected as the side's user, see sbus/services/safeconnect.py)
+    who = re.search(r"side a: connected to .* as (!/cred/\d+/\d+/\d+); ", bridge.log()).group(1)
+    secret = who.encode() + b"/hello"
     sb, pa = connect(bus_b.address), connect(bus_a.address)
     send(sb, sub(b""))
     sync(sb)
@@ -223,3 +225,47 @@ def test_config_file(start_bus, twistd, tmp_path):
     sync(sb)
     send(pa, msg(b"left/x/y", b"z"))
     assert recv_until(sb, msg(b"right/x/y", b"z")) == [msg(b"right/x/y", b"z")]
+
+
+# ---------------------------------------------------------------- attacks (issue 16 item 2)
+
+NOBODY = 65534
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the bridge's privilege drop needs root")
+def test_root_bridge_never_follows_a_users_symlink_into_another_bus(start_bus, twistd):
+    import shutil
+    import tempfile
+
+    from helpers import run_as, stats
+
+    victim = start_bus()                    # a private bus (0700, in a directory only root reaches)
+    side_a = start_bus()
+    d = tempfile.mkdtemp(prefix="sbus-user-")
+    try:
+        os.chown(d, NOBODY, NOBODY)
+        os.chmod(d, 0o755)
+        planted = os.path.join(d, "sbus.socket")
+        # the user of that directory points their socket path at the victim's bus
+        assert run_as(NOBODY, NOBODY, lambda: os.symlink(victim.address, planted) or "ok") == "ok"
+        bridge = twistd("sbus-bridge", "--a", side_a.address, "--b", planted, "--max-delay", "0.2",
+                        "--rule", "'' both")
+        bridge.wait_log(r"side a: connected .*; ready")
+        bridge.wait_log(r"side b: cannot connect to .*(Permission denied|symlink).*connecting as uid 65534")
+        with victim.connect() as v:
+            assert stats(v)["clients"] == 1, stats(v)      # only this one: the bridge never got in
+        assert "side b: connected" not in bridge.log()
+
+        # a bus the directory's user may open: the bridge is there as that user, not as root
+        os.unlink(planted) if os.path.lexists(planted) else None
+        shared = start_bus("-g", "-o", address=planted)
+        bridge.wait_log(r"side b: connected as uid 65534 \(owner of " + re.escape(d) + r"\)")
+        text = bridge.wait_log(r"side b: (re)?connected .* as !/cred/\d+/65534/\d+; .*ready")
+        assert re.search(r"side a: connected .* as !/cred/0/0/\d+;", text)   # A is root's own
+        with connect(shared.address) as sb, connect(side_a.address) as pa:
+            send(sb, sub(b""))
+            sync(sb)
+            send(pa, msg(b"x/1", b"across"))
+            assert recv(sb) == msg(b"x/1", b"across")
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

@@ -306,8 +306,8 @@ def _connect_socket(reactor, address, max_packet, timeout):
     return d
 
 
-async def _connect(reactor, address, protocolFactory, max_packet, timeout):
-    sock = await _connect_socket(reactor, address, max_packet, timeout)
+async def _connect(reactor, address, protocolFactory, max_packet, timeout, connector=None):
+    sock = await (connector or _connect_socket)(reactor, address, max_packet, timeout)
     proto = protocolFactory()
     proto.max_packet = max_packet
     transport = SeqPacketTransport(sock, proto, reactor, max_packet=max_packet)
@@ -319,7 +319,7 @@ async def _connect(reactor, address, protocolFactory, max_packet, timeout):
 
 
 def connect(reactor, address=None, protocolFactory=SbusProtocol, *, max_packet: int = MAX_PACKET,
-            timeout: float = 10.0) -> defer.Deferred:
+            timeout: float = 10.0, connector=None) -> defer.Deferred:
     """Connect to the bus at `address`; Deferred[protocol], fired after a whoami round trip.
 
     `protocolFactory` is called with no arguments (a `SbusProtocol` subclass
@@ -327,7 +327,8 @@ def connect(reactor, address=None, protocolFactory=SbusProtocol, *, max_packet: 
     (`FileNotFoundError`, `ConnectionRefusedError`, `PermissionError`, ...)
     or `ConnectionClosed`.
     """
-    return defer.ensureDeferred(_connect(reactor, address, protocolFactory, max_packet, timeout))
+    return defer.ensureDeferred(_connect(reactor, address, protocolFactory, max_packet, timeout,
+                                         connector))
 
 
 class ReconnectingClient:
@@ -342,9 +343,12 @@ class ReconnectingClient:
 
     def __init__(self, reactor, address=None, protocolFactory=SbusProtocol, *,
                  initialDelay: float = 0.1, maxDelay: float = 10.0, factor: float = 2.0,
-                 jitter: float = 0.1, max_packet: int = MAX_PACKET):
+                 jitter: float = 0.1, max_packet: int = MAX_PACKET, connector=None):
         self.reactor = reactor
         self.address = address
+        #: ``connector(reactor, address, max_packet, timeout) -> Deferred[socket]`` opens the
+        #: socket (default: a plain connect); the bridge passes one that connects as a side's owner.
+        self.connector = connector
         self.protocolFactory = protocolFactory
         self.initialDelay = initialDelay
         self.maxDelay = maxDelay
@@ -408,7 +412,7 @@ class ReconnectingClient:
         self._connecting = True
         self.attempts += 1
         d = self._inflight = connect(self.reactor, self.address, self.protocolFactory,
-                                     max_packet=self.max_packet)
+                                     max_packet=self.max_packet, connector=self.connector)
         d.addCallbacks(self._connected, self._failed)
 
     def _connected(self, proto: SbusProtocol):

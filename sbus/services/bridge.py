@@ -99,6 +99,8 @@ from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, ProtocolError
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key
 from sbus.core.patterns import matches
+from sbus.services.safeconnect import OwnerConnector, parse_user
+from sbus.services.shutdown import exit_zero_on_sigterm
 
 log = Logger(namespace="sbus.bridge")
 
@@ -248,10 +250,13 @@ class BridgeService(service.Service):
 
     def __init__(self, a, b, rules: list[Rule], *, stats_interval: float = 60.0,
                  initial_delay: float = 0.1, max_delay: float = 10.0,
-                 max_packet: int = MAX_PACKET, reactor=None):
+                 max_packet: int = MAX_PACKET, reactor=None, users: dict | None = None):
         if not rules:
             raise ValueError("a bridge needs at least one rule")
         self.address = {"a": a, "b": b}
+        #: Run as root, each side is connected as its user (sbus.services.safeconnect).
+        self.connectors = {side: OwnerConnector((users or {}).get(side)) for side in SIDES}
+        self._last_failure: dict[str, str] = {}
         self.rules = list(rules)
         self.stats_interval = stats_interval
         self.initial_delay = initial_delay
@@ -314,10 +319,13 @@ class BridgeService(service.Service):
             def connectionLost(self, reason):
                 bridge._lost(self.side, reason)
 
+            def connectionFailed(self, reason):
+                bridge._failed(self.side, reason)
+
         for side in SIDES:
             client = Client(side, self.reactor, self.address[side], protocol_factory(side),
                             initialDelay=self.initial_delay, maxDelay=self.max_delay,
-                            max_packet=self.max_packet)
+                            max_packet=self.max_packet, connector=self.connectors[side])
             seen = set()
             for route in self.routes[side]:
                 if route.pattern not in seen:  # one SUB per distinct pattern
@@ -335,13 +343,20 @@ class BridgeService(service.Service):
         self._loop = LoopingCall(self._report, False)
         self._loop.clock = self.reactor
         self._loop.start(self.stats_interval, now=False)
+        exit_zero_on_sigterm(self.reactor)
 
     def stopService(self):
         super().stopService()
         if self._loop is not None and self._loop.running:
             self._loop.stop()
         ds = [c.stop() for c in self.clients.values()]
-        return defer.DeferredList(ds, consumeErrors=True).addCallback(lambda _: self._report(True))
+
+        def stopped(_):
+            for connector in self.connectors.values():
+                connector.release()
+            self._report(True)
+
+        return defer.DeferredList(ds, consumeErrors=True).addCallback(stopped)
 
     # -- connections
 
@@ -355,6 +370,9 @@ class BridgeService(service.Service):
             proto.transport.pauseProducing()
         who = proto.credentials or b""
         what = "connected" if self.connects[side] == 1 else f"reconnected (reconnect {self.connects[side] - 1})"
+        self._last_failure.pop(side, None)
+        if self.connectors[side].last_why:
+            log.info("side {side}: connected {how}", side=side, how=self.connectors[side].last_why)
         if SECRET_ROOT not in who:
             log.warn("side {side}: {what} to {addr}; no usable whoami, cannot check echo/off",
                      side=side, what=what, addr=self.address[side])
@@ -382,7 +400,16 @@ class BridgeService(service.Service):
 
         proto.sync().addCallbacks(probed, lambda f: None)
 
+    def _failed(self, side: str, reason) -> None:
+        """A connect attempt failed: say so once per distinct error, not at every retry."""
+        why = reason.getErrorMessage()
+        if why != self._last_failure.get(side):
+            self._last_failure[side] = why
+            log.warn("side {side}: cannot connect to {addr}: {why}; retrying", side=side,
+                     addr=self.address[side], why=why)
+
     def _lost(self, side: str, reason) -> None:
+        self.connectors[side].release()
         if self.running:
             log.warn("side {side}: lost the connection to {addr} ({why}); reconnecting",
                      side=side, addr=self.address[side], why=reason)
@@ -511,6 +538,9 @@ class Options(usage.Options):
         ["config", "c", None, "Read addresses and rules from this file."],
         ["stats-interval", None, "60", "Seconds between stats lines in the log (only if changed)."],
         ["max-delay", None, "10", "Longest reconnect back-off, seconds."],
+        ["a-user", None, None, "When run as root: connect to bus A as this user (name or uid); "
+                               "default: the owner of the socket's directory."],
+        ["b-user", None, None, "The same for bus B."],
     ]
 
     def __init__(self):
@@ -548,6 +578,12 @@ class Options(usage.Options):
                 raise usage.UsageError(f"--{side}: {e}") from None
         if not self["rules"]:
             raise usage.UsageError("at least one --rule is required")
+        for side in SIDES:
+            if self[f"{side}-user"]:
+                try:
+                    parse_user(self[f"{side}-user"])
+                except ValueError as e:
+                    raise usage.UsageError(f"--{side}-user: {e}") from None
         for name in ("stats-interval", "max-delay"):
             try:
                 value = float(self[name])
@@ -560,4 +596,5 @@ class Options(usage.Options):
 
 def makeService(options) -> BridgeService:
     return BridgeService(options["a"], options["b"], options["rules"],
-                         stats_interval=options["stats-interval"], max_delay=options["max-delay"])
+                         stats_interval=options["stats-interval"], max_delay=options["max-delay"],
+                         users={"a": options["a-user"], "b": options["b-user"]})
