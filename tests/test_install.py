@@ -37,9 +37,13 @@ def _closure(extras) -> dict[str, importlib.metadata.Distribution]:
     """The installed distributions sbus needs with `extras` (the build backend included)."""
     setup_py = (REPO / "setup.py").read_text()
     # The requirements as setup.py lists them, read without running setuptools' setup().
+    import setuptools
     config: dict = {}
-    ns = {"setup": config.update}
-    exec(compile(setup_py.replace("from setuptools import setup", ""), "setup.py", "exec"), ns)  # noqa: S102
+    real_setup, setuptools.setup = setuptools.setup, lambda **kw: config.update(kw)
+    try:
+        exec(compile(setup_py, "setup.py", "exec"), {"__name__": "setup_config"})  # noqa: S102
+    finally:
+        setuptools.setup = real_setup
     todo = [Requirement(r) for r in config["install_requires"]] + [Requirement("setuptools>=70.1")]
     for extra in extras:
         todo += [Requirement(r) for r in config["extras_require"][extra]]
