@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import os
+import signal
+import stat
 import subprocess
 import sys
+import threading
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from helpers import stats as bus_stats
+from helpers import wait_until
 from pipeline_conftest import ROOT, read_recording, start_recorder, wait_rows, write_truncated  # noqa: F401
 from sbus.client import connect
 from sbus.pipeline.schema import ARROW_SCHEMA, published_files
@@ -50,14 +56,14 @@ def test_records_traffic_in_order_atomically(bus, start_recorder, tmp_path):
     assert rec.stop() in (0, -15)  # twistd re-raises the signal it stopped on
     log = rec.log()
     assert "Traceback" not in log
-    assert "1 secret filtered" in log and "0 dropped" in log
+    assert "1 secret filtered" in log and "0 lost" in log
 
     files = published_files(str(out))
     assert len(files) > 2  # rolled by size
     rows = read_recording(out)
     assert [(r["key"], r["payload"]) for r in rows] == msgs
     assert [r["seq"] for r in rows] == list(range(1, len(msgs) + 1))
-    assert all(r["size"] == len(r["payload"]) for r in rows)
+    assert all(r["size"] == len(r["payload"]) and r["dropped"] == 0 for r in rows)
     times = [r["recv_time"] for r in rows]
     assert times == sorted(times)
     for first, last, path in files:
@@ -170,24 +176,47 @@ def test_retention_keeps_the_newest(tmp_path):
     assert [f[1] for f in published_files(str(tmp_path))] == [300]
 
 
-def test_full_queue_drops_and_counts(tmp_path):
+def test_full_queue_drops_counts_and_marks(tmp_path):
+    """--lossy: a full queue drops, and the run of dropped messages becomes one drop row."""
     w = RecordingWriter(str(tmp_path), fsync=False)
     sink = BoundedWriter(w, max_bytes=10_000)
     sink.paused.set()  # a writer that cannot keep up
     sink.start()
     rec = Recorder(sink, w.next_seq)
     for i in range(200):
-        rec.record(b"k", b"x" * 100)
+        rec.record(b"k/%d" % i, b"x" * 100)
     rec.record(b"!/cred/1/2/3/x", b"s")
     assert rec.filtered == 1
     assert sink.accepted + sink.dropped == 200
     assert sink.dropped > 100 and sink.queued_bytes <= 10_000
+    first_lost = sink.accepted
+    rec.mark_lost_run()  # what the next message with room (or the report tick) does
     sink.stop()
     sink.join(10)
     got = read_recording(tmp_path)
-    assert len(got) == sink.accepted
-    # seq numbers of dropped messages are skipped: the gap shows the loss
-    assert got[-1]["seq"] - got[0]["seq"] + 1 == sink.accepted
+    assert len(got) == sink.accepted + 1
+    assert [r["seq"] for r in got] == list(range(1, len(got) + 1))  # every row takes one seq
+    drop = got[-1]
+    assert drop["dropped"] == sink.dropped and drop["size"] == 0
+    assert (drop["key"], drop["payload"]) == (b"k/%d" % first_lost, b"k/199")  # first and last lost
+    assert all(r["dropped"] == 0 for r in got[:-1])
+
+
+def test_lossless_queue_pauses_instead_of_dropping(tmp_path):
+    w = RecordingWriter(str(tmp_path), fsync=False)
+    calls = []
+    sink = BoundedWriter(w, max_bytes=10_000, on_full=calls.append)
+    sink.paused.set()
+    sink.start()
+    for i in range(200):
+        assert sink.offer(0, i + 1, b"k", b"x" * 100)
+    assert sink.dropped == 0 and calls == [True]  # asked once to stop reading
+    sink.paused.clear()
+    sink._wake.set()
+    wait_until(lambda: calls == [True, False], "resumed once the queue drained")
+    sink.stop()
+    sink.join(10)
+    assert len(read_recording(tmp_path)) == 200
 
 
 def test_drop_report_is_logged(tmp_path):
@@ -204,6 +233,7 @@ def test_drop_report_is_logged(tmp_path):
         connected, lastError = True, None
 
     svc.client = NoClient()
+    svc.recorder = Recorder(svc.sink, 1)
     for _ in range(50):
         svc.sink.offer(0, 1, b"k", b"x" * 100)
     seen = []
@@ -218,3 +248,121 @@ def test_drop_report_is_logged(tmp_path):
     lines = [formatEvent(e) for e in seen if e.get("log_namespace") == "sbus.record"]
     assert len(lines) == 1
     assert lines[0].startswith(f"cannot keep up: dropped {svc.sink.dropped} messages")
+
+
+# -- nothing lost silently: lossless by default, losses marked
+
+
+def recorder_row(address, pid):
+    with connect(address) as c:
+        return next((q for q in c.stats(timeout=5)["queues"] if q["pid"] == pid), None)
+
+
+def test_lossless_by_default_holds_the_publishers(start_bus, start_recorder, tmp_path):
+    """A recorder that stops reading (SIGSTOP) loses nothing: the bus holds the publisher
+    back instead of discarding (the old default, soft queue/hard discard, lost all but the
+    first ~17,000 of these)."""
+    bus = start_bus()
+    out = tmp_path / "rec"
+    rec = start_recorder(bus.address, out, "--roll-age", "500ms")
+    msgs = traffic(30_000)
+    os.kill(rec.pid, signal.SIGSTOP)
+    done = threading.Event()
+    try:
+        def publish():
+            publish_all(bus.address, msgs)
+            done.set()
+
+        t = threading.Thread(target=publish, daemon=True)
+        t.start()
+        wait_until(lambda: (recorder_row(bus.address, rec.pid) or {}).get("queued_packets", 0) > 0,
+                   "the bus queueing for the stopped recorder")
+        # held back (lossless) or finished (lossy): finished before SIGCONT means messages were lost
+        assert not done.wait(2), "the publisher was not held back by the stopped recorder"
+    finally:
+        os.kill(rec.pid, signal.SIGCONT)
+    t.join(60)
+    assert done.is_set()
+    wait_rows(out, len(msgs), timeout=60)
+    assert rec.stop() in (0, -15)
+    rows = read_recording(out)
+    assert [(r["key"], r["payload"]) for r in rows] == msgs
+    assert [r["seq"] for r in rows] == list(range(1, len(msgs) + 1))
+    assert "0 lost" in rec.log() and "the bus dropped" not in rec.log()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_300k_at_full_speed_all_recorded(start_bus, start_recorder, tmp_path):
+    """Issue 15: 300,000 messages at full speed against a default recorder: all recorded."""
+    bus = start_bus()
+    out = tmp_path / "rec"
+    rec = start_recorder(bus.address, out, "--roll-age", "2s")
+    n = 300_000
+    with connect(bus.address) as c:
+        for i in range(n):
+            c.publish(b"load/%d" % (i % 16), b"%08d" % i)
+        c.sync(timeout=120)
+    wait_rows(out, n, timeout=180)
+    assert rec.stop() in (0, -15)
+    rows = read_recording(out)
+    assert len(rows) == n and not any(r.get("dropped") for r in rows)
+    assert [int(r["payload"]) for r in rows] == list(range(n))
+
+
+def test_pipeline_output_is_not_recorded_by_default(bus, start_recorder, tmp_path):
+    rec = start_recorder(bus.address, tmp_path / "rec", "--roll-age", "200ms")
+    rec2 = start_recorder(bus.address, tmp_path / "all", "--roll-age", "200ms", "--record-pipeline",
+                          "--exclude", "noise/")
+    msgs = [(b"_pipeline/agg/sensors", b"{}"), (b"sensors/a", b"1"), (b"noise/x", b"2"), (b"_pipelinex", b"3")]
+    publish_all(bus.address, msgs)
+    wait_rows(tmp_path / "rec", 3)
+    wait_rows(tmp_path / "all", 3)
+    rec.stop()
+    rec2.stop()
+    assert [r["key"] for r in read_recording(tmp_path / "rec")] == [b"sensors/a", b"noise/x", b"_pipelinex"]
+    assert [r["key"] for r in read_recording(tmp_path / "all")] == [b"_pipeline/agg/sensors", b"sensors/a",
+                                                                    b"_pipelinex"]
+    assert "1 excluded" in rec.log()
+
+
+def test_recording_is_private_and_follows_no_symlink(bus, start_recorder, tmp_path):
+    """Issue 16 item 5: 0700 directories, 0600 files whatever the umask; a symlink planted at
+    the predictable _tmp name must not make the recorder write through it."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"the bus owner's private file\n")
+    victim.chmod(0o600)
+    out = tmp_path / "rec"
+    old = os.umask(0)  # the recorder inherits the loosest umask
+    try:
+        rec = start_recorder(bus.address, out, "--roll-age", "300ms")
+    finally:
+        os.umask(old)
+    # planted after the recorder emptied _tmp/, before its first message
+    os.symlink(victim, out / "_tmp" / "rec-0000000000000001.parquet.part")
+    msgs = traffic(100)
+    publish_all(bus.address, msgs)
+    wait_rows(out, 100)
+    rec.stop()
+    assert victim.read_bytes() == b"the bus owner's private file\n"
+    assert [(r["key"], r["payload"]) for r in read_recording(out)] == msgs
+    for d in (out, out / "_tmp"):
+        assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700, d
+    names = os.listdir(out)
+    assert any(n.startswith("rec-") for n in names)
+    for name in names:
+        if name != "_tmp":
+            assert stat.S_IMODE(os.lstat(out / name).st_mode) == 0o600, name
+
+
+def test_symlinked_tmp_dir_is_refused(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "rec").mkdir()
+    os.symlink(elsewhere, tmp_path / "rec" / "_tmp")
+    twistd = os.path.join(os.path.dirname(sys.executable), "twistd")
+    p = subprocess.run([twistd, "-n", "--pidfile=", "sbus-record", "--out", str(tmp_path / "rec")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode != 0
+    assert "symlink" in (p.stdout + p.stderr).strip().splitlines()[-1]
+    assert os.listdir(elsewhere) == []

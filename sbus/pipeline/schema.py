@@ -19,8 +19,19 @@ Columns (see docs/pipeline.md):
 ``key``        binary                 the routing key
 ``payload``    binary                 the message payload
 ``size``       int32                  ``len(payload)``
-``seq``        int64                  per recorder directory, increasing across files and
-                                      restarts; a gap = messages received but dropped
+``seq``        int64                  per recorder directory, 1, 2, 3, ... across files and
+                                      restarts (every row takes one)
+``dropped``    int64                  0 for a recorded message; N > 0 marks a *drop row*:
+                                      N messages meant for the recorder were lost here
+                                      (dropped by the bus or by the recorder's own queue).
+                                      Its ``key``/``payload`` are the first/last lost keys
+                                      (empty when unknown), ``size`` is 0.
+
+Recordings made before ``dropped`` existed have no such column; readers
+treat it as 0 (Spark reads it as NULL with `SPARK_DDL`).
+
+This module imports no pyarrow (the command lines' ``--help`` and their
+errors work without it); `arrow_schema()` builds the Arrow schema on demand.
 """
 
 from __future__ import annotations
@@ -28,21 +39,72 @@ from __future__ import annotations
 import os
 import re
 
-import pyarrow as pa
+#: What to install when pyarrow/pyspark/matplotlib are missing (one line, in every error).
+EXTRA = "pip install 'sbus[pipeline]'"
 
-ARROW_SCHEMA = pa.schema(
-    [
-        pa.field("recv_time", pa.timestamp("us", tz="UTC"), nullable=False),
-        pa.field("key", pa.binary(), nullable=False),
-        pa.field("payload", pa.binary(), nullable=False),
-        pa.field("size", pa.int32(), nullable=False),
-        pa.field("seq", pa.int64(), nullable=False),
-    ],
-    metadata={b"sbus.recording": b"1"},
-)
+#: Bytes charged per row on top of key and payload (timestamps, seq, list slots).
+ROW_OVERHEAD = 64
+DEFAULT_ROLL_BYTES = 128 << 20
+DEFAULT_ROLL_AGE = 60.0
+DEFAULT_ROW_GROUP_BYTES = 32 << 20
+
+#: Keys under this prefix are the pipeline's own output (``sbus-pipeline stream
+#: --publish-to NAME`` publishes under ``_pipeline/NAME/``); the recorder skips them
+#: by default so that the analytics never count themselves.
+PIPELINE_PREFIX = b"_pipeline/"
+
+#: Columns, in order.
+COLUMNS = ("recv_time", "key", "payload", "size", "seq", "dropped")
 
 #: The same schema for Spark (a DDL string keeps pyspark out of this module).
-SPARK_DDL = "recv_time TIMESTAMP, key BINARY, payload BINARY, size INT, seq BIGINT"
+SPARK_DDL = "recv_time TIMESTAMP, key BINARY, payload BINARY, size INT, seq BIGINT, dropped BIGINT"
+
+_arrow_schema = None
+
+
+class MissingExtra(ImportError):
+    """pyarrow/pyspark/matplotlib is not installed; ``str()`` is the one line to show."""
+
+
+def require(module: str):
+    """Import `module` or raise `MissingExtra` naming the extra to install."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        top = module.split(".")[0]
+        raise MissingExtra(f"{top} is not installed ({_first(e)}): {EXTRA}") from None
+
+
+def _first(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def arrow_schema():
+    """The recording's Arrow schema (imports pyarrow)."""
+    global _arrow_schema
+    if _arrow_schema is None:
+        pa = require("pyarrow")
+        _arrow_schema = pa.schema(
+            [
+                pa.field("recv_time", pa.timestamp("us", tz="UTC"), nullable=False),
+                pa.field("key", pa.binary(), nullable=False),
+                pa.field("payload", pa.binary(), nullable=False),
+                pa.field("size", pa.int32(), nullable=False),
+                pa.field("seq", pa.int64(), nullable=False),
+                pa.field("dropped", pa.int64(), nullable=False),
+            ],
+            metadata={b"sbus.recording": b"2"},
+        )
+    return _arrow_schema
+
+
+def __getattr__(name):  # ARROW_SCHEMA, built on first use
+    if name == "ARROW_SCHEMA":
+        return arrow_schema()
+    raise AttributeError(name)
 
 TMP_DIR = "_tmp"
 PREFIX = "rec-"
@@ -68,6 +130,8 @@ def published_files(directory: str) -> list[tuple[int, int, str]]:
     """[(first_seq, last_seq, path)] of the published files, in recording order."""
     out = []
     for entry in os.scandir(directory):
+        if not entry.name.startswith(PREFIX):
+            continue
         seqs = parse_name(entry.name)
         if seqs is not None and entry.is_file():
             out.append((seqs[0], seqs[1], entry.path))

@@ -1,27 +1,39 @@
 """``twistd sbus-record``: record bus traffic into Parquet files.
 
-    twistd -n sbus-record --bus /run/sbus.socket --out /var/lib/sbus/rec [--pattern P ...]
+    twistd -n sbus-record --bus /run/sbus.socket --out /var/lib/sbus/rec [--pattern P ...] [--lossy]
 
 The bus keeps nothing; this service subscribes (default: the empty pattern,
-i.e. all traffic, with ``!/cred/`` keys filtered out) and hands every
-message to a writer thread (`sbus.pipeline.writer.RecordingWriter`) through
-a bounded queue. The reactor only parses, stamps and enqueues: it never
-touches the disk. Files are published atomically (see the writer).
+i.e. all traffic, with ``!/cred/`` keys and the pipeline's own ``_pipeline/``
+output filtered out) and hands every message to a writer thread
+(`sbus.pipeline.writer.RecordingWriter`) through a bounded queue. The
+reactor only parses, stamps and enqueues: it never touches the disk. Files
+are published atomically (see the writer).
 
-Guarantees, and what a crash loses:
+Nothing is lost silently:
 
-* published files (``DIR/rec-*.parquet``) are complete and never change;
-* a crash (or ``kill -9``) loses the rows of the file being written and the
-  queue: at most ``--roll-age`` seconds (default 60) or ``--roll-bytes`` of
-  traffic, plus up to ``--queue-bytes`` not yet taken by the writer. A
-  clean stop (SIGTERM/SIGINT) publishes everything first;
-* when the writer cannot keep up the queue fills, further messages are
-  dropped and counted, and a warning with the counts is logged every
-  ``--report-interval`` seconds while it lasts. Dropped messages still use
-  up a ``seq``, so gaps in ``seq`` show exactly where and how many;
-* while disconnected from the bus nothing is recorded (the bus keeps no
-  messages for absent clients); the service reconnects with back-off and
-  logs each disconnect and reconnect.
+* **lossless by default**: the recorder asks the bus for
+  ``blocking/soft/block`` and ``blocking/hard/block``, so when it cannot
+  keep up the server holds back the publishers feeding it; and when its own
+  queue to the writer is full it stops reading its socket (which is how the
+  bus learns that it is behind) until the queue has drained to half;
+* ``--lossy``: a recorder that must never slow the bus: the server's
+  default modes (queue, then discard), and a full queue drops messages;
+* every loss is counted, logged (one line per report interval while it
+  lasts) and **marked in the recording by a drop row** (``dropped`` = how
+  many, ``key``/``payload`` = first/last lost key): messages the bus dropped
+  for us (``CMSG server/dropped`` notices), messages our queue dropped
+  (``--lossy``), and rows lost to a write error;
+* the final log line counts recorded, lost (bus, queue, write errors) and
+  filtered messages.
+
+What a crash loses: published files (``DIR/rec-*.parquet``) are complete and
+never change; a crash (or ``kill -9``) loses the rows of the file being
+written and the queue: at most ``--roll-age`` seconds (default 60) or
+``--roll-bytes`` of traffic, plus up to ``--queue-bytes`` not yet taken by
+the writer. A clean stop (SIGTERM/SIGINT) publishes everything first. While
+disconnected from the bus nothing is recorded (the bus keeps no messages for
+absent clients); the service reconnects with back-off and logs each
+disconnect and reconnect.
 """
 
 from __future__ import annotations
@@ -40,50 +52,88 @@ from twisted.python import usage
 from sbus.core import codec
 from sbus.core.credentials import SECRET_ROOT
 from sbus.core.patterns import matches
-from sbus.pipeline.units import parse_duration, parse_size
-from sbus.pipeline.writer import (
+from sbus.pipeline.schema import (
     DEFAULT_ROLL_AGE,
     DEFAULT_ROLL_BYTES,
     DEFAULT_ROW_GROUP_BYTES,
+    PIPELINE_PREFIX,
     ROW_OVERHEAD,
-    RecordingWriter,
+    MissingExtra,
+    require,
 )
+from sbus.pipeline.units import parse_duration, parse_size
 
 log = Logger(namespace="sbus.record")
 
 DEFAULT_QUEUE_BYTES = 64 << 20
 DEFAULT_REPORT_INTERVAL = 10.0
 
+#: The drop notice the server sends (``CMSG server/dropped\0COUNT\0FIRST\0LAST``).
+DROPPED_NOTICE = b"server/dropped"
+DISCONNECT_NOTICE = b"server/disconnect"
+
+
+class DropRow(tuple):
+    """``(recv_us, seq, count, first_key, last_key)``: `count` messages lost at this point."""
+
+    __slots__ = ()
+
+
+def parse_dropped(payload: bytes | None) -> tuple[int, bytes, bytes] | None:
+    """(count, first key, last key) of a drop notice's payload, or None if malformed."""
+    parts = (payload or b"").split(b"\0", 2)
+    try:
+        count = int(parts[0], 10)
+    except ValueError:
+        return None
+    if count <= 0:
+        return None
+    first = parts[1] if len(parts) > 1 else b""
+    last = parts[2] if len(parts) > 2 else b""
+    return count, first, last
+
 
 class BoundedWriter:
     """A worker thread that owns a `RecordingWriter`, fed through a bounded queue.
 
-    `offer` (the reactor's side) never blocks: it appends to a deque or, when
-    the bytes queued would exceed `max_bytes`, drops the row and counts it.
-    The two byte counters are each written by one thread only, so no lock is
-    needed on the hot path.
+    `offer` (the reactor's side) never blocks. When the bytes queued would
+    exceed `max_bytes`: a lossy sink drops the row and counts it; a lossless
+    one (`on_full` given) keeps it and calls ``on_full(True)`` (the recorder
+    stops reading the bus), then ``on_full(False)`` from the reactor thread
+    once the worker has drained the queue to half. The two byte counters are
+    each written by one thread only, so no lock is needed on the hot path.
     """
 
-    def __init__(self, writer: RecordingWriter, max_bytes: int = DEFAULT_QUEUE_BYTES,
-                 on_done=None, report=None, tick: float = 0.05):
+    def __init__(self, writer, max_bytes: int = DEFAULT_QUEUE_BYTES,
+                 on_done=None, report=None, tick: float = 0.05, on_full=None, call_in_reactor=None):
         self.writer = writer
         self.max_bytes = max_bytes
         self.on_done = on_done or (lambda: None)
         self.report = report or (lambda text: None)
         self.tick = tick
+        self.on_full = on_full
+        self.call_in_reactor = call_in_reactor or (lambda f, *a: f(*a))
         self._queue: deque = deque()
         self._enq_bytes = 0  # reactor thread only
         self._deq_bytes = 0  # worker thread only
         self._wake = threading.Event()
         self._stopping = False
+        #: Lossless: reading is paused until the worker drains (reactor thread writes it).
+        self.full = False
+        self._resume_asked = False
         self.accepted = 0
         self.dropped = 0
         self.dropped_bytes = 0
         self.write_errors = 0
-        self.lost_rows = 0  # rows discarded after a write error
+        self.lost_rows = 0  # messages discarded after a write error
+        self.paused_times = 0
         #: Test hook: while set, the worker does not take rows (simulates a slow disk).
         self.paused = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sbus-record-writer", daemon=True)
+
+    @property
+    def lossless(self) -> bool:
+        return self.on_full is not None
 
     @property
     def queued_bytes(self) -> int:
@@ -93,18 +143,38 @@ class BoundedWriter:
         self._thread.start()
         return self
 
+    def has_room(self, cost: int) -> bool:
+        return self._enq_bytes - self._deq_bytes + cost <= self.max_bytes
+
     def offer(self, recv_us: int, seq: int, key: bytes, payload: bytes) -> bool:
         cost = len(key) + len(payload) + ROW_OVERHEAD
         if self._enq_bytes - self._deq_bytes + cost > self.max_bytes:
-            self.dropped += 1
-            self.dropped_bytes += len(key) + len(payload)
-            return False
+            if self.on_full is None:
+                self.dropped += 1
+                self.dropped_bytes += len(key) + len(payload)
+                return False
+            if not self.full:
+                self.full = True
+                self.paused_times += 1
+                self.on_full(True)
         self._queue.append((recv_us, seq, key, payload))
         self._enq_bytes += cost
         self.accepted += 1
         if not self._wake.is_set():
             self._wake.set()
         return True
+
+    def offer_drop(self, recv_us: int, seq: int, count: int, first: bytes, last: bytes) -> None:
+        """Queue a drop row (always: it is small, and a loss must never go unmarked)."""
+        self._queue.append(DropRow((recv_us, seq, count, first, last)))
+        self._enq_bytes += len(first) + len(last) + ROW_OVERHEAD
+        self._wake.set()
+
+    def _resume(self) -> None:  # reactor thread
+        self._resume_asked = False
+        if self.full and self.queued_bytes <= self.max_bytes:
+            self.full = False
+            self.on_full(False)
 
     def stop(self) -> None:
         """Ask the worker to write everything queued, publish, and end."""
@@ -117,6 +187,7 @@ class BoundedWriter:
 
     def _run(self):
         queue, writer = self._queue, self.writer
+        low = self.max_bytes // 2
         try:
             while True:
                 timeout = self.tick
@@ -131,13 +202,22 @@ class BoundedWriter:
                     cost = 0
                     for _ in range(min(len(queue), 8192)):
                         row = queue.popleft()
+                        if row.__class__ is DropRow:
+                            cost += len(row[3]) + len(row[4]) + ROW_OVERHEAD
+                            self._write(batch)
+                            batch = []
+                            try:
+                                writer.add_drop(*row)
+                            except Exception as e:
+                                self._write_failed(e)
+                            continue
                         batch.append(row)
                         cost += len(row[2]) + len(row[3]) + ROW_OVERHEAD
-                    try:
-                        writer.extend(batch)
-                    except Exception as e:  # disk full, permissions, ...
-                        self._write_failed(e)
+                    self._write(batch)
                     self._deq_bytes += cost
+                    if self.full and not self._resume_asked and self.queued_bytes <= low:
+                        self._resume_asked = True
+                        self.call_in_reactor(self._resume)
                 try:
                     writer.tick()
                 except Exception as e:
@@ -151,24 +231,45 @@ class BoundedWriter:
         finally:
             self.on_done()
 
+    def _write(self, batch) -> None:
+        if batch:
+            try:
+                self.writer.extend(batch)
+            except Exception as e:  # disk full, permissions, ...
+                self._write_failed(e)
+
     def _write_failed(self, e: Exception) -> None:
-        lost = self.writer.pending_rows
+        first, lost = self.writer.abandon()
         self.write_errors += 1
         self.lost_rows += lost
         self.report(f"write failed ({type(e).__name__}: {e}); discarded the unpublished file "
                     f"({lost} messages); continuing")
-        self.writer.abandon()
+        if lost and first is not None:
+            try:  # mark the loss where the file began (its other seqs stay unused)
+                self.writer.add_drop(time.time_ns() // 1000, first, lost)
+            except Exception:
+                pass
 
 
 class Recorder:
-    """What the reactor does per message: filter, number, stamp, enqueue."""
+    """What the reactor does per message: filter, number, stamp, enqueue, mark losses."""
 
-    def __init__(self, sink: BoundedWriter, next_seq: int, record_secrets: list[bytes] = ()):
+    def __init__(self, sink: BoundedWriter, next_seq: int, record_secrets: list[bytes] = (),
+                 exclude: list[bytes] = ()):
         self.sink = sink
         self.next_seq = next_seq
         self.secret_patterns = [p for p in record_secrets]
+        exclude = list(exclude)
+        # a pattern ending in '/' without '*' is a prefix: str.startswith does it
+        self.exclude_prefixes = tuple(p for p in exclude if p.endswith(b"/") and b"*" not in p)
+        self.exclude_patterns = [p for p in exclude if p not in self.exclude_prefixes]
         self.received = 0
-        self.filtered = 0
+        self.filtered = 0  # secret keys not asked for
+        self.excluded = 0  # --exclude (default: the pipeline's own output)
+        self.bus_dropped = 0  # counted from the server's drop notices
+        self.notices = 0
+        #: A run of messages our full queue dropped (lossy), not yet marked: [count, first, last, t]
+        self.lost_run = None
         self._time_ns = time.time_ns
 
     def record(self, key: bytes, payload: bytes, match_pattern=lambda p: p) -> None:
@@ -176,20 +277,70 @@ class Recorder:
                 matches(match_pattern(p), key) for p in self.secret_patterns):
             self.filtered += 1
             return
+        if (self.exclude_prefixes and key.startswith(self.exclude_prefixes)) or (
+                self.exclude_patterns and any(matches(p, key) for p in self.exclude_patterns)):
+            self.excluded += 1
+            return
         self.received += 1
-        seq = self.next_seq
-        self.next_seq = seq + 1
-        self.sink.offer(self._time_ns() // 1000, seq, key, payload)
+        now = self._time_ns() // 1000
+        run = self.lost_run
+        if run is not None:
+            if not self.sink.has_room(len(key) + len(payload) + 2 * ROW_OVERHEAD + len(run[1]) + len(run[2])):
+                self.sink.dropped += 1
+                self.sink.dropped_bytes += len(key) + len(payload)
+                run[0] += 1
+                run[2] = key
+                return
+            self.mark_lost_run()
+        if self.sink.offer(now, self.next_seq, key, payload):
+            self.next_seq += 1
+        else:
+            self.lost_run = [1, key, key, now]
+
+    def mark_lost_run(self) -> None:
+        """Write the drop row for the run of messages our queue dropped."""
+        run, self.lost_run = self.lost_run, None
+        if run is not None:
+            self.sink.offer_drop(run[3], self.next_seq, run[0], run[1], run[2])
+            self.next_seq += 1
+
+    def dropped_by_bus(self, count: int, first: bytes, last: bytes) -> None:
+        """A drop notice: the bus dropped `count` messages meant for us."""
+        self.mark_lost_run()
+        self.bus_dropped += count
+        self.notices += 1
+        self.sink.offer_drop(self._time_ns() // 1000, self.next_seq, count, first, last)
+        self.next_seq += 1
 
 
-def _make_protocol(recorder: Recorder):
+def _make_protocol(recorder: Recorder, service: "RecordService"):
     from sbus.client.twisted import SbusProtocol
 
     class RecorderProtocol(SbusProtocol):
         def messageReceived(self, key, payload, packet):
             recorder.record(key, payload, self._matchPattern)
 
+        def unsolicitedControl(self, key, payload):
+            if key == DROPPED_NOTICE:
+                notice = parse_dropped(payload)
+                if notice is None:
+                    log.warn("ignoring a malformed drop notice from the bus: {p!r}", p=payload)
+                    return
+                recorder.dropped_by_bus(*notice)
+                service.noticeReceived(*notice)
+            elif key == DISCONNECT_NOTICE:
+                reason, _, text = (payload or b"").partition(b"\0")
+                log.warn("the bus is disconnecting us: {reason}: {text}",
+                         reason=reason.decode("utf-8", "replace"), text=text.decode("utf-8", "replace"))
+            else:
+                super().unsolicitedControl(key, payload)
+
     return RecorderProtocol
+
+
+def _show(key: bytes) -> str:
+    text = key[:80].decode("utf-8", "backslashreplace")
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text) + ("..." if len(key) > 80 else "")
 
 
 class RecordService(service.Service):
@@ -198,8 +349,8 @@ class RecordService(service.Service):
     def __init__(self, bus, out: str, patterns: list[bytes], *, roll_bytes=DEFAULT_ROLL_BYTES,
                  roll_age=DEFAULT_ROLL_AGE, row_group_bytes=DEFAULT_ROW_GROUP_BYTES,
                  queue_bytes=DEFAULT_QUEUE_BYTES, retain_age=None, retain_bytes=None,
-                 compression="snappy", report_interval=DEFAULT_REPORT_INTERVAL, hard=None,
-                 reactor=None):
+                 compression="snappy", report_interval=DEFAULT_REPORT_INTERVAL, lossy=False,
+                 exclude=(PIPELINE_PREFIX,), reactor=None):
         self.bus = bus
         self.out = out
         self.patterns = patterns or [b""]
@@ -207,7 +358,8 @@ class RecordService(service.Service):
                              retain_age=retain_age, retain_bytes=retain_bytes, compression=compression)
         self.queue_bytes = queue_bytes
         self.report_interval = report_interval
-        self.hard = hard
+        self.lossy = lossy
+        self.exclude = list(exclude)
         self._reactor = reactor
         self.client = None
         self.sink: BoundedWriter | None = None
@@ -215,6 +367,10 @@ class RecordService(service.Service):
         self._done: defer.Deferred | None = None
         self._loop = None
         self._last = (0, 0)
+        self._last_bus = (0, 0)  # (messages, notices) at the last log line
+        self._last_bus_line = None  # when the last bus-drop line was logged
+        self._bus_run = None  # [first key, last key] since the last line
+        self._held = 0  # times we held the bus back, at the last report
 
     @property
     def reactor(self):
@@ -226,8 +382,20 @@ class RecordService(service.Service):
     def _from_thread(self, text: str) -> None:
         self.reactor.callFromThread(log.info, "{text}", text=text)
 
+    def _hold(self, full: bool) -> None:
+        """Lossless: stop reading the bus while the writer's queue is full (back-pressure)."""
+        proto = self.client.protocol if self.client is not None else None
+        transport = getattr(proto, "transport", None)
+        if transport is None:
+            return
+        if full:
+            transport.pauseProducing()
+        else:
+            transport.resumeProducing()
+
     def startService(self):
         from sbus.client.twisted import ReconnectingClient
+        from sbus.pipeline.writer import RecordingWriter
 
         super().startService()
         writer = RecordingWriter(self.out, log=self._from_thread, **self.settings)
@@ -236,43 +404,79 @@ class RecordService(service.Service):
                      n=len(writer.cleaned), tmp=writer.tmp, names=", ".join(writer.cleaned))
         self._done = defer.Deferred()
         self.sink = BoundedWriter(writer, self.queue_bytes, report=self._from_thread,
-                                  on_done=lambda: self.reactor.callFromThread(self._done.callback, None))
+                                  on_done=lambda: self.reactor.callFromThread(self._done.callback, None),
+                                  on_full=None if self.lossy else self._hold,
+                                  call_in_reactor=self.reactor.callFromThread)
         secret = [p for p in self.patterns if p.startswith(SECRET_ROOT)]
-        self.recorder = Recorder(self.sink, writer.next_seq, secret)
+        self.recorder = Recorder(self.sink, writer.next_seq, secret, self.exclude)
         self.sink.start()
         log.info("recording {patterns} from {bus} into {out} (next seq {seq}; roll at {rb} bytes "
-                 "or {ra}s; queue {qb} bytes)",
+                 "or {ra}s; queue {qb} bytes; {mode}; not recording {excl})",
                  patterns=b", ".join(p or b'""' for p in self.patterns).decode("utf-8", "replace"),
                  bus=self.bus or "(default address)", out=self.out, seq=writer.next_seq,
-                 rb=self.settings["roll_bytes"], ra=self.settings["roll_age"], qb=self.queue_bytes)
+                 rb=self.settings["roll_bytes"], ra=self.settings["roll_age"], qb=self.queue_bytes,
+                 mode="lossy: the bus discards for us when we are behind" if self.lossy else
+                      "lossless: publishers are held back when we are behind",
+                 excl=", ".join(_show(p) for p in [SECRET_ROOT, *self.exclude]))
 
         svc = self
 
         class Client(ReconnectingClient):
             def connectionMade(self, protocol):
+                if svc.sink.full:  # still draining what the last connection brought
+                    protocol.transport.pauseProducing()
+
                 def subscribed(_):
                     log.info("connected to the bus as {who}; subscribed",
                              who=(protocol.credentials or b"?").decode("utf-8", "replace"))
 
-                # after the round trip the server has our subscriptions in place
+                # after the round trip the server has our subscriptions and modes in place
                 protocol.sync().addCallbacks(subscribed, lambda f: None)
 
             def connectionLost(self, reason):
                 if svc.running:
                     log.warn("lost the bus connection ({why}); reconnecting", why=reason)
 
-        self.client = Client(self.reactor, self.bus, _make_protocol(self.recorder), maxDelay=5.0)
+        self.client = Client(self.reactor, self.bus, _make_protocol(self.recorder, self), maxDelay=5.0)
         for p in self.patterns:
             self.client.subscribe(p)
-        if self.hard:
-            self.client.flood(hard=self.hard)
+        if self.lossy:
+            self.client.flood(soft="queue", hard="discard")
+        else:
+            self.client.flood(soft="block", hard="block")
         self.client.start()
         self._loop = LoopingCall(self._report)
         self._loop.clock = self.reactor
         self._loop.start(self.report_interval, now=False)
 
+    def noticeReceived(self, count: int, first: bytes, last: bytes) -> None:
+        """Log bus drops: at once for the first notice of a quiet spell, then once per interval."""
+        run = self._bus_run
+        if run is None:
+            self._bus_run = [first, last]
+        else:
+            run[1] = last
+        now = self.reactor.seconds()
+        if self._last_bus_line is None or now - self._last_bus_line >= self.report_interval:
+            self._logBusDrops(now)
+
+    def _logBusDrops(self, now) -> None:
+        rec = self.recorder
+        n, k = rec.bus_dropped - self._last_bus[0], rec.notices - self._last_bus[1]
+        if not n:
+            return
+        first, last = self._bus_run or (b"", b"")
+        self._bus_run = None
+        self._last_bus = (rec.bus_dropped, rec.notices)
+        self._last_bus_line = now
+        log.warn("the bus dropped {n} messages meant for us ({k} notice(s); first key {first}, last "
+                 "key {last}); {total} dropped by the bus since start (marked in the recording)",
+                 n=n, k=k, first=_show(first), last=_show(last), total=rec.bus_dropped)
+
     def _report(self):
-        sink = self.sink
+        sink, rec = self.sink, self.recorder
+        if rec.lost_run is not None and sink.has_room(2 * ROW_OVERHEAD + 2 * 512):
+            rec.mark_lost_run()
         dropped, dropped_bytes = sink.dropped, sink.dropped_bytes
         n, b = dropped - self._last[0], dropped_bytes - self._last[1]
         self._last = (dropped, dropped_bytes)
@@ -281,6 +485,12 @@ class RecordService(service.Service):
                      "{total} dropped, {accepted} recorded since start; queue {q} of {max} bytes",
                      n=n, b=b, dt=self.report_interval, total=dropped, accepted=sink.accepted,
                      q=sink.queued_bytes, max=sink.max_bytes)
+        self._logBusDrops(self.reactor.seconds())
+        if sink.paused_times != self._held:
+            log.info("writer behind: held the bus back {n} time(s) in the last {dt:g}s "
+                     "(queue {q} of {max} bytes)", n=sink.paused_times - self._held,
+                     dt=self.report_interval, q=sink.queued_bytes, max=sink.max_bytes)
+            self._held = sink.paused_times
         if not self.client.connected and self.client.lastError is not None:
             log.warn("not connected to the bus: {err}", err=self.client.lastError.getErrorMessage())
 
@@ -293,6 +503,7 @@ class RecordService(service.Service):
         def flush(_):
             if self.sink is None:
                 return None
+            self.recorder.mark_lost_run()
             self.sink.stop()
             return self._done
 
@@ -300,10 +511,13 @@ class RecordService(service.Service):
             s = self.sink
             if s is not None:
                 self._report()
-                log.info("stopped: {rec} messages recorded, {drop} dropped, {filt} secret filtered; "
-                         "{files} files published",
-                         rec=s.accepted, drop=s.dropped, filt=self.recorder.filtered,
-                         files=s.writer.files_published)
+                rec = self.recorder
+                log.info("stopped: {rec} messages recorded, {lost} lost ({bus} dropped by the bus, "
+                         "{drop} dropped by our queue, {werr} lost to write errors); {filt} secret "
+                         "filtered, {excl} excluded; {files} files published",
+                         rec=s.accepted - s.lost_rows, lost=rec.bus_dropped + s.dropped + s.lost_rows,
+                         bus=rec.bus_dropped, drop=s.dropped, werr=s.lost_rows, filt=rec.filtered,
+                         excl=rec.excluded, files=s.writer.files_published)
 
         return d.addBoth(flush).addCallback(done)
 
@@ -313,9 +527,18 @@ class Options(usage.Options):
     longdesc = (
         "Record sbus traffic into Parquet files in DIR (published atomically as "
         "rec-FIRSTSEQ-LASTSEQ.parquet; DIR/_tmp/ holds the file being written). "
-        "Default subscription: everything except !/cred/ (secret) keys. Sizes take K/M/G, "
-        "durations s/m/h/d."
+        "Default subscription: everything except !/cred/ (secret) keys and the pipeline's own "
+        "output (_pipeline/). Lossless by default: when the recorder is behind, the bus holds "
+        "the publishers back (--lossy: it discards for us instead; every loss is counted, "
+        "logged and marked in the recording). Sizes take K/M/G, durations s/m/h/d."
     )
+    optFlags = [
+        ["lossy", None, "Never slow the bus down: when we are behind, the bus (and our queue) "
+                        "drop messages instead; each loss is counted, logged and marked by a drop row."],
+        ["record-pipeline", None, "Also record the pipeline's own output (keys under _pipeline/, "
+                                  "e.g. sbus-pipeline stream --publish-to): its analytics would then "
+                                  "count their own output."],
+    ]
     optParameters = [
         ["bus", "b", None, "Bus address (path, /dev/unix/abstract/HEX, /dev/fd/N); "
                            "default $SBUS_SOCKET, then ./sbus.socket."],
@@ -324,19 +547,27 @@ class Options(usage.Options):
         ["roll-age", None, "60s", "Publish a file this long after its first message: the most "
                                   "a crash can lose (plus the queue)."],
         ["row-group-bytes", None, "32M", "Buffer this much before writing a Parquet row group."],
-        ["queue-bytes", None, "64M", "Queue between the bus and the writer thread; beyond it "
-                                     "messages are dropped and counted."],
+        ["queue-bytes", None, "64M", "Queue between the bus and the writer thread; when it is "
+                                     "full we stop reading the bus (--lossy: drop and count)."],
         ["retain-age", None, None, "Delete published files older than this (default: keep)."],
         ["retain-bytes", None, None, "Delete the oldest files beyond this total (default: keep)."],
         ["compression", None, "snappy", "Parquet compression: snappy, zstd, gzip, lz4, none."],
-        ["report-interval", None, "10s", "How often to log drop counts while dropping."],
-        ["hard", None, None, "Ask the server for this hard flood mode for us: discard (server "
-                             "default) or block (slow publishers down instead of dropping)."],
+        ["report-interval", None, "10s", "At most one log line per this interval for each kind "
+                                         "of loss (bus, queue) while it lasts."],
     ]
 
     def __init__(self):
         super().__init__()
         self["patterns"] = []
+        self["exclude"] = []
+
+    def opt_exclude(self, value: str) -> None:
+        """Do not record keys matching this pattern (repeatable; _pipeline/ always unless
+        --record-pipeline)."""
+        try:
+            self["exclude"].append(codec.encode_sub(os.fsencode(value))[4:])
+        except codec.ProtocolError as e:
+            raise usage.UsageError(f"--exclude: {e}") from None
 
     def opt_pattern(self, value: str) -> None:
         """Subscribe to this routing-key pattern (repeatable; default: the empty pattern)."""
@@ -368,8 +599,12 @@ class Options(usage.Options):
                     raise usage.UsageError(f"--{name}: must be positive")
         if self["compression"] not in ("snappy", "zstd", "gzip", "lz4", "none", "brotli"):
             raise usage.UsageError(f"--compression: unknown codec {self['compression']!r}")
-        if self["hard"] not in (None, "discard", "block"):
-            raise usage.UsageError("--hard: discard or block")
+        if not self["record-pipeline"]:
+            self["exclude"].insert(0, PIPELINE_PREFIX)
+        try:
+            require("pyarrow")
+        except MissingExtra as e:
+            raise usage.UsageError(str(e)) from None
         if self["bus"]:
             from sbus.client.address import AddressError, parse
             try:
@@ -379,10 +614,14 @@ class Options(usage.Options):
         out = self["out"]
         if os.path.exists(out) and not os.path.isdir(out):
             raise usage.UsageError(f"--out: {out} is not a directory")
-        try:
-            os.makedirs(os.path.join(out, "_tmp"), exist_ok=True)
+        from sbus.pipeline.writer import private_dir
+
+        tmp = os.path.join(out, "_tmp")
+        try:  # created 0700; a _tmp that is a symlink or someone else's is refused
+            os.close(private_dir(tmp))
         except OSError as e:
-            raise usage.UsageError(f"--out: cannot create {e.filename}: {e.strerror}") from None
+            why = "a symlink (refusing to follow it)" if os.path.islink(tmp) else e.strerror
+            raise usage.UsageError(f"--out: cannot use {tmp}: {why}") from None
 
 
 def makeService(options) -> RecordService:
@@ -398,5 +637,6 @@ def makeService(options) -> RecordService:
         retain_bytes=options["retain-bytes"],
         compression=options["compression"],
         report_interval=options["report-interval"],
-        hard=options["hard"],
+        lossy=options["lossy"],
+        exclude=options["exclude"],
     )
