@@ -13,10 +13,13 @@ from collections import defaultdict
 
 import pyarrow.parquet as pq
 import pytest
+import signal
+import stat
 
 from pipeline_conftest import (  # noqa: F401
     ROOT, read_recording, spark, start_recorder, wait_rows, write_truncated,
 )
+from helpers import wait_until
 from sbus.client import connect
 from sbus.pipeline.writer import RecordingWriter
 
@@ -186,8 +189,10 @@ def test_stream_counts_exactly_once_across_restart(bus, spark, tmp_path):
             got[k] = [r["messages"], r["bytes"]]
         return got
 
-    stream.run(spark, str(rec), str(out), str(cp), **kw)
+    stream.run(spark, str(rec), str(out), str(cp), shuffle_partitions=3, **kw)
     after1 = output()
+    # the number of shuffle partitions is chosen at the first start and kept in the checkpoint
+    assert '"spark.sql.shuffle.partitions":"3"' in (cp / "sink" / "offsets" / "0").read_text()
     # windows that ended by the watermark (35 s) are out; [30, 40) waits for later data
     assert after1 == windows_of(first, closed_before=30)
 
@@ -195,9 +200,10 @@ def test_stream_counts_exactly_once_across_restart(bus, spark, tmp_path):
     second = write_phase(rec, range(40, 66, 5), first[-1][1] + 1)
     late = write_phase(rec, [1000], second[-1][1] + 1, per_second=1)
     listener = connect(bus.address)
-    listener.subscribe(b"stats/")
+    listener.subscribe(b"_pipeline/stats/")
     listener.sync(timeout=5)
-    stream.run(spark, str(rec), str(out), str(cp), publish_to="stats", bus=bus.address, **kw)
+    stream.run(spark, str(rec), str(out), str(cp), publish_to="stats", bus=bus.address, shuffle_partitions=5, **kw)
+    assert sorted(os.listdir(cp / "sink" / "state" / "0")) == ["0", "1", "2"]  # still 3, not 5
     expected = windows_of(first + second + late, closed_before=1000)
     assert output() == expected
     assert sum(m for m, _ in output().values()) == len(first) + len(second)
@@ -222,6 +228,7 @@ def test_stream_counts_exactly_once_across_restart(bus, spark, tmp_path):
     with pytest.raises(TimeoutError):
         listener.receive(timeout=0.5)
     listener.close()
+    spark.conf.set("spark.sql.shuffle.partitions", "2")  # the shared session's setting
 
 
 def run_cli(*args):
@@ -242,3 +249,158 @@ def test_cli_errors_are_one_line(tmp_path):
         assert p.returncode == 2, (args, p.stderr)
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("sbus-pipeline: ") and text in lines[0], p.stderr
+
+
+def private_tree(root):
+    """Every directory under `root` 0700 and every file 0600 (issue 16 item 14)."""
+    for d, dirs, files in os.walk(root):
+        assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700, d
+        for f in files:
+            assert stat.S_IMODE(os.lstat(os.path.join(d, f)).st_mode) == 0o600, os.path.join(d, f)
+
+
+def test_report_of_a_short_recording(spark, tmp_path):
+    """A 4-second recording and the default 60 s window: the rate chart still shows several
+    points over an axis that spans the data, the headline says the recording is shorter than
+    a window, and its average rate is never above its peak (one basis: 1-second windows)."""
+    from sbus.pipeline import report
+
+    rec = tmp_path / "rec"
+    w = RecordingWriter(str(rec), fsync=False)
+    t0 = T0 + 200_000  # 0.2 s into a second
+    rows = [(t0 + int(4_000_000 * (i / 4000) ** 2), i + 1, b"a/%d" % (i % 3) if i % 4 else b"b/x", b"y" * (i % 40))
+            for i in range(4000)]  # 4 s, ever faster
+    w.extend(rows)
+    w.close()
+    old = os.umask(0)
+    try:
+        summary = report.run(spark, str(rec), str(tmp_path / "report"), log=lambda text: None)
+    finally:
+        os.umask(old)
+    assert summary["messages"] == 4000 and summary["lost"] == 0
+    chart = json.loads((tmp_path / "report" / "rate.json").read_text())
+    assert chart["window_seconds"] < 60 and chart["points"] >= 10
+    for name in ("a", "b"):
+        assert len(chart["series"][name]) == chart["points"]
+    lo, hi = (dt.datetime.fromisoformat(x).timestamp() for x in chart["x_axis"])
+    first, last = t0 / 1e6, rows[-1][0] / 1e6
+    assert lo <= first and hi >= last  # the axis covers the data ...
+    assert hi - lo <= (last - first) + 2 * chart["window_seconds"]  # ... and not four years of nothing
+    text = (tmp_path / "report" / "summary.txt").read_text()
+    assert "messages        4,000 recorded, none known lost" in text
+    assert "shorter than one 60 s window" in text
+    avg = float(text.split("average rate")[1].split("msg/s")[0].replace(",", ""))
+    peak = float(text.split("peak rate")[1].split("msg/s")[0].replace(",", ""))
+    assert 0 < avg <= peak
+    private_tree(tmp_path / "report")
+
+
+def test_lossy_recorder_report_counts_what_the_bus_dropped(start_bus, start_recorder, spark, tmp_path):
+    """--lossy and a recorder that cannot keep up (stopped): the bus drops for it, tells it,
+    and the report's headline counts exactly the server's own drop counter."""
+    from sbus.pipeline import report
+
+    bus = start_bus()
+    out = tmp_path / "rec"
+    rec = start_recorder(bus.address, out, "--lossy", "--roll-age", "300ms")
+    n = 30_000
+    os.kill(rec.pid, signal.SIGSTOP)
+    try:
+        with connect(bus.address) as c:
+            for i in range(n):
+                c.publish(b"burst/%d" % (i % 5), b"%06d" % i)
+            c.sync(timeout=30)
+            row = next(q for q in c.stats(timeout=5)["queues"] if q["pid"] == rec.pid)
+    finally:
+        os.kill(rec.pid, signal.SIGCONT)
+    lost = sum(row["drops"].values())
+    assert lost > 0  # the old default lost these silently
+    rec.wait_log(f"{lost} dropped by the bus since start")
+    assert rec.stop() in (0, -15)
+    assert f"{lost} dropped by the bus" in rec.log()
+    rows = read_recording(out)
+    messages = [r for r in rows if not r["dropped"]]
+    assert sum(r["dropped"] for r in rows) == lost and len(messages) + lost == n
+    assert [r["seq"] for r in rows] == list(range(1, len(rows) + 1))
+
+    summary = report.run(spark, str(out), str(tmp_path / "report"), window_seconds=1, log=lambda t: None)
+    assert (summary["messages"], summary["lost"]) == (n - lost, lost)
+    text = (tmp_path / "report" / "summary.txt").read_text()
+    assert f"messages        {n - lost:,} recorded, {lost:,} known lost" in text
+    windows = table(tmp_path / "report" / "tables" / "windows")
+    assert sum(r["dropped"] for r in windows) == lost
+    assert sum(r["messages"] for r in windows) == n - lost
+    assert all(r["prefix"] is None for r in windows if r["dropped"])
+
+
+def test_stream_does_not_count_its_own_output(bus, start_recorder, spark, tmp_path):
+    """The stream publishes its windows back onto the bus the recorder records: they are
+    not recorded, so they are never counted (issue 15: a whole `agg` prefix appeared)."""
+    from sbus.pipeline import stream
+
+    rec_dir, out, cp = tmp_path / "rec", tmp_path / "out", tmp_path / "cp"
+    rec = start_recorder(bus.address, rec_dir, "--roll-age", "200ms")
+    sent = 0
+
+    def burst(tag):
+        nonlocal sent
+        with connect(bus.address) as c:
+            for i in range(50):
+                c.publish(b"%s/%d" % (tag, i % 3), b"x")
+            c.sync(timeout=10)
+        sent += 50
+        wait_rows(rec_dir, sent)
+
+    kw = dict(window_seconds=1, depth=1, watermark_seconds=0, max_files_per_trigger=None, available_now=True,
+              publish_to="agg", bus=bus.address)
+    burst(b"a")
+    t = time.monotonic()
+    wait_until(lambda: time.monotonic() - t > 1.1, "the next 1 s window")  # traffic a window later
+    burst(b"b")
+    stream.run(spark, str(rec_dir), str(out), str(cp), **kw)  # publishes a's window on the bus
+    for tag in (b"c", b"d"):  # later traffic closes the windows the published aggregates fell in
+        t = time.monotonic()
+        wait_until(lambda: time.monotonic() - t > 1.1, "the next 1 s window")
+        burst(tag)
+    stream.run(spark, str(rec_dir), str(out), str(cp), **kw)
+    rec.stop()
+    assert not any(r["key"].startswith(b"_pipeline/") for r in read_recording(rec_dir))
+    prefixes = {r["prefix"] for r in spark.read.parquet(str(out)).collect()}
+    assert prefixes == {"a", "b", "c"}
+    private_tree(cp)
+    private_tree(out)
+
+
+def test_headline_rates_share_one_basis():
+    """Issue 12 item 7: 500 messages in 0.145 s read "average 3,441 msg/s" beside "peak 250"."""
+    from sbus.pipeline.report import headline_text
+
+    first = dt.datetime(2026, 11, 22, 10, 0, 0, 930_000, tzinfo=dt.timezone.utc)
+    s = {"messages": 500, "bytes": 500, "first": first, "last": first + dt.timedelta(seconds=0.145),
+         "distinct_keys": 1, "distinct_prefixes": 1, "prefix_depth": 1, "lost": 0,
+         "peak_msgs_per_s": 250, "peak_second": first, "peak_bytes_per_s": 250,
+         "peak_window_messages": 500, "peak_window_start": first, "window_seconds": 60.0,
+         "size_min": 1, "size_max": 1, "size_p50": 1, "size_p90": 1, "size_p99": 1, "size_p999": 1}
+    text = headline_text(s)
+    avg = float(text.split("average rate")[1].split("msg/s")[0].replace(",", ""))
+    assert avg <= 250
+    assert "shorter than one 60 s window" in text
+
+
+def test_shuffle_partitions_default():
+    from sbus.pipeline.spark import shuffle_partitions
+
+    assert shuffle_partitions(2) == 2
+    assert shuffle_partitions(8, 100 << 20) == 8  # small data: one per core
+    assert shuffle_partitions(2, 10 << 30) == 40  # 10 GiB: one per 256 MiB
+    assert shuffle_partitions(2, 1 << 50) == 200
+
+
+def test_first_start_is_announced(tmp_path, monkeypatch):
+    from sbus.pipeline import cli
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert "first start on this machine" in cli._starting_line(None)
+    cli._note_started()
+    assert "first start" not in cli._starting_line(None)
+    assert stat.S_IMODE(os.stat(tmp_path / "sbus").st_mode) == 0o700

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -129,3 +130,82 @@ def test_errors_are_one_line(bus, tmp_path):
         assert p.returncode == code, (args, p.stderr)
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("sbus-replay: ") and text in lines[0], p.stderr
+
+
+def test_fast_burst_onto_a_default_mode_subscriber_loses_nothing(bus, tmp_path):
+    """Issue 15: --speed 10 over a fast burst cannot keep up and said nothing, and a subscriber
+    in the bus's default mode (queue 16,384 packets, then discard) lost part of the burst.
+    Here the subscriber stops reading for a while: replay waits for it, loses nothing, and
+    says that it is behind the requested pace."""
+    n = 50_000
+    w = RecordingWriter(str(tmp_path / "rec"), fsync=False)
+    t0 = 1_700_000_000_000_000
+    msgs = [(b"burst/%d" % (i % 7), b"%06d" % i) for i in range(n)]
+    w.extend((t0 + i * 10, i + 1, k, p) for i, (k, p) in enumerate(msgs))  # 100,000 msg/s recorded
+    w.close()
+
+    sub = connect(bus.address)  # default flood modes
+    sub.subscribe(b"burst/")
+    sub.sync(timeout=5)
+    got = []
+    stall = threading.Event()
+
+    def read():
+        try:
+            for m in sub.messages(timeout=30):
+                got.append((m.key, m.payload))
+                if len(got) == 1:
+                    stall.wait(3)  # stops reading for 3 s: far more than a queue's worth arrives
+                if len(got) == n:
+                    return
+        except TimeoutError:
+            return
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    p = run_replay(str(tmp_path / "rec"), "--bus", bus.address, "--speed", "10", "--progress", "never")
+    t.join(60)
+    sub.close()
+    assert p.returncode == 0, p.stderr
+    assert len(got) == n and got == msgs
+    lines = p.stderr.strip().splitlines()
+    assert any("behind the requested pace (--speed 10)" in line for line in lines), p.stderr
+    assert len(lines) <= 6, p.stderr  # rate-limited
+    assert lines[-1].startswith(f"sbus-replay: replayed {n} messages")
+
+
+def test_drop_rows_are_counted_not_replayed(bus, tmp_path):
+    w = RecordingWriter(str(tmp_path / "rec"), fsync=False)
+    t0 = 1_700_000_000_000_000
+    w.extend([(t0, 1, b"k/1", b"a"), (t0 + 1, 2, b"k/2", b"b")])
+    w.add_drop(t0 + 2, 3, 40, b"k/3", b"k/9")
+    w.extend([(t0 + 3, 4, b"k/10", b"c")])
+    w.close()
+    listener = Listener(bus.address, 3)
+    p = run_replay(str(tmp_path / "rec"), "--bus", bus.address)
+    assert p.returncode == 0, p.stderr
+    assert listener.wait() == [(b"k/1", b"a"), (b"k/2", b"b"), (b"k/10", b"c")]
+    assert "marks 40 messages as lost" in p.stderr
+
+
+def test_without_the_pipeline_extra_one_line(tmp_path):
+    """Issue 12 item 3: without pyarrow/pyspark, --help works and a run says what to install."""
+    fake = tmp_path / "site"
+    for mod in ("pyarrow", "pyspark", "matplotlib"):
+        (fake / mod).mkdir(parents=True)
+        (fake / mod / "__init__.py").write_text(f"raise ModuleNotFoundError(\"No module named '{mod}'\")\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake), ROOT, os.environ.get("PYTHONPATH", "")]))
+    twistd = os.path.join(os.path.dirname(sys.executable), "twistd")
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    for argv in ([sys.executable, "-m", "sbus.pipeline.replay"], [sys.executable, "-m", "sbus.pipeline"],
+                 [twistd, "-n", "--pidfile=", "sbus-record"]):
+        p = subprocess.run([*argv, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and "Traceback" not in p.stdout + p.stderr, (argv, p.stderr)
+    for argv in ([sys.executable, "-m", "sbus.pipeline.replay", str(rec), "--bus", "x.socket"],
+                 [sys.executable, "-m", "sbus.pipeline", "report", str(rec), "--out", str(tmp_path / "r")],
+                 [twistd, "-n", "--pidfile=", "sbus-record", "--out", str(tmp_path / "r")]):
+        p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        out = p.stdout + p.stderr
+        assert p.returncode != 0 and "Traceback" not in out, (argv, out)
+        assert "pip install 'sbus[pipeline]'" in out.strip().splitlines()[-1], (argv, out)

@@ -20,7 +20,7 @@ import sys
 if __package__ in (None, ""):  # spark-submit sbus/pipeline/cli.py: make the package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from sbus.pipeline.schema import RecordingError, check_recording  # noqa: E402
+from sbus.pipeline.schema import MissingExtra, RecordingError, check_recording, require  # noqa: E402
 from sbus.pipeline.units import parse_duration  # noqa: E402
 
 PROG = "sbus-pipeline"
@@ -39,7 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Analyse sbus recordings on Apache Spark.")
     p.add_argument("--master", default=None,
                    help="Spark master URL (default: spark-submit's, else local[*])")
-    p.add_argument("--quiet", "-q", action="store_true", help="no Spark progress bar")
+    p.add_argument("--quiet", "-q", action="store_true", help="no Spark progress bar, no start-up line")
+    p.add_argument("--shuffle-partitions", type=int, default=None, metavar="N",
+                   help="Spark shuffle partitions (default: one per core, more for a recording over "
+                        "256 MiB per core; a stream keeps the number it started with in its checkpoint)")
     sub = p.add_subparsers(dest="command", required=True, metavar="{report,stream}")
 
     def common(sp):
@@ -49,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="key prefix depth: the first N '/'-separated parts (default 1)")
         sp.add_argument("--master", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         sp.add_argument("--quiet", "-q", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        sp.add_argument("--shuffle-partitions", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
     r = sub.add_parser("report", help="batch report: Parquet tables + HTML page with charts")
     common(r)
@@ -70,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--trigger", default=None, metavar="INTERVAL", help="micro-batch interval, e.g. '10 seconds'")
     t.add_argument("--available-now", action="store_true",
                    help="process the files present now, then stop (for cron)")
-    s.add_argument("--publish-to", default=None, metavar="KEY_PREFIX",
-                   help="also publish each finished window on the bus under KEY_PREFIX/<prefix>")
+    s.add_argument("--publish-to", default=None, metavar="NAME",
+                   help="also publish each finished window on the bus under _pipeline/NAME/<prefix> "
+                        "(the recorder does not record _pipeline/ unless asked to)")
     s.add_argument("--bus", default=None, help="bus address for --publish-to")
     return p
 
@@ -86,38 +91,53 @@ def main(argv=None) -> int:
     if args.window <= 0:
         print(f"{PROG}: --window must be positive", file=sys.stderr)
         return EXIT_USAGE
+    if args.shuffle_partitions is not None and args.shuffle_partitions <= 0:
+        print(f"{PROG}: --shuffle-partitions must be positive", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        require("pyspark")
+        require("pyarrow")
+        if args.command == "report":
+            require("matplotlib")
+    except MissingExtra as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    data_bytes = None
     if not is_remote(args.directory):
         try:
-            check_recording(args.directory[7:] if args.directory.startswith("file://") else args.directory)
+            files = check_recording(args.directory[7:] if args.directory.startswith("file://") else args.directory)
         except RecordingError as e:
             print(f"{PROG}: {e}", file=sys.stderr)
             return EXIT_USAGE
+        data_bytes = sum(_size(path) for _, _, path in files)
     if args.command == "report" and is_remote(args.out) and not args.html_dir:
         print(f"{PROG}: --out {args.out} is not a local path: give --html-dir for the HTML page",
               file=sys.stderr)
         return EXIT_USAGE
+    # what this process writes (the HTML page, the publisher's state) and the JVM it starts
+    # create private files; Spark's own writes get Hadoop's umask 077 (see spark.session)
+    os.umask(0o077)
     try:
-        from sbus.pipeline.spark import session
+        from sbus.pipeline.spark import session, shuffle_partitions
 
-        from sbus.pipeline.spark import under_spark_submit
-
-        conf = {}
-        local = args.master.startswith("local") if args.master else not under_spark_submit()
-        if local or "SBUS_SHUFFLE_PARTITIONS" in os.environ:
-            # Spark's 200 shuffle partitions are for clusters; a local run wants few
-            conf["spark.sql.shuffle.partitions"] = os.environ.get("SBUS_SHUFFLE_PARTITIONS", "8")
-        spark = session(args.master, app_name=f"sbus-pipeline {args.command}", progress=not args.quiet,
-                        conf=conf)
+        if not args.quiet:
+            print(f"{PROG}: {_starting_line(args.master)}", file=sys.stderr, flush=True)
+        spark = session(args.master, app_name=f"sbus-pipeline {args.command}", progress=not args.quiet)
         spark.sparkContext.setLogLevel("WARN")
+        _note_started()
     except Exception as e:
         print(f"{PROG}: cannot start Spark: {_one_line(e)}", file=sys.stderr)
         return EXIT_FAILED
+    partitions = args.shuffle_partitions or os.environ.get("SBUS_SHUFFLE_PARTITIONS")
+    if not partitions:
+        partitions = shuffle_partitions(spark.sparkContext.defaultParallelism, data_bytes)
     try:
         if args.command == "report":
             from sbus.pipeline import report
 
             report.run(spark, args.directory, args.out, window_seconds=args.window, depth=args.depth,
-                       top=args.top, top_prefixes=args.top_prefixes, html_dir=args.html_dir)
+                       top=args.top, top_prefixes=args.top_prefixes, html_dir=args.html_dir,
+                       shuffle_partitions=int(partitions))
             print(f"{PROG}: report written to {args.html_dir or args.out}/index.html", file=sys.stderr)
         else:
             from sbus.pipeline import stream
@@ -125,7 +145,8 @@ def main(argv=None) -> int:
             stream.run(spark, args.directory, args.out, args.checkpoint, window_seconds=args.window,
                        depth=args.depth, watermark_seconds=args.watermark,
                        max_files_per_trigger=args.max_files_per_trigger, trigger=args.trigger,
-                       available_now=args.available_now, publish_to=args.publish_to, bus=args.bus)
+                       available_now=args.available_now, publish_to=args.publish_to, bus=args.bus,
+                       shuffle_partitions=int(partitions))
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
@@ -140,6 +161,52 @@ def main(argv=None) -> int:
         except Exception:
             pass
     return 0
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _stamp() -> str:
+    """A file that says Spark has started on this machine (for this pyspark) before."""
+    import pyspark
+
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "sbus", f"spark-{pyspark.__version__}-started")
+
+
+def _starting_line(master: str | None) -> str:
+    where = master or ("the spark-submit master" if _under_spark_submit() else "local[*]")
+    line = f"starting Spark ({where})"
+    try:
+        first = not os.path.exists(_stamp())
+    except Exception:
+        first = False
+    if first:
+        line += ("; the first start on this machine is slow (the JVM loads Spark's jars from a cold "
+                 "disk cache and fills the Ivy cache): allow up to a minute")
+    return line
+
+
+def _under_spark_submit() -> bool:
+    from sbus.pipeline.spark import under_spark_submit
+
+    return under_spark_submit()
+
+
+def _note_started() -> None:
+    try:
+        path = _stamp()
+        from sbus.pipeline.writer import makedirs_private
+
+        makedirs_private(os.path.dirname(path))
+        with open(path, "a"):
+            pass
+    except Exception:
+        pass
 
 
 def _one_line(e: BaseException) -> str:

@@ -4,13 +4,30 @@
     sbus-replay rec --bus b.socket --speed 1                             # at the recorded pace
     sbus-replay rec --bus b.socket --key 'sensors/' --from 2026-11-22T10:00 --to 2026-11-22T11:00
 
-Messages go out in ``seq`` order (files by name, rows by seq). ``--speed S``
-keeps the recorded spacing divided by S (1 = real time); without it, as
-fast as the bus takes them (a blocking send per message: the server's
-back-pressure paces us). ``--key`` takes sbus routing-key patterns
+Messages go out in ``seq`` order (files by name, rows by seq); drop rows
+(messages the recorder knew it lost) are counted, not replayed. ``--speed
+S`` keeps the recorded spacing divided by S (1 = real time); without it, as
+fast as the bus takes them. ``--key`` takes sbus routing-key patterns
 (repeatable; a message is replayed if any matches). ``--from``/``--to``
 select ``from <= recv_time < to`` (ISO 8601, naive = UTC, or Unix seconds).
 A progress bar goes to standard error when it is a terminal.
+
+**Lossless by default.** A subscriber in the bus's default flood mode (soft
+``queue``, hard ``discard``: 16,384 packets or 4 MiB queued, then dropped)
+loses a replayed burst it cannot read as fast as it comes; blocking sends do
+not help (the server takes our packets at once and queues them for the
+subscriber). So replay paces itself by the subscribers' queues: every 512
+messages (or 256 KiB) it asks the server for ``server/stats`` and, while
+the fullest default-mode queue it can see is over a quarter of its limit,
+waits for it to drain (to a twentieth). The stats show the queues of your
+own uid's clients (all of them to root); a subscriber that does not drain
+at all for 10 s is warned about once and no longer waited for.
+Subscribers in ``block`` modes pace the replay through the server, those in
+``discard`` modes chose to lose. ``--lossy`` replays without pacing.
+
+When replay falls behind the pace ``--speed`` asks for (the bus, a slow
+subscriber or replay itself), it says so on standard error: one line at
+most every 5 s, and one at the end.
 
 Exit status: 0 done, 1 bus error, 2 bad arguments or recording. Errors are one line.
 """
@@ -23,7 +40,7 @@ import os
 import sys
 import time
 
-from .schema import RecordingError, check_recording
+from .schema import MissingExtra, RecordingError, check_recording, require
 
 EXIT_BUS, EXIT_USAGE = 1, 2
 
@@ -74,14 +91,19 @@ class Progress:
             self.stream.flush()
 
 
-def iter_batches(files, columns=("recv_time", "key", "payload", "seq"), batch_rows=65536):
-    """Yield pyarrow RecordBatches of the recording in seq order."""
+def iter_batches(files, columns=("recv_time", "key", "payload", "seq", "dropped"), batch_rows=65536):
+    """Yield pyarrow RecordBatches of the recording in seq order (``dropped`` is 0 in the
+    batches of a recording made before drop rows)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     for first, last, path in files:
         pf = pq.ParquetFile(path)
+        have = set(pf.schema_arrow.names)
         for i in range(pf.num_row_groups):
-            table = pf.read_row_group(i, columns=list(columns))
+            table = pf.read_row_group(i, columns=[c for c in columns if c in have])
+            if "dropped" in columns and "dropped" not in have:
+                table = table.append_column("dropped", pa.array([0] * table.num_rows, type=pa.int64()))
             seq = table.column("seq")
             if len(seq) > 1:
                 import pyarrow.compute as pc
@@ -90,8 +112,10 @@ def iter_batches(files, columns=("recv_time", "key", "payload", "seq"), batch_ro
             yield from table.to_batches(max_chunksize=batch_rows)
 
 
-def select(files, keys=(), time_from=None, time_to=None):
-    """Yield (recv_us, key, payload, rows_scanned_so_far) of the selected messages, in order."""
+def select(files, keys=(), time_from=None, time_to=None, lost=None):
+    """Yield (recv_us, key, payload, rows_scanned_so_far) of the selected messages, in order.
+
+    Drop rows are not yielded; `lost` (a one-item list) adds up their counts."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -113,41 +137,168 @@ def select(files, keys=(), time_from=None, time_to=None):
         times = t.to_pylist()
         ks = batch.column(1).to_pylist()
         ps = batch.column(2).to_pylist()
+        drops = batch.column(4)
+        marked = pc.sum(drops).as_py() or 0
+        drops = drops.to_pylist() if marked else None
         base = scanned
         scanned += n
         for i, (tt, k, p) in enumerate(zip(times, ks, ps)):
+            if drops is not None and drops[i]:
+                if lost is not None:
+                    lost[0] += drops[i]
+                continue
             if keys and not any(matches(pat, k) for pat in keys):
                 continue
             yield tt, k, p, base + i + 1
     return scanned
 
 
+class RateLimitedWarning:
+    """One line on standard error, at most every `interval` seconds."""
+
+    def __init__(self, stream=None, interval: float = 5.0, clock=time.monotonic, prog="sbus-replay"):
+        self.stream = stream
+        self.interval = interval
+        self.clock = clock
+        self.prog = prog
+        self._last = None
+        self.lines = 0
+
+    def __call__(self, text: str, force: bool = False) -> bool:
+        now = self.clock()
+        if not force and self._last is not None and now - self._last < self.interval:
+            return False
+        self._last = now
+        self.lines += 1
+        stream = self.stream or sys.stderr
+        stream.write(f"\r{self.prog}: {text}\n")
+        stream.flush()
+        return True
+
+
+class Pacer:
+    """Keeps the default-mode subscribers' queues on the server well below their limits.
+
+    Asks ``server/stats`` every `check_packets` messages or `check_bytes` payload bytes;
+    while the fullest queue of a client in soft ``queue`` / hard ``discard`` mode is over
+    `high` of its limit (packets or bytes), waits (polling, 1 ms doubling to 50 ms) until
+    it is under `low`. A client whose queue does not shrink for `stuck_after` seconds is
+    reported once and no longer waited for.
+    """
+
+    def __init__(self, client, *, sleep=time.sleep, clock=time.monotonic, warn=None,
+                 check_packets: int = 512, check_bytes: int = 256 << 10, high: float = 0.25,
+                 low: float = 0.05, stuck_after: float = 10.0):
+        self.client = client
+        self.sleep = sleep
+        self.clock = clock
+        self.warn = warn or (lambda text, force=False: None)
+        self.check_packets = check_packets
+        self.check_bytes = check_bytes
+        self.high = high
+        self.low = low
+        self.stuck_after = stuck_after
+        self.ignored: set = set()
+        self.waits = 0
+        self.waited = 0.0
+        self.checks = 0
+        self._n = self._b = 0
+
+    def sent(self, nbytes: int) -> None:
+        self._n += 1
+        self._b += nbytes
+        if self._n >= self.check_packets or self._b >= self.check_bytes:
+            self.check()
+
+    def fullest(self) -> tuple[float, tuple | None, dict | None]:
+        self.checks += 1
+        st = self.client.stats(timeout=30)
+        limits = st.get("limits") or {}
+        max_p = limits.get("queue_packets") or 16384
+        max_b = limits.get("queue_bytes") or (4 << 20)
+        worst, who, row = 0.0, None, None
+        for q in st.get("queues") or ():
+            if q.get("soft") != "queue" or q.get("hard") != "discard":
+                continue  # block modes pace us through the server; discard modes chose to lose
+            ident = (q.get("pid"), q.get("uid"))
+            if ident in self.ignored:
+                continue
+            f = max((q.get("queued_packets") or 0) / max_p, (q.get("queued_bytes") or 0) / max_b)
+            if f > worst:
+                worst, who, row = f, ident, q
+        return worst, who, row
+
+    def check(self) -> None:
+        self._n = self._b = 0
+        worst, who, row = self.fullest()
+        if worst <= self.high:
+            return
+        self.waits += 1
+        began = last_progress = self.clock()
+        best = worst
+        delay = 0.001
+        while worst > self.low:
+            self.sleep(delay)
+            delay = min(delay * 2, 0.05)
+            worst, who2, row2 = self.fullest()
+            if who2 is not None:
+                who, row = who2, row2
+            now = self.clock()
+            if worst < best - 0.001:
+                best, last_progress = worst, now
+            elif now - last_progress >= self.stuck_after:
+                self.warn(f"a subscriber (pid {who[0]}, uid {who[1]}) has drained nothing for "
+                          f"{self.stuck_after:g} s with {row.get('queued_packets')} packets queued: "
+                          f"no longer waiting for it (it may lose messages)", force=True)
+                self.ignored.add(who)
+                break
+        self.waited += self.clock() - began
+
+
 def replay(directory, bus, *, keys=(), time_from=None, time_to=None, speed=None, progress=None,
-           sleep=time.sleep, clock=time.monotonic) -> tuple[int, int]:
-    """Publish the selected messages of a recording to `bus`; (messages, payload bytes)."""
+           sleep=time.sleep, clock=time.monotonic, lossless: bool = True, warn=None,
+           behind_threshold: float = 0.5) -> tuple[int, int]:
+    """Publish the selected messages of a recording to `bus`; (messages, payload bytes).
+
+    `lossless` paces the replay by the subscribers' queues (`Pacer`); `warn(text)` gets the
+    rate-limited lines about falling behind `speed` (default: standard error)."""
     import sbus.client
 
     files = check_recording(directory)
     total = sum(_num_rows(path) for _, _, path in files)
     bar = progress(total) if progress else None
+    warn = warn or RateLimitedWarning(clock=clock)
     client = bus if hasattr(bus, "publish") else sbus.client.connect(bus)
+    pacer = Pacer(client, sleep=sleep, clock=clock, warn=warn) if lossless else None
     sent = nbytes = 0
     first_t = start = None
     scanned = 0
+    lost = [0]
+    behind = worst_behind = 0.0
     try:
-        for t, key, payload, scanned in select(files, keys, time_from, time_to):
+        for t, key, payload, scanned in select(files, keys, time_from, time_to, lost):
             if speed:
                 if first_t is None:
                     first_t, start = t, clock()
                 else:
-                    delay = start + (t - first_t) / 1e6 / speed - clock()
+                    due = start + (t - first_t) / 1e6 / speed
+                    delay = due - clock()
                     if delay > 0:
                         if bar:
                             bar.update(scanned, sent, nbytes, force=True)
                         sleep(delay)
+                    elif -delay > behind_threshold:
+                        behind = -delay
+                        worst_behind = max(worst_behind, behind)
+                        rate = sent / max(clock() - start, 1e-9)
+                        held = f"; waited {pacer.waited:.1f} s for slow subscribers" if pacer and pacer.waited else ""
+                        warn(f"{behind:.1f} s behind the requested pace (--speed {speed:g}); "
+                             f"replaying at {rate:,.0f} msg/s{held}")
             client.publish(key, payload)
             sent += 1
             nbytes += len(payload)
+            if pacer is not None:
+                pacer.sent(len(key) + len(payload))
             if bar and not sent & 1023:
                 bar.update(scanned, sent, nbytes)
         client.sync(timeout=30)  # everything sent has reached the server
@@ -157,6 +308,13 @@ def replay(directory, bus, *, keys=(), time_from=None, time_to=None, speed=None,
             bar.done()
         if client is not bus:
             client.close()
+    if worst_behind:
+        end_late = clock() - (start + ((t - first_t) / 1e6 / speed)) if sent and first_t is not None else 0.0
+        warn(f"fell behind the requested pace (--speed {speed:g}): up to {worst_behind:.1f} s, "
+             f"{max(end_late, 0):.1f} s late at the end", force=True)
+    if lost[0]:
+        warn(f"the recording marks {lost[0]} messages as lost (drop rows): they cannot be replayed",
+             force=True)
     return sent, nbytes
 
 
@@ -185,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only messages received before TIME")
     p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
                    help="progress bar on standard error (auto: when it is a terminal)")
+    p.add_argument("--lossy", action="store_true",
+                   help="do not pace by the subscribers' queues (a slow default-mode subscriber may "
+                        "lose messages)")
     p.add_argument("--quiet", "-q", action="store_true", help="no summary line")
     return p
 
@@ -201,11 +362,17 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        require("pyarrow")
+    except MissingExtra as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return EXIT_BUS
     enabled = {"auto": None, "always": True, "never": False}[args.progress]
     began = time.monotonic()
     try:
         sent, nbytes = replay(args.directory, args.bus, keys=keys, time_from=t_from, time_to=t_to,
-                              speed=args.speed, progress=lambda n: Progress(n, enabled=enabled))
+                              speed=args.speed, progress=lambda n: Progress(n, enabled=enabled),
+                              lossless=not args.lossy)
     except RecordingError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -38,28 +38,37 @@ def _pct_expr(col: str, ps) -> str:
 
 
 def compute(spark, directory: str, window_seconds: float, depth: int = 1, top: int = 20):
-    """Build the report's DataFrames: {name: DataFrame}."""
+    """Build the report's DataFrames: {name: DataFrame}.
+
+    Drop rows (``dropped`` > 0) are counted as known lost messages, never as
+    messages: they enter only ``dropped`` columns and the ``lost`` total.
+    """
     from pyspark.sql import functions as F
 
-    from .spark import read_schema
+    from .spark import dropped_col, read_schema
     from .units import spark_interval
 
     window = spark_interval(window_seconds)
     df = (spark.read.schema(read_schema()).parquet(directory)
-          .select("recv_time", "key", "size")
+          .select("recv_time", "key", "size", dropped_col().alias("dropped"))
           .cache())
+    msgs = df.where(F.col("dropped") == 0)
+    is_msg = F.col("dropped") == 0
+    msg_size = F.when(is_msg, F.col("size"))
 
-    windows = window_aggregates(df, window, depth).orderBy("window_start", "prefix")
+    windows = window_aggregates(df, window, depth).orderBy("window_start", F.asc_nulls_last("prefix"))
 
-    pct = F.expr(_pct_expr("size", PERCENTILES))
+    pct = F.expr(_pct_expr("msg_size", PERCENTILES))
     window_stats = (
-        df.groupBy(F.window("recv_time", window).alias("w"))
-        .agg(F.count(F.lit(1)).alias("messages"), F.sum("size").alias("bytes"),
-             F.min("size").alias("size_min"), pct.alias("p"), F.max("size").alias("size_max"))
+        df.withColumn("msg_size", msg_size)
+        .groupBy(F.window("recv_time", window).alias("w"))
+        .agg(F.count("msg_size").alias("messages"), F.sum("msg_size").alias("bytes"),
+             F.sum("dropped").alias("dropped"),
+             F.min("msg_size").alias("size_min"), pct.alias("p"), F.max("msg_size").alias("size_max"))
         .select(F.col("w.start").alias("window_start"), F.col("w.end").alias("window_end"),
-                "messages", "bytes",
+                "messages", "bytes", "dropped",
                 (F.col("messages") / F.lit(window_seconds)).alias("msgs_per_s"),
-                (F.col("bytes") / F.lit(window_seconds)).alias("bytes_per_s"),
+                (F.coalesce(F.col("bytes"), F.lit(0)) / F.lit(window_seconds)).alias("bytes_per_s"),
                 "size_min",
                 F.col("p")[0].alias("size_p50"), F.col("p")[1].alias("size_p90"),
                 F.col("p")[2].alias("size_p99"), "size_max")
@@ -67,7 +76,7 @@ def compute(spark, directory: str, window_seconds: float, depth: int = 1, top: i
     )
 
     top_keys = (
-        df.groupBy(F.col("key").cast("string").alias("key"))
+        msgs.groupBy(F.col("key").cast("string").alias("key"))
         .agg(F.count(F.lit(1)).alias("messages"), F.sum("size").alias("bytes"))
         .orderBy(F.desc("messages"), F.desc("bytes"), "key")
         .limit(top)
@@ -76,7 +85,7 @@ def compute(spark, directory: str, window_seconds: float, depth: int = 1, top: i
     bucket = F.when(F.col("size") == 0, F.lit(0)).otherwise(
         F.floor(F.log2(F.col("size"))).cast("int") + 1)
     size_hist = (
-        df.select(bucket.alias("bucket"))
+        msgs.select(bucket.alias("bucket"))
         .groupBy("bucket").agg(F.count(F.lit(1)).alias("messages"))
         .select("bucket",
                 F.expr("IF(bucket = 0, 0L, shiftleft(1L, bucket - 1))").alias("size_from"),
@@ -85,14 +94,20 @@ def compute(spark, directory: str, window_seconds: float, depth: int = 1, top: i
         .orderBy("bucket")
     )
 
-    per_second = (df.groupBy(F.window("recv_time", "1 second").alias("w"))
+    # the headline's rates have one basis: 1-second windows (peak = the busiest, average =
+    # the mean over every second from the first message's to the last's)
+    per_second = (msgs.groupBy(F.window("recv_time", "1 second").alias("w"))
                   .agg(F.count(F.lit(1)).alias("n"), F.sum("size").alias("b")))
-    peak_s = per_second.orderBy(F.desc("n"), "w.start").limit(1).select(
-        F.col("w.start").alias("peak_second"), F.col("n").alias("peak_msgs_per_s"))
-    peak_b = per_second.agg(F.max("b").alias("peak_bytes_per_s"))
-    peak_w = window_stats.orderBy(F.desc("messages"), "window_start").limit(1).select(
-        F.col("window_start").alias("peak_window_start"), F.col("messages").alias("peak_window_messages"))
-    totals = with_prefix(df, depth).agg(
+    # (aggregates without a grouping: exactly one row, even when there are no messages)
+    peak_s = per_second.agg(_busiest("n", "w.start").alias("m"), F.max("b").alias("peak_bytes_per_s")).select(
+        F.expr("timestamp_micros(-m.neg)").alias("peak_second"),
+        F.coalesce(F.col("m.n"), F.lit(0)).alias("peak_msgs_per_s"), "peak_bytes_per_s")
+    peak_w = window_stats.agg(_busiest("messages", "window_start").alias("m")).select(
+        F.expr("timestamp_micros(-m.neg)").alias("peak_window_start"),
+        F.coalesce(F.col("m.n"), F.lit(0)).alias("peak_window_messages"))
+    lost = df.agg(F.sum("dropped").alias("lost"),
+                  F.count(F.when(F.col("dropped") > 0, F.lit(1))).alias("drop_rows"))
+    totals = with_prefix(msgs, depth).agg(
         F.count(F.lit(1)).alias("messages"), F.sum("size").alias("bytes"),
         F.countDistinct("key").alias("distinct_keys"),
         F.countDistinct("prefix").alias("distinct_prefixes"),
@@ -102,11 +117,18 @@ def compute(spark, directory: str, window_seconds: float, depth: int = 1, top: i
     ).select(
         "*", *[F.col("p")[i].alias(f"size_p{_pname(p)}") for i, p in enumerate(SUMMARY_PERCENTILES)]
     ).drop("p")
-    summary = (totals.crossJoin(peak_s).crossJoin(peak_b).crossJoin(peak_w)
+    summary = (totals.crossJoin(lost).crossJoin(peak_s).crossJoin(peak_w)
                .withColumn("window_seconds", F.lit(float(window_seconds)))
                .withColumn("prefix_depth", F.lit(depth)))
     return {"windows": windows, "window_stats": window_stats, "top_keys": top_keys,
             "size_hist": size_hist, "summary": summary}, df
+
+
+def _busiest(count: str, start: str):
+    """The largest `count`, the earliest `start` among ties: a struct (n, neg = -start in µs)."""
+    from pyspark.sql import functions as F
+
+    return F.max(F.struct(F.col(count).alias("n"), (-F.unix_micros(F.col(start))).alias("neg")))
 
 
 def _pname(p: float) -> str:
@@ -115,9 +137,12 @@ def _pname(p: float) -> str:
 
 
 def run(spark, directory: str, out: str, *, window_seconds: float = 60.0, depth: int = 1,
-        top: int = 20, top_prefixes: int = 6, html_dir: str | None = None, log=print) -> dict:
+        top: int = 20, top_prefixes: int = 6, html_dir: str | None = None, log=print,
+        shuffle_partitions: int | None = None) -> dict:
     """Compute, write the tables and the HTML report; return the summary as a dict."""
     t0 = time.monotonic()
+    if shuffle_partitions:
+        spark.conf.set("spark.sql.shuffle.partitions", str(int(shuffle_partitions)))
     frames, cached = compute(spark, directory, window_seconds, depth, top)
     tables = out.rstrip("/") + "/tables"
     collected = {}
@@ -129,18 +154,65 @@ def run(spark, directory: str, out: str, *, window_seconds: float = 60.0, depth:
             df.write.mode("overwrite").parquet(f"{tables}/{name}")
             collected[name] = [_utc(r.asDict()) for r in df.collect()]
             df.unpersist()
+        summary = collected["summary"][0]
+        span = _span(summary)
+        chart_w = chart_window(span, window_seconds)
+        if chart_w == window_seconds:
+            collected["chart"] = collected["windows"]
+        else:
+            from .units import spark_interval
+
+            collected["chart"] = [_utc(r.asDict()) for r in
+                                  window_aggregates(cached, spark_interval(chart_w), depth).collect()]
     finally:
         cached.unpersist()
-    summary = collected["summary"][0]
     html_dir = html_dir or local_path(out)
-    os.makedirs(html_dir, exist_ok=True)
+    makedirs_private(html_dir)
     summary["compute_seconds"] = round(time.monotonic() - t0, 2)
-    write_html(html_dir, directory, collected, window_seconds, depth, top_prefixes)
+    write_html(html_dir, directory, collected, window_seconds, depth, top_prefixes, chart_w)
     text = headline_text(summary)
-    with open(os.path.join(html_dir, "summary.txt"), "w") as f:
+    with private_file(os.path.join(html_dir, "summary.txt"), "w") as f:
         f.write(text + "\n")
     log(text)
     return summary
+
+
+#: Window lengths the rate chart may use (seconds).
+NICE_WINDOWS = (0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400,
+                21600, 43200, 86400, 7 * 86400)
+MIN_POINTS, MAX_POINTS = 20, 2000
+
+
+def chart_window(span: float, window: float) -> float:
+    """The rate chart's window: the report's, unless that gives fewer than `MIN_POINTS`
+    points over `span` seconds (then the longest nice window that gives enough, down to
+    0.1 s) or more than `MAX_POINTS` (then the shortest nice one that gives few enough)."""
+    if span <= 0:
+        return window
+    if span / window < MIN_POINTS:
+        shorter = [w for w in NICE_WINDOWS if w < window and span / w >= MIN_POINTS]
+        return max(shorter) if shorter else min(window, NICE_WINDOWS[0])
+    if span / window > MAX_POINTS:
+        longer = [w for w in NICE_WINDOWS if w > window and span / w <= MAX_POINTS]
+        return min(longer) if longer else window
+    return window
+
+
+def makedirs_private(path: str) -> None:
+    from .writer import makedirs_private as make
+
+    make(path)
+
+
+def private_file(path: str, mode: str = "w"):
+    """Open `path` for writing as a 0600 file (replacing a file or symlink of that name, never
+    writing through it), whatever the umask."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    return open(fd, mode)
 
 
 def _utc(row: dict) -> dict:
@@ -160,63 +232,132 @@ def _ts(t) -> str:
     return t.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
 
 
+def _span(s: dict) -> float:
+    return (s["last"] - s["first"]).total_seconds() if s.get("first") and s.get("last") else 0.0
+
+
+def _seconds_spanned(s: dict) -> int:
+    """How many 1-second windows (epoch-aligned) hold the recording: the rates' basis."""
+    if not s.get("first") or not s.get("last"):
+        return 0
+    return int(s["last"].timestamp() // 1) - int(s["first"].timestamp() // 1) + 1
+
+
 def headline_text(s: dict) -> str:
     from .units import human_bytes
 
-    span = (s["last"] - s["first"]).total_seconds() if s["first"] and s["last"] else 0.0
-    # n messages are n - 1 intervals apart: dividing n by their span overstates the rate
-    avg = (s["messages"] - 1) / span if span > 0 else float(s["messages"])
+    span = _span(s)
+    n = s["messages"]
+    lost = s.get("lost") or 0
+    if lost:
+        share = 100.0 * lost / (n + lost)
+        losses = (f"{lost:,} known lost ({share:.2g}%: dropped by the bus or the recorder, "
+                  f"marked by {s.get('drop_rows') or 0:,} drop rows)")
+    else:
+        losses = "none known lost"
+    seconds = _seconds_spanned(s)
+    # one basis for both rates: 1-second windows; the average is their mean, so never above the peak
+    if seconds <= 1:
+        avg = (f"{n:,} msg/s (the whole recording is within one 1-second window: "
+               f"{n:,} messages in {span:.3f} s)")
+    else:
+        avg = f"{n / seconds:,.0f} msg/s (mean over the {seconds:,} one-second windows it spans)"
+    window = s["window_seconds"]
+    busiest = (f"{s['peak_window_messages']:,} messages from {_ts(s['peak_window_start'])} "
+               f"({window:g} s windows")
+    if span < window and _windows_spanned(s, window) <= 1:
+        busiest += f"; the recording is shorter than one {window:g} s window: this is all of it)"
+    else:
+        busiest += ")"
     lines = [
-        f"messages        {s['messages']:,}",
+        f"messages        {n:,} recorded, {losses}",
         f"payload bytes   {s['bytes'] or 0:,} ({human_bytes(s['bytes'] or 0)})",
         f"time span       {_ts(s['first'])} .. {_ts(s['last'])} ({span:,.1f} s)",
         f"keys            {s['distinct_keys']:,} distinct, {s['distinct_prefixes']:,} prefixes at depth {s['prefix_depth']}",
-        f"average rate    {avg:,.0f} msg/s",
+        f"average rate    {avg}",
         f"peak rate       {s['peak_msgs_per_s']:,} msg/s (second starting {_ts(s['peak_second'])}), "
         f"{human_bytes(s['peak_bytes_per_s'] or 0)}/s",
-        f"busiest window  {s['peak_window_messages']:,} messages from {_ts(s['peak_window_start'])} "
-        f"({s['window_seconds']:g} s windows)",
-        f"payload size    min {s['size_min']}, p50 {s['size_p50']:g}, p90 {s['size_p90']:g}, "
-        f"p99 {s['size_p99']:g}, p99.9 {s['size_p999']:g}, max {s['size_max']} bytes",
+        f"busiest window  {busiest}",
+        f"payload size    min {s['size_min']}, p50 {_g(s['size_p50'])}, p90 {_g(s['size_p90'])}, "
+        f"p99 {_g(s['size_p99'])}, p99.9 {_g(s['size_p999'])}, max {s['size_max']} bytes",
     ]
     return "\n".join(lines)
 
 
-def write_html(out: str, directory: str, t: dict, window_seconds: float, depth: int, top_prefixes: int):
+def _windows_spanned(s: dict, window: float) -> int:
+    if not s.get("first") or not s.get("last"):
+        return 0
+    return int(s["last"].timestamp() // window) - int(s["first"].timestamp() // window) + 1
+
+
+def _g(v) -> str:
+    return "-" if v is None else f"{v:g}"
+
+
+def write_html(out: str, directory: str, t: dict, window_seconds: float, depth: int, top_prefixes: int,
+               chart_seconds: float | None = None):
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
 
     charts = []
     plt.rcParams.update({"font.size": 9})
 
-    # 1. rate over time per top prefix
+    def save(fig, name):
+        with private_file(os.path.join(out, name), "wb") as f:
+            fig.savefig(f, format="png")
+        plt.close(fig)
+
+    # 1. rate over time per top prefix, in the chart's window (enough points for the span)
+    w = chart_seconds or window_seconds
+    rows = t.get("chart", t["windows"])
     by_prefix: dict[str, int] = {}
-    for r in t["windows"]:
-        by_prefix[r["prefix"]] = by_prefix.get(r["prefix"], 0) + r["messages"]
+    for r in rows:
+        if r["prefix"] is not None:
+            by_prefix[r["prefix"]] = by_prefix.get(r["prefix"], 0) + r["messages"]
     top = [p for p, _ in sorted(by_prefix.items(), key=lambda kv: (-kv[1], kv[0]))[:top_prefixes]]
-    starts = sorted({r["window_start"] for r in t["window_stats"]})
+    starts = sorted({r["window_start"] for r in rows})
     if starts:
         series = {p: dict.fromkeys(starts, 0) for p in top}
         other = dict.fromkeys(starts, 0)
-        for r in t["windows"]:
-            (series[r["prefix"]] if r["prefix"] in series else other)[r["window_start"]] += r["messages"]
-        fig, ax = plt.subplots(figsize=(8, 3.6), dpi=90)
-        for p in top:
-            ax.plot(starts, [series[p][s] / window_seconds for s in starts], label=p or "(empty)",
-                    marker="." if len(starts) < 60 else None)
+        lost = dict.fromkeys(starts, 0)
+        for r in rows:
+            if r["prefix"] is None:
+                lost[r["window_start"]] += r.get("dropped") or 0
+            else:
+                (series[r["prefix"]] if r["prefix"] in series else other)[r["window_start"]] += r["messages"]
+        drawn = {(p or "(empty)"): series[p] for p in top}
         if any(other.values()):
-            ax.plot(starts, [other[s] / window_seconds for s in starts], label="(other)", color="grey",
-                    linestyle="--")
+            drawn["(other)"] = other
+        if any(lost.values()):
+            drawn["(lost)"] = lost
+        fig, ax = plt.subplots(figsize=(8, 3.6), dpi=90)
+        marker = "o" if len(starts) < 60 else None
+        for name, values in drawn.items():
+            style = {"color": "grey", "linestyle": "--"} if name == "(other)" else \
+                {"color": "red", "linestyle": ":"} if name == "(lost)" else {}
+            ax.plot(starts, [values[x] / w for x in starts], label=name, marker=marker, **style)
+        x0, x1 = starts[0], starts[-1] + dt.timedelta(seconds=w)
+        ax.set_xlim(x0, x1)  # the axis spans the data, not the locator's idea of a range
+        ax.set_ylim(bottom=0)
+        ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(ax.xaxis.get_major_locator()))
+        one = " (one window: the recording is shorter than the window)" if len(starts) == 1 else ""
         ax.set_ylabel("messages / s")
-        ax.set_title(f"Message rate per key prefix (depth {depth}, {window_seconds:g} s windows, UTC)")
+        ax.set_title(f"Message rate per key prefix (depth {depth}, {w:g} s windows, UTC){one}")
         ax.legend(fontsize=7, loc="upper right")
         ax.grid(alpha=0.3)
         fig.autofmt_xdate()
         fig.tight_layout()
-        fig.savefig(os.path.join(out, "rate.png"))
-        plt.close(fig)
+        lo, hi = (mdates.num2date(v).astimezone(dt.timezone.utc) for v in ax.get_xlim())
+        save(fig, "rate.png")
+        data = {"window_seconds": w, "report_window_seconds": window_seconds, "points": len(starts),
+                "x_axis": [lo.isoformat(), hi.isoformat()],
+                "series": {name: [[x.isoformat(), values[x] / w] for x in starts]
+                           for name, values in drawn.items()}}
+        with private_file(os.path.join(out, "rate.json"), "w") as f:
+            json.dump(data, f, indent=1)
         charts.append(("rate.png", "Message rate over time per top prefix"))
 
     # 2. top keys
@@ -228,8 +369,7 @@ def write_html(out: str, directory: str, t: dict, window_seconds: float, depth: 
         ax.set_title("Top keys by messages")
         ax.grid(axis="x", alpha=0.3)
         fig.tight_layout()
-        fig.savefig(os.path.join(out, "top_keys.png"))
-        plt.close(fig)
+        save(fig, "top_keys.png")
         charts.append(("top_keys.png", "Top keys"))
 
     # 3. size distribution
@@ -245,8 +385,7 @@ def write_html(out: str, directory: str, t: dict, window_seconds: float, depth: 
         ax.set_title("Payload size distribution (power-of-two buckets)")
         ax.grid(axis="y", alpha=0.3)
         fig.tight_layout()
-        fig.savefig(os.path.join(out, "sizes.png"))
-        plt.close(fig)
+        save(fig, "sizes.png")
         charts.append(("sizes.png", "Payload size distribution"))
 
     s = t["summary"][0]
@@ -254,9 +393,10 @@ def write_html(out: str, directory: str, t: dict, window_seconds: float, depth: 
     rows_top = "".join(f"<tr><td><code>{e(r['key'])}</code></td><td>{r['messages']:,}</td>"
                        f"<td>{r['bytes'] or 0:,}</td></tr>" for r in t["top_keys"])
     rows_win = "".join(
-        f"<tr><td>{_ts(r['window_start'])}</td><td>{r['messages']:,}</td><td>{r['bytes'] or 0:,}</td>"
-        f"<td>{r['msgs_per_s']:,.1f}</td><td>{r['size_p50']:g}</td><td>{r['size_p90']:g}</td>"
-        f"<td>{r['size_p99']:g}</td><td>{r['size_max']}</td></tr>" for r in t["window_stats"][:500])
+        f"<tr><td>{_ts(r['window_start'])}</td><td>{r['messages']:,}</td><td>{r['dropped'] or 0:,}</td>"
+        f"<td>{r['bytes'] or 0:,}</td>"
+        f"<td>{r['msgs_per_s']:,.1f}</td><td>{_g(r['size_p50'])}</td><td>{_g(r['size_p90'])}</td>"
+        f"<td>{_g(r['size_p99'])}</td><td>{_g(r['size_max'])}</td></tr>" for r in t["window_stats"][:500])
     more = len(t["window_stats"]) - 500
     imgs = "".join(f'<h2>{e(title)}</h2><img src="{name}" alt="{e(title)}">' for name, title in charts)
     page = f"""<!doctype html>
@@ -266,18 +406,18 @@ td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}td:first-child{{t
 pre{{background:#f4f4f4;padding:.5em}}</style></head><body>
 <h1>sbus traffic report</h1>
 <p>Recording <code>{e(directory)}</code>; generated {_ts(dt.datetime.now(dt.timezone.utc))};
-tables as Parquet under <code>tables/</code>.</p>
+tables as Parquet under <code>tables/</code>; the rate chart's data in <code>rate.json</code>.</p>
 <pre>{e(headline_text(s))}</pre>
 {imgs}
 <h2>Top keys</h2><table><tr><th>key</th><th>messages</th><th>bytes</th></tr>{rows_top}</table>
 <h2>Per window ({window_seconds:g} s)</h2>
-<table><tr><th>window start (UTC)</th><th>messages</th><th>bytes</th><th>msg/s</th><th>p50</th><th>p90</th>
+<table><tr><th>window start (UTC)</th><th>messages</th><th>lost</th><th>bytes</th><th>msg/s</th><th>p50</th><th>p90</th>
 <th>p99</th><th>max</th></tr>{rows_win}</table>
 {f"<p>... and {more} more windows in tables/window_stats.</p>" if more > 0 else ""}
 <script type="application/json" id="summary">{e(json.dumps(s, default=str))}</script>
 </body></html>
 """
-    with open(os.path.join(out, "index.html"), "w") as f:
+    with private_file(os.path.join(out, "index.html"), "w") as f:
         f.write(page)
 
 

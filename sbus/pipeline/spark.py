@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
+#: Hadoop's umask for what Spark writes (tables, stream output, checkpoints): 0700 dirs, 0600 files.
+HADOOP_UMASK = "077"
+#: A shuffle partition per this much recorded data, beyond one per core.
+BYTES_PER_PARTITION = 256 << 20
+MAX_AUTO_PARTITIONS = 200
+
+
+def shuffle_partitions(cores: int, data_bytes: int | None = None) -> int:
+    """The default number of shuffle partitions: one per core the job has, more only
+    when the recording is big (one per `BYTES_PER_PARTITION`), at most 200 (Spark's own
+    default, meant for big clusters). Both jobs shuffle only partial aggregates (a few rows per
+    window and prefix), so more partitions than cores only add tasks; the stream pays
+    for each partition in every micro-batch (one state store per partition), and the
+    number is fixed in its checkpoint at the first start."""
+    n = max(1, int(cores or 1))
+    if data_bytes:
+        n = max(n, math.ceil(data_bytes / BYTES_PER_PARTITION))
+    return min(n, MAX_AUTO_PARTITIONS)
 
 
 def under_spark_submit() -> bool:
@@ -29,6 +48,8 @@ def session(master: str | None = None, app_name: str = "sbus-pipeline", conf: di
     if master is not None:
         b = b.master(master)
     b = b.config("spark.sql.session.timeZone", "UTC")
+    # outputs and checkpoints private whatever the process umask (Hadoop applies its own)
+    b = b.config("spark.hadoop.fs.permissions.umask-mode", HADOOP_UMASK)
     b = b.config("spark.ui.showConsoleProgress", "true" if progress else "false")
     for k, v in (conf or {}).items():
         b = b.config(k, v)
@@ -46,6 +67,7 @@ def read_schema():
         StructField("payload", BinaryType(), False),
         StructField("size", IntegerType(), False),
         StructField("seq", LongType(), False),
+        StructField("dropped", LongType(), True),  # NULL in recordings made before drop rows
     ])
 
 
@@ -58,27 +80,40 @@ def local_path(path: str) -> str:
     return path[len("file://"):] if path.startswith("file://") else path
 
 
+def dropped_col():
+    """How many messages a row stands for as lost: 0 for a message, N for a drop row."""
+    from pyspark.sql import functions as F
+
+    return F.coalesce(F.col("dropped"), F.lit(0))
+
+
 def with_prefix(df, depth: int):
-    """Add ``prefix``: the first `depth` '/'-separated parts of the key (as a string)."""
+    """Add ``prefix``: the first `depth` '/'-separated parts of the key (as a string);
+    NULL for a drop row (its losses belong to no prefix)."""
     from pyspark.sql import functions as F
 
     key = F.col("key").cast("string")
-    return df.withColumn("prefix", F.substring_index(key, "/", depth) if depth > 0 else F.lit(""))
+    prefix = F.substring_index(key, "/", depth) if depth > 0 else F.lit("")
+    return df.withColumn("prefix", F.when(dropped_col() == 0, prefix))
 
 
 def window_aggregates(df, window: str, depth: int):
-    """Per (window, prefix): messages and payload bytes. The transform both jobs share."""
+    """Per (window, prefix): messages, payload bytes and known lost messages (on the
+    rows whose prefix is NULL). The transform both jobs share."""
     from pyspark.sql import functions as F
 
+    d = dropped_col()
     return (
         with_prefix(df, depth)
         .groupBy(F.window("recv_time", window).alias("w"), "prefix")
-        .agg(F.count(F.lit(1)).alias("messages"), F.sum("size").alias("bytes"))
+        .agg(F.count(F.when(d == 0, F.lit(1))).alias("messages"), F.sum("size").alias("bytes"),
+             F.sum(d).alias("dropped"))
         .select(
             F.col("w.start").alias("window_start"),
             F.col("w.end").alias("window_end"),
             "prefix",
             "messages",
             "bytes",
+            "dropped",
         )
     )

@@ -15,10 +15,17 @@ A window is emitted once the watermark (latest ``recv_time`` seen minus
 ``--watermark``) passes its end, i.e. after traffic newer than that has
 been recorded; files arriving later than the watermark are dropped by Spark.
 
-``--publish-to KEY_PREFIX --bus ADDRESS`` also publishes each finished
-window on the bus from a second query (``foreachBatch``, its own
-checkpoint under ``CP/publish``): key ``KEY_PREFIX/<prefix>``, payload JSON
-``{"window_start", "window_end", "prefix", "messages", "bytes", "batch"}``.
+Drop rows in the recording (messages the bus or the recorder lost) are
+counted in the ``dropped`` column of a row whose ``prefix`` is NULL, never
+as messages.
+
+``--publish-to NAME --bus ADDRESS`` also publishes each finished window on
+the bus from a second query (``foreachBatch``, its own checkpoint under
+``CP/publish``): key ``_pipeline/NAME/<prefix>`` (``_pipeline/NAME`` for the
+lost count of a window), payload JSON ``{"window_start", "window_end",
+"prefix", "messages", "bytes", "dropped", "batch"}``. ``_pipeline/`` is the
+pipeline's reserved prefix, which the recorder does not record by default:
+the stream never counts its own output.
 Idempotent by batch id: the last published batch id is kept in
 ``CP/publish/sbus-published`` and a re-run batch at or below it is skipped.
 (A crash between publishing and noting the id can repeat that one batch;
@@ -31,8 +38,16 @@ import json
 import os
 from datetime import timezone
 
+from .schema import PIPELINE_PREFIX
 from .spark import local_path, read_schema, window_aggregates
 from .units import spark_interval
+
+
+def publish_root(name: str) -> str:
+    """``_pipeline/NAME``: where ``--publish-to NAME`` publishes (the recorder skips it)."""
+    root = PIPELINE_PREFIX.decode()
+    name = name.strip("/")
+    return name if name.startswith(root) or name + "/" == root else root + name
 
 
 def aggregated_stream(spark, directory: str, *, window_seconds: float, depth: int,
@@ -42,7 +57,7 @@ def aggregated_stream(spark, directory: str, *, window_seconds: float, depth: in
     reader = spark.readStream.schema(read_schema())
     if max_files_per_trigger:
         reader = reader.option("maxFilesPerTrigger", int(max_files_per_trigger))
-    src = reader.parquet(directory).select("recv_time", "key", "size")
+    src = reader.parquet(directory).select("recv_time", "key", "size", "dropped")
     src = src.withWatermark("recv_time", spark_interval(watermark_seconds) if watermark_seconds > 0 else "0 seconds")
     out = window_aggregates(src, spark_interval(window_seconds), depth)
     return out.withColumn("window_seconds", F.lit(float(window_seconds)))
@@ -53,7 +68,7 @@ class Publisher:
 
     def __init__(self, bus: str | None, key_prefix: str, state_file: str):
         self.bus = bus
-        self.key_prefix = key_prefix.rstrip("/")
+        self.key_prefix = publish_root(key_prefix)
         self.state_file = state_file
 
     def last_batch(self) -> int:
@@ -64,8 +79,10 @@ class Publisher:
             return -1
 
     def _note(self, batch_id: int) -> None:
+        from .report import private_file
+
         tmp = self.state_file + ".tmp"
-        with open(tmp, "w") as f:
+        with private_file(tmp, "w") as f:
             f.write(f"{batch_id}\n")
             f.flush()
             os.fsync(f.fileno())
@@ -74,7 +91,7 @@ class Publisher:
     def __call__(self, df, batch_id: int) -> None:
         if batch_id <= self.last_batch():
             return  # already published (a re-run after a restart)
-        rows = df.orderBy("window_start", "prefix").collect()
+        rows = df.orderBy("window_start", "prefix").collect()  # NULL (losses) first
         if rows:
             import sbus.client
 
@@ -86,10 +103,11 @@ class Publisher:
                         "prefix": r["prefix"],
                         "messages": r["messages"],
                         "bytes": r["bytes"],
+                        "dropped": r["dropped"],
                         "batch": batch_id,
                     }
-                    bus.publish(f"{self.key_prefix}/{r['prefix']}".encode("utf-8", "surrogateescape"),
-                                json.dumps(payload).encode())
+                    key = self.key_prefix if r["prefix"] is None else f"{self.key_prefix}/{r['prefix']}"
+                    bus.publish(key.encode("utf-8", "surrogateescape"), json.dumps(payload).encode())
                 bus.sync(timeout=30)
         self._note(batch_id)
 
@@ -97,8 +115,13 @@ class Publisher:
 def start(spark, directory: str, out: str, checkpoint: str, *, window_seconds: float = 60.0,
           depth: int = 1, watermark_seconds: float = 0.0, max_files_per_trigger: int | None = 10,
           trigger: str | None = None, available_now: bool = False, publish_to: str | None = None,
-          bus: str | None = None, query_name: str = "sbus-windows"):
-    """Start the query (and the publisher, if asked); return the started StreamingQuery objects."""
+          bus: str | None = None, query_name: str = "sbus-windows", shuffle_partitions: int | None = None):
+    """Start the query (and the publisher, if asked); return the started StreamingQuery objects.
+
+    `shuffle_partitions` applies to a new checkpoint only: Spark keeps the number a
+    stateful query started with in its checkpoint and reuses it on every restart."""
+    if shuffle_partitions:
+        spark.conf.set("spark.sql.shuffle.partitions", str(int(shuffle_partitions)))
     def build():
         return aggregated_stream(spark, directory, window_seconds=window_seconds, depth=depth,
                                  watermark_seconds=watermark_seconds,
@@ -118,8 +141,10 @@ def start(spark, directory: str, out: str, checkpoint: str, *, window_seconds: f
          .queryName(query_name))
     queries.append(triggered(w).start())
     if publish_to:
+        from .writer import makedirs_private
+
         state_dir = local_path(f"{cp}/publish")
-        os.makedirs(state_dir, exist_ok=True)
+        makedirs_private(state_dir)
         pub = Publisher(bus, publish_to, os.path.join(state_dir, "sbus-published"))
         w = (build().writeStream.outputMode("append").foreachBatch(pub)
              .option("checkpointLocation", f"{cp}/publish/query").queryName(query_name + "-publish"))
