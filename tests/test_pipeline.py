@@ -203,7 +203,7 @@ def test_stream_counts_exactly_once_across_restart(bus, spark, tmp_path):
     listener.subscribe(b"_pipeline/stats/")
     listener.sync(timeout=5)
     stream.run(spark, str(rec), str(out), str(cp), publish_to="stats", bus=bus.address, shuffle_partitions=5, **kw)
-    assert sorted(os.listdir(cp / "sink" / "state" / "0")) == ["0", "1", "2"]  # still 3, not 5
+    assert sorted(n for n in os.listdir(cp / "sink" / "state" / "0") if n.isdigit()) == ["0", "1", "2"]  # 3, not 5
     expected = windows_of(first + second + late, closed_before=1000)
     assert output() == expected
     assert sum(m for m, _ in output().values()) == len(first) + len(second)
@@ -217,7 +217,7 @@ def test_stream_counts_exactly_once_across_restart(bus, spark, tmp_path):
             break
         d = json.loads(m.payload)
         k = ((epoch_us(dt.datetime.fromisoformat(d["window_start"])) - T0) // 1_000_000, d["prefix"])
-        assert m.key == f"stats/{d['prefix']}".encode()
+        assert m.key == f"_pipeline/stats/{d['prefix']}".encode()
         assert k not in seen
         seen[k] = [d["messages"], d["bytes"]]
     assert seen == expected
@@ -295,6 +295,8 @@ def test_report_of_a_short_recording(spark, tmp_path):
     private_tree(tmp_path / "report")
 
 
+@pytest.mark.xfail(not hasattr(__import__("sbus.core.codec").core.codec, "DROPPED"),
+                   reason="the server's drop notices (issue 15, core) are not on this branch yet", strict=True)
 def test_lossy_recorder_report_counts_what_the_bus_dropped(start_bus, start_recorder, spark, tmp_path):
     """--lossy and a recorder that cannot keep up (stopped): the bus drops for it, tells it,
     and the report's headline counts exactly the server's own drop counter."""
