@@ -153,13 +153,26 @@ def test_slave_prefix_chain():
     assert check_pattern(b"a/!/cr", ME, SLAVE) == b"a/!/cr"
 
 
+def test_slave_local_form():
+    """Issue 11 item 4: below a master, a secret pattern without the prefix is the client's
+    local form (its ids on this server) and lands in its own space, as on a master. It used
+    to be refused, so `!/cred////...` disconnected clients of relays."""
+    assert check_pattern(b"!/cred////x", ME, SLAVE) == SLAVE + b"!/cred/100/1000/1234/x"
+    assert check_pattern(b"!/cred////", ME, SLAVE) == SLAVE + b"!/cred/100/1000/1234/"
+    assert check_pattern(b"!/cred/100/1000/1234/y*", ME, SLAVE) == SLAVE + b"!/cred/100/1000/1234/y*"
+    assert check_pattern(b"!/cred//1000//!/cred/9/9/9/", ME, SLAVE) == SLAVE + b"!/cred/100/1000/1234/!/cred/9/9/9/"
+    # the local form names the client's ids, nobody else's: the relay's own pid is not its pid
+    with pytest.raises(CredentialError, match="field pid '1111' is not the client's pid 1234"):
+        check_pattern(b"!/cred/100/1000/1111/x", ME, SLAVE)
+    with pytest.raises(CredentialError, match="field pid '\\*' may not be a wildcard"):
+        check_pattern(b"!/cred//1000/*/", ME, SLAVE)
+    for truncated in (b"!/cred/", b"!/cred/1", b"!/cred/100/1000/1234", b"!/cred/7/"):
+        with pytest.raises(CredentialError) as e:
+            check_pattern(truncated, ME, SLAVE)
+        assert str(e.value) == f"secret pattern {truncated!r}"[:-1].replace("b'", "'", 1) + "' is truncated"
+
+
 def test_slave_rejections():
-    with pytest.raises(CredentialError) as e:
-        check_pattern(b"!/cred////x", ME, SLAVE)
-    assert str(e.value) == (
-        "secret pattern '!/cred////x' is outside this server's credential space "
-        "'!/cred/100/1000/1111/!/cred/'"
-    )
     with pytest.raises(CredentialError, match="is truncated$"):
         check_pattern(SLAVE, ME, SLAVE)
     with pytest.raises(CredentialError, match="is truncated$"):

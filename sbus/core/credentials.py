@@ -80,6 +80,10 @@ def check_pattern(pattern: bytes, cred: Credentials, prefix: bytes = b"") -> byt
 
     A secret pattern gets its empty gid/uid/pid fields filled with the
     client's own ids, so what is stored is what the router will compare.
+    On a server with a credential `prefix` (a relay), a secret pattern may be
+    written with the prefix (``<prefix>!/cred/G/U/P/...``, as whoami answers)
+    or without it (``!/cred/G/U/P/...``, ``!/cred////...``): both are the
+    client's own space and are stored with the prefix.
     """
     if b"!" not in pattern:
         return pattern
@@ -89,12 +93,15 @@ def check_pattern(pattern: bytes, cred: Credentials, prefix: bytes = b"") -> byt
         return pattern
     space = prefix + SECRET_ROOT
     if not pattern.startswith(space):
+        # Below a master (a non-empty prefix), `!/cred/G/U/P/...` without the
+        # prefix is the client's local form: the fields are its ids on this
+        # server, so its space is prefix + that. This is what makes the
+        # empty-field form `!/cred////...` work on a relay as on a master.
         if space.startswith(pattern):
             raise CredentialError(f"secret pattern {_show(pattern)} is truncated")
-        raise CredentialError(
-            f"secret pattern {_show(pattern)} is outside this server's credential space {_show(space)}"
-        )
-    rest = pattern[len(prefix):]
+        rest = pattern
+    else:
+        rest = pattern[len(prefix):]
     parts = rest[len(SECRET_ROOT):].split(b"/", 3)
     if len(parts) < 4:
         raise CredentialError(f"secret pattern {_show(pattern)} is truncated")
