@@ -25,6 +25,7 @@ from helpers import (
     sync,
     unique,
     unsub,
+    wait_closed,
     wait_stats,
 )
 
@@ -134,3 +135,16 @@ def test_keys_with_a_star_routed_by_the_trie(bus):
     for p, s in zip(patterns, few):
         expected = [msg(k, b"%d" % n) for n, k in enumerate(keys) if matches(p, k)]
         assert sync(s) == expected, p
+
+
+def test_many_star_patterns_are_limited(bus):
+    """Each '*' of a pattern is a trie node now (keys with '*' route through the trie), so it
+    counts like a '/'-segment: a 400 KB pattern of stars is refused, one of 255 is fine."""
+    fine = connect(bus.address)
+    send(fine, sub(b"*" * 255), sub(b"a*" * 127 + b"/"))
+    assert sync(fine) == []
+    greedy = connect(bus.address, big=True)
+    send(greedy, sub(b"*" * 400_000))
+    wait_closed(greedy, SERVICE_TIMEOUT)
+    st = stats(fine)
+    assert st["disconnects"].get("too_many_subscriptions") == 1 and st["subscriptions"] == 2, st

@@ -266,11 +266,12 @@ class Router:
         last = len(segs) - 1
         live = [self._root]
         visited = 0
+        starred = b"*" in key
         for i, s in enumerate(segs):
             visited += len(live)
             nxt: list[_Node] = []
             final = i == last
-            if b"*" in s:
+            if starred and b"*" in s:
                 for node in live:
                     if node.tail:
                         found.update(node.tail)

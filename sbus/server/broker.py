@@ -209,11 +209,11 @@ class BrokerProtocol(protocol.Protocol):
                                                f"connection's any more")
         factory = self.factory
         config = factory.config
-        segments = pattern.count(b"/") + 1
+        segments = pattern.count(b"/") + pattern.count(b"*") + 1  # each is a trie node: '*'s count too
         if segments > config.max_pattern_segments:
-            return self.misbehaved(TOO_MANY_SUBSCRIPTIONS, f"pattern of {segments} segments, over the limit "
-                                                           f"of {config.max_pattern_segments}")
-        cost = len(pattern) + SEGMENT_COST * (segments + pattern.count(b"*"))  # each '*' is a trie node too
+            return self.misbehaved(TOO_MANY_SUBSCRIPTIONS, f"pattern of {segments} segments (each '*' counts as "
+                                                           f"one), over the limit of {config.max_pattern_segments}")
+        cost = len(pattern) + SEGMENT_COST * segments
         uid = self.cred.uid
         for have, limit, what in (
             (self.subscriptions + 1, config.max_subscriptions, "subscriptions per client"),
@@ -243,7 +243,7 @@ class BrokerProtocol(protocol.Protocol):
         held = self.factory.router.unsubscribe(self, pattern)
         if held is None:
             return
-        cost = len(pattern) + SEGMENT_COST * (pattern.count(b"/") + pattern.count(b"*") + 1)
+        cost = len(pattern) + SEGMENT_COST * (pattern.count(b"/") + pattern.count(b"*") + 1)  # as in subscribe
         self.subscriptions -= 1
         self.subscription_bytes -= cost
         self.factory.uid_subscriptions[self.cred.uid] -= 1

@@ -89,7 +89,7 @@ class Options(usage.Options):
          "Estimated memory one client's patterns may pin (bytes + 128 per segment)."],
         ["max-uid-subscription-bytes", None, str(DEFAULT_MAX_UID_SUBSCRIPTION_BYTES),
          "The same for all clients of one uid together."],
-        ["max-pattern-segments", None, str(DEFAULT_MAX_PATTERN_SEGMENTS), "'/'-separated segments in one pattern."],
+        ["max-pattern-segments", None, str(DEFAULT_MAX_PATTERN_SEGMENTS), "'/'-separated segments in one pattern (each '*' counts as one more)."],
     ]
 
     def __init__(self):
