@@ -1,8 +1,10 @@
 """The reference routing-key matcher (NOTES §1), byte for byte.
 
 This is deliberately the plain algorithm of the reference C server and
-nothing more: it is the definition the fast `Router` is tested against, and
-the router's slow path for the rare keys that contain a '*'.
+nothing more: it is the definition the fast `Router` is tested against (for
+every key, including keys that contain '*', which the router routes through
+its trie), and what the router uses to test cached keys when a pattern
+changes.
 """
 
 from __future__ import annotations

@@ -65,6 +65,9 @@ _SHARE_MIN = 3
 #: On one change, test at most this many cached keys with the reference
 #: matcher; larger affected groups are dropped without testing.
 _TEST_MAX = 256
+#: A change whose pattern starts with ``P*`` scans the index's groups for
+#: those starting with P; with more groups than this it empties the cache.
+_SCAN_GROUPS = 1024
 #: Star tables larger than this are searched by piece length, not scanned.
 _SCAN_MAX = 4
 
@@ -464,6 +467,9 @@ class Router:
                     self.clear_cache()
                     return
                 affected = list(groups)
+            elif len(groups) > _SCAN_GROUPS:
+                self.clear_cache()
+                return
             else:
                 affected = [g for g in groups if g.startswith(head)]
         budget = _TEST_MAX
