@@ -12,6 +12,7 @@ upward) with the prefix.
 from __future__ import annotations
 
 import os
+import re
 
 from helpers import SERVICE_TIMEOUT, connect, msg, recv, send, stats, sub, sync, unsub, wait_until
 from test_bridge import recv_until, start_bridge, twistd  # noqa: F401  (fixture)
@@ -74,11 +75,12 @@ def test_bridge_empty_field_rule_from_a_relay(start_bus, tmp_path, procs, twistd
     b_side = connect(bus_b.address)
     send(b_side, sub(b"to-bob/"))
     sync(b_side)
-    # the bridge's secret key on A: the relay's prefix, then the bridge's own ids
+    # the bridge's secret key on A: its whoami there, the relay's prefix included (as root, that
+    # of the helper process that connected as the side's user, see sbus/services/safeconnect.py)
+    who = re.search(r"side a: connected to .* as ((?:!/cred/\d+/\d+/\d+/)+!/cred/\d+/\d+/\d+); ",
+                    bridge.log()).group(1)
     probe = connect(relay.address)
-    prefix = _whoami(probe).rsplit(b"!/cred/", 1)[0]
-    secret = prefix + b"!/cred/%d/%d/%d/hello" % (os.getgid(), os.getuid(), bridge.pid)
-    send(probe, msg(secret, b"private"))
+    send(probe, msg(who.encode() + b"/hello", b"private"))
     got = recv_until(b_side, msg(b"to-bob/hello", b"private"), timeout=SERVICE_TIMEOUT)
     assert got == [msg(b"to-bob/hello", b"private")]
     assert "lost the connection" not in bridge.log() and "reconnect" not in bridge.log(), bridge.log()
