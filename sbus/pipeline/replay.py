@@ -171,7 +171,8 @@ class RateLimitedWarning:
         self._last = now
         self.lines += 1
         stream = self.stream or sys.stderr
-        stream.write(f"\r{self.prog}: {text}\n")
+        clear = "\r\x1b[K" if stream.isatty() else ""  # over a progress bar on a terminal
+        stream.write(f"{clear}{self.prog}: {text}\n")
         stream.flush()
         return True
 
