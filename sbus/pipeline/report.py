@@ -12,6 +12,14 @@ and writes them as Parquet tables under ``REPORT_DIR/tables/<name>/``, plus
 a page for people: ``REPORT_DIR/index.html`` with PNG charts and the
 headline figures, also in ``REPORT_DIR/summary.txt``.
 
+Drop rows (``dropped`` > 0: messages the bus or the recorder lost) count as
+known lost messages, never as messages. The headline's rates share one
+basis, 1-second windows (peak = the busiest, average = their mean over the
+recording's seconds), so the average never reads above the peak. The rate
+chart picks its own window for enough points over the recording's span
+(`chart_window`) and writes its data to ``rate.json``. Everything written is
+private (0700/0600).
+
 Percentiles are exact (Spark's ``percentile``: linear interpolation between
 closest ranks, as ``numpy.percentile``'s default). Windows are tumbling,
 aligned to the epoch, in UTC. A key's prefix is its first ``--depth``
