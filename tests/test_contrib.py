@@ -258,23 +258,35 @@ def test_deploy_doc_commands_work_when_pasted(tmp_path):
     doc = (Path(REPO) / "docs" / "deploy.md").read_text()
     blocks = re.findall(r"```sh\n(.*?)```", doc, re.S)
     assert len(blocks) >= 6
-    demo = tmp_path / "demo"
+    assert "mktemp -d" in blocks[0] and "/tmp/" not in doc.split("## The bridge")[0]
     script = "set -e\n" + "".join(blocks)
-    script = script.replace("/tmp/sbus-demo", str(demo)).replace("11111", str(free_port()))
+    script = script.replace("11111", str(free_port())).replace("7010", str(free_port()))
     env = child_env()
     env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
-    res = subprocess.run(["bash", "-c", script], capture_output=True, timeout=120, cwd=tmp_path,
-                         env=env, stdin=subprocess.DEVNULL)
-    out, err = res.stdout.decode(), res.stderr.decode()
-    assert res.returncode == 0, out + err
+    env["TMPDIR"] = str(tmp_path)                    # where the recipe's mktemp -d makes its directory
+    proc = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        try:
+            os.killpg(proc.pid, 15)                  # whatever a failed run left behind
+        except ProcessLookupError:
+            pass
+    out, err = stdout.decode(), stderr.decode()
+    assert proc.returncode == 0, out + err
+    (demo,) = [p for p in tmp_path.iterdir() if p.is_dir() and p.name.startswith("tmp")]
+    assert demo.stat().st_mode & 0o777 == 0o700
     lines = out.splitlines()
     assert re.fullmatch(r"(!/cred/\d+/\d+/\d+/){2}!/cred/\d+/\d+/\d+", lines[0]), out
     for expected in ("demo/hello from level 3", "alice/photo hello bob", "share/reply hello alice",
-                     "b'ack sub\\n' b'ack listen\\n'", "b'recv 5\\n' b'hello'", "msgbus/foo hello"):
+                     "b'ack sub\\n' b'ack listen\\n'", "b'recv 5\\n' b'hello'", "msgbus/foo hello",
+                     "linked/x over the link"):
         assert expected in lines, (expected, out, err)
     bridge_log = (demo / "bridge.log").read_text()
     assert "stopped: forwarded a>b=1 b>a=1; reconnects a=0 b=0; drops a>b=0 b>a=0" in bridge_log
-    for log in ("system.log", "alice.log", "session.log", "bob.log", "bridge.log", "msgbus.log"):
+    for log in ("system.log", "alice.log", "session.log", "bob.log", "bridge.log", "msgbus.log",
+                "carol.log", "link-a.log", "link-c.log"):
         assert "Server Shut Down" in (demo / log).read_text(), log
 
 
