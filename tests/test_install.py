@@ -157,6 +157,11 @@ class Venv:
             assert r.stderr.count("\n") == 1 and "sbus[pipeline]" in r.stderr, (what, r.stderr)
         else:  # or the help, which needs none of it
             assert "usage" in r.stdout.lower(), (what, r.stdout)
+        for argv in (("sbus-replay", "--help"), ("twistd", "sbus-record", "--help")):
+            r = self.run(*argv)
+            assert "Traceback" not in r.stderr, (what, argv, r.stderr)
+            assert r.returncode == 0 or ("sbus[pipeline]" in r.stderr and r.stderr.count("\n") == 1), \
+                (what, argv, r.stderr)
         r = self.run("python", "-c", "import OpenSSL")
         if r.returncode != 0:  # no [link] extra here: TLS is one line naming it
             sock = self.root / "nothing.socket"
