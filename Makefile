@@ -38,8 +38,12 @@ run: $(VENV)/.installed
 test: $(VENV)/.test-installed
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-bench: $(VENV)/.installed
+bench: $(VENV)/.installed bench/out/loadgen bench/out/forwarder
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
+
+bench/out/%: bench/%.c
+	@mkdir -p bench/out
+	gcc -O2 -Wall -o $@ $<
 
 clean:
 	rm -rf $(VENV) build *.egg-info bench/out

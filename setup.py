@@ -7,7 +7,7 @@ instead of an import hook. Twisted finds plugins by scanning sys.path entries fo
 of an editable install (a regular install copies them into site-packages/twisted/plugins).
 """
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.editable_wheel import editable_wheel
 
 
@@ -26,6 +26,10 @@ class EditableWheel(editable_wheel):
             super()._run_install(category)
 
 
+# Optional accelerator (recvmmsg/sendmmsg for the SEQPACKET transport, docs/performance.md):
+# built when a C compiler is there; a failed build leaves the pure-Python transport.
+SPEEDUPS = Extension("sbus._speedups", ["sbus/_speedups.c"], optional=True)
+
 setup(
     name="sbus",
     version="0.1.0",
@@ -41,6 +45,7 @@ setup(
         "sbus.pipeline",
         "twisted.plugins",
     ],
+    ext_modules=[SPEEDUPS],
     install_requires=["twisted>=24.3", "zope.interface>=6"],
     extras_require={
         "test": [

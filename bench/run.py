@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""sbus benchmark runner: our server against the minimal C forwarder.
+"""sbus benchmark runner: our server against the reference C server and a minimal forwarder.
 
-    python bench/run.py [--quick] [--rounds N] [--json out.json]
+    python bench/run.py [--quick] [--rounds N] [--json out.json] [--reference PATH]
 
-Compiles ``../shared/tools/loadgen.c`` (override with ``SBUS_LOADGEN_C``)
-into ``bench/out/loadgen`` with ``gcc -O2``, then runs every scenario of
-issue 4 against our server (``python -m sbus.server.sbusd -f -a PATH``) and
-against ``loadgen nullbroker PATH`` (the floor), alternating ours / floor
-for N rounds, with a fresh server process per round and scenario.  Prints
-a table of medians and ratios and writes every raw sample to
+Compiles ``bench/loadgen.c`` and ``bench/forwarder.c`` into ``bench/out/``
+with ``gcc -O2`` (``make bench`` does it first), then runs every scenario
+against our server (``python -m sbus.server.sbusd -f -a PATH``), the
+reference C ``sbusd`` when given (``--reference PATH`` or ``SBUS_REFERENCE``;
+run as ``PATH -f -a SOCK``), and ``bench/out/forwarder SOCK`` (the floor),
+alternating ours / reference / floor for N rounds, with a fresh server
+process per round and scenario.  Prints a table of medians and same-run
+ratios, with the server's CPU time per delivery (utime + stime from
+/proc/PID/stat over the publishing phase), and writes every raw sample to
 ``bench/out/results.json`` (``--json``), and the table as Markdown beside
 it (``results.md``).
 
@@ -44,6 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench"
 OUT = BENCH / "out"
 DEFAULT_OURS = "{python} -m sbus.server.sbusd -f -a {sock}"
+IMPLS = ("ours", "pure", "ref", "floor")
 
 START_TIMEOUT = 10.0  # s until a server must be ready
 FANOUT_TIMEOUT = 180.0  # loadgen itself gives up after 60 s of silence
@@ -101,10 +105,10 @@ def _spawn(cmd: list[str], **kw) -> subprocess.Popen:
     return proc
 
 
-def run_client(cmd: list[str], timeout: float) -> tuple[int, str, str]:
+def run_client(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str, str]:
     """Run a client (loadgen, memory helper) bounded by ``timeout``."""
     proc = _spawn(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                  stderr=subprocess.PIPE, text=True)
+                  stderr=subprocess.PIPE, text=True, env=env)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -157,7 +161,7 @@ class Server:
         first round trip (SUB + MSG echoed back, which both servers do)."""
         self.log.parent.mkdir(parents=True, exist_ok=True)
         logf = open(self.log, "wb")
-        ours = self.impl == "ours"
+        ours = self.impl in ("ours", "pure")
         t0 = time.perf_counter()
         self.proc = _spawn(self.cmd, stdin=subprocess.DEVNULL,
                            stdout=subprocess.PIPE if ours else subprocess.DEVNULL,
@@ -216,8 +220,8 @@ class Server:
 
     def stop(self) -> None:
         if self.proc is not None:
-            # sbusd -f ends cleanly on SIGINT; the nullbroker only dies.
-            _kill(self.proc, signal.SIGINT if self.impl == "ours" else signal.SIGTERM)
+            # sbusd -f ends cleanly on SIGINT; the C servers only die.
+            _kill(self.proc, signal.SIGINT if self.impl in ("ours", "pure") else signal.SIGTERM)
 
     def _rel_log(self) -> str:
         try:
@@ -236,7 +240,8 @@ class Server:
 # scenarios
 
 FANOUT_RE = re.compile(
-    r"delivered=(\d+)/(\d+) wall=([\d.]+) s published/s=(\d+) delivered/s=(\d+)")
+    r"delivered=(\d+)/(\d+) wall=([\d.]+) s published/s=(\d+) delivered/s=(\d+)"
+    r"(?: server_cpu_s=([\d.]+))?(?: out_of_order=(\d+))?")
 RTT_RE = re.compile(r"median_us=([\d.]+) p99_us=([\d.]+)")
 
 # name, subs, msgs (full, quick), size, noise clients, noise patterns each
@@ -247,13 +252,17 @@ FANOUT = [
 ]
 NOISE = [(0, 0), (10, 1), (100, 10), (1000, 10)]  # clients x patterns
 RTT_ROUNDS = (20_000, 5_000)
+# many clients: connected clients, publishers (each key matched by clients/publishers), msgs each
+MANY = (1000, 100, (2_000, 500))
 MEM_CLIENTS, MEM_PATTERNS = 1000, 10
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, loadgen: Path):
+    def __init__(self, args: argparse.Namespace, loadgen: Path, forwarder: Path):
         self.args = args
         self.loadgen = str(loadgen)
+        self.forwarder = str(forwarder)
+        self.impls = tuple(i for i in IMPLS if (i != "ref" or args.reference) and (i != "pure" or args.pure))
         self.q = 1 if args.quick else 0
         self.tmp = tempfile.mkdtemp(prefix="sbus-bench-")
         self.seq = 0
@@ -264,11 +273,15 @@ class Bench:
     def server(self, impl: str, scenario: str, rnd: int) -> Server:
         self.seq += 1
         sock = os.path.join(self.tmp, f"{impl}-{self.seq}.sock")
-        if impl == "ours":
+        if impl in ("ours", "pure"):
             cmd = [a.format(python=self.args.python, sock=sock)
                    for a in shlex.split(self.args.ours)]
+            if impl == "pure":
+                cmd = ["env", "SBUS_PURE_PYTHON=1"] + cmd  # env execs: the pid is the server's
+        elif impl == "ref":
+            cmd = [self.args.reference, "-f", "-a", sock]
         else:
-            cmd = [self.loadgen, "nullbroker", sock]
+            cmd = [self.forwarder, sock]
         log = OUT / "logs" / f"{scenario}-{impl}-r{rnd}.log"
         return Server(impl, cmd, sock, log)
 
@@ -278,7 +291,7 @@ class Bench:
 
     # bookkeeping -----------------------------------------------------
     def scenario(self, key: str, **info) -> dict:
-        d = self.results.setdefault(key, {"samples": {"ours": [], "floor": []}})
+        d = self.results.setdefault(key, {"samples": {i: [] for i in IMPLS}})
         d.update(info)
         return d
 
@@ -304,10 +317,14 @@ class Bench:
 
     # loadgen ----------------------------------------------------------
     def fanout(self, srv: Server, subs: int, msgs: int, size: int,
-               nclients: int = 0, npats: int = 0) -> dict:
-        cmd = [self.loadgen, "fanout", srv.sock, str(subs), str(msgs), str(size),
-               str(nclients), str(npats)]
-        rc, out, err = run_client(cmd, FANOUT_TIMEOUT)
+               nclients: int = 0, npats: int = 0, many: tuple | None = None) -> dict:
+        if many:
+            cmd = [self.loadgen, "many", srv.sock, *map(str, many), str(size)]
+        else:
+            cmd = [self.loadgen, "fanout", srv.sock, str(subs), str(msgs), str(size),
+                   str(nclients), str(npats)]
+        rc, out, err = run_client(cmd, FANOUT_TIMEOUT,
+                                  env={**os.environ, "SBUS_BENCH_SERVER_PID": str(srv.pid)})
         m = FANOUT_RE.search(out)
         line = out.strip().splitlines()[-1] if out.strip() else ""
         if rc == 1 and m:
@@ -319,33 +336,46 @@ class Bench:
             raise BenchError(f"loadgen fanout failed (status {rc}): "
                              f"{last_line(err, out)}")
         srv.check_alive("fanout")
-        return {"value": float(m.group(5)), "published_per_s": float(m.group(4)),
-                "delivered": int(m.group(1)), "expected": int(m.group(2)),
-                "wall_s": float(m.group(3)), "line": line}
+        d = {"value": float(m.group(5)), "published_per_s": float(m.group(4)),
+             "delivered": int(m.group(1)), "expected": int(m.group(2)),
+             "wall_s": float(m.group(3)), "line": line}
+        if m.group(6) is not None and d["delivered"]:
+            d["server_cpu_s"] = float(m.group(6))
+            d["cpu_us_per_delivery"] = d["server_cpu_s"] * 1e6 / d["delivered"]
+        return d
 
-    def run_fanout(self, key: str, label: str, subs: int, msgs: int, size: int) -> None:
-        unit = "deliveries/s" if subs > 1 else "msgs/s"
-        target = {"kind": "ratio_min", "value": 0.40} if size == 64 else None
+    def run_fanout(self, key: str, label: str, subs: int, msgs: int, size: int,
+                   many: tuple | None = None) -> None:
+        unit = "deliveries/s" if subs > 1 or many else "msgs/s"
+        target = {"kind": "ref_min", "value": 1.0} if size == 64 and not many else None
         self.scenario(key, label=label, unit=unit, target=target,
-                      params={"subs": subs, "msgs": msgs, "size": size})
+                      params={"subs": subs, "msgs": msgs, "size": size, "many": many})
+        cpu_key = f"cpu_{key}"
+        self.scenario(cpu_key, label=f"server CPU per delivery, {label.split(' (')[0]}",
+                      unit="µs", target={"kind": "ref_max", "value": 1.0} if target else None,
+                      params={"of": key})
         for rnd in range(1, self.args.rounds + 1):
-            for impl in ("ours", "floor"):
+            for impl in self.impls:
                 def one():
                     with self.server(impl, key, rnd) as srv:
-                        return self.fanout(srv, subs, msgs, size)
+                        return self.fanout(srv, subs, msgs, size, many=many)
                 s = self.attempt(key, impl, rnd, one)
                 if s:
-                    self.progress(f"  {key} r{rnd} {impl:5}: {s['value']:,.0f} {unit}")
+                    cpu = s.get("cpu_us_per_delivery")
+                    if cpu is not None:
+                        self.results[cpu_key]["samples"][impl].append({"round": rnd, "value": cpu})
+                    self.progress(f"  {key} r{rnd} {impl:5}: {s['value']:,.0f} {unit}"
+                                  + (f", server CPU {cpu:.2f} µs/delivery" if cpu is not None else ""))
 
     def run_noise(self, msgs: int) -> None:
-        """1→1, 64 B with non-matching patterns held by other clients (ours only:
-        the nullbroker forwards to every subscriber, so its noise clients,
-        which never read, block it)."""
+        """1→1, 64 B with non-matching patterns held by other clients (ours and the
+        reference; the forwarder's linear scan is no floor for this)."""
         keys = {}
         for nc, npat in NOISE:
             key = f"noise_{nc * npat}"
             keys[(nc, npat)] = key
-            target = ({"kind": "own0_min", "value": 0.85} if nc * npat == 10_000 else None)
+            target = ({"kind": "ref_min", "value": 10.0} if nc * npat == 10_000 and self.args.reference
+                      else {"kind": "own0_min", "value": 0.85} if nc * npat == 10_000 else None)
             self.scenario(key, label=f"1→1, 64 B, {nc * npat:,} noise patterns ({nc}×{npat})",
                           unit="msgs/s", target=target, own0_ratios=[],
                           params={"subs": 1, "msgs": msgs, "size": 64,
@@ -353,27 +383,31 @@ class Bench:
         for rnd in range(1, self.args.rounds + 1):
             base = None
             for (nc, npat), key in keys.items():
-                def one():
-                    with self.server("ours", key, rnd) as srv:
-                        return self.fanout(srv, 1, msgs, 64, nc, npat)
-                s = self.attempt(key, "ours", rnd, one)
-                if not s:
-                    continue
-                if nc == 0:
-                    base = s["value"]
-                if base:
-                    s["own0_ratio"] = s["value"] / base
-                    self.results[key]["own0_ratios"].append(s["own0_ratio"])
-                self.progress(f"  {key} r{rnd} ours : {s['value']:,.0f} msgs/s"
-                              + (f" ({s['own0_ratio']:.2f} of own 0)" if base else ""))
+                for impl in [i for i in self.impls if i != "floor"]:
+                    def one():
+                        with self.server(impl, key, rnd) as srv:
+                            return self.fanout(srv, 1, msgs, 64, nc, npat)
+                    s = self.attempt(key, impl, rnd, one)
+                    if not s:
+                        continue
+                    note = ""
+                    if impl == "ours":
+                        if nc == 0:
+                            base = s["value"]
+                        if base:
+                            s["own0_ratio"] = s["value"] / base
+                            self.results[key]["own0_ratios"].append(s["own0_ratio"])
+                            note = f" ({s['own0_ratio']:.2f} of own 0)"
+                    self.progress(f"  {key} r{rnd} {impl:5}: {s['value']:,.0f} msgs/s{note}")
 
     def run_rtt(self, rounds: int) -> None:
         self.scenario("rtt_median", label="round trip, median", unit="µs",
-                      target={"kind": "ratio_max", "value": 4.0}, params={"rounds": rounds})
+                      target={"kind": "ref_max", "value": 1.2} if self.args.reference
+                      else {"kind": "ratio_max", "value": 4.0}, params={"rounds": rounds})
         self.scenario("rtt_p99", label="round trip, p99", unit="µs", target=None,
                       params={"rounds": rounds})
         for rnd in range(1, self.args.rounds + 1):
-            for impl in ("ours", "floor"):
+            for impl in self.impls:
                 def one():
                     with self.server(impl, "rtt", rnd) as srv:
                         cmd = [self.loadgen, "rtt", srv.sock, str(rounds)]
@@ -399,7 +433,7 @@ class Bench:
         self.scenario("startup_served", label="start-up: exec → first message echoed",
                       unit="ms", target=None)
         for rnd in range(1, self.args.rounds + 1):
-            for impl in ("ours", "floor"):
+            for impl in self.impls:
                 def one():
                     srv = self.server(impl, "startup", rnd)
                     with srv:
@@ -458,6 +492,12 @@ class Bench:
             if want(key.split("_")[0]) or want(key):
                 self.progress(f"{label} ...")
                 self.run_fanout(key, label, subs, msgs[self.q], size)
+        if want("many"):
+            clients, pubs, msgs = MANY
+            label = f"many clients: {clients:,}, {pubs} publishing, {clients // pubs} per key"
+            self.progress(f"{label} ...")
+            self.run_fanout("many", label, clients // pubs, msgs[self.q], 64,
+                            many=(clients, pubs, msgs[self.q]))
         if want("noise"):
             self.progress("noise patterns ...")
             self.run_noise(FANOUT[0][3][self.q])
@@ -482,35 +522,35 @@ def _median(xs: list[float]) -> float | None:
 
 def summarise(results: dict[str, dict]) -> None:
     for key, d in results.items():
-        vals = {impl: [s["value"] for s in d["samples"][impl] if "value" in s]
-                for impl in ("ours", "floor")}
+        vals = {impl: [s["value"] for s in d["samples"].get(impl, []) if "value" in s]
+                for impl in IMPLS}
         d["median"] = {impl: _median(v) for impl, v in vals.items()}
         d["min"] = {impl: min(v) if v else None for impl, v in vals.items()}
         d["max"] = {impl: max(v) if v else None for impl, v in vals.items()}
         med = d["median"]["ours"]
         d["spread_ours"] = ((d["max"]["ours"] - d["min"]["ours"]) / med
                             if med and len(vals["ours"]) > 1 else None)
-        o, f = d["median"]["ours"], d["median"]["floor"]
+        o, r, f = d["median"]["ours"], d["median"]["ref"], d["median"]["floor"]
         d["ratio_ours_floor"] = o / f if o is not None and f else None
+        d["ratio_ours_ref"] = o / r if o is not None and r else None
         if "own0_ratios" in d:
             d["ratio_own0"] = _median(d["own0_ratios"])
         t = d.get("target")
         met = None
         if t and o is not None:
-            if t["kind"] == "ratio_min" and d["ratio_ours_floor"] is not None:
-                met = d["ratio_ours_floor"] >= t["value"]
-            elif t["kind"] == "ratio_max" and d["ratio_ours_floor"] is not None:
-                met = d["ratio_ours_floor"] <= t["value"]
-            elif t["kind"] == "own0_min" and d.get("ratio_own0") is not None:
-                met = d["ratio_own0"] >= t["value"]
-            elif t["kind"] == "abs_max":
-                met = o <= t["value"]
+            ratio = {"ratio_min": d["ratio_ours_floor"], "ratio_max": d["ratio_ours_floor"],
+                     "ref_min": d["ratio_ours_ref"], "ref_max": d["ratio_ours_ref"],
+                     "own0_min": d.get("ratio_own0"), "abs_max": o}[t["kind"]]
+            if ratio is not None:
+                met = ratio >= t["value"] if t["kind"].endswith("_min") else ratio <= t["value"]
         d["met"] = met
 
 
 def _fmt(v: float | None, unit: str) -> str:
     if v is None:
         return "—"
+    if unit == "µs" and v < 10:
+        return f"{v:,.2f}"
     if unit in ("µs", "ms"):
         return f"{v:,.1f}"
     return f"{v:,.0f}"
@@ -521,36 +561,42 @@ def _target_text(t: dict | None) -> str:
         return "—"
     v = t["value"]
     return {"ratio_min": f"≥ {v:.2f}× floor", "ratio_max": f"≤ {v:g}× floor",
+            "ref_min": f"≥ {v:g}× ref", "ref_max": f"≤ {v:g}× ref",
             "own0_min": f"≥ {v:.2f}× own 0", "abs_max": f"≤ {v:,.0f}"}[t["kind"]]
+
+
+def _ratio(v: float | None) -> str:
+    return "—" if v is None else f"{v:.2f}"
 
 
 def table_rows(results: dict[str, dict]) -> list[list[str]]:
     rows = []
     for key, d in results.items():
         unit = d.get("unit", "")
+        floor = _ratio(d.get("ratio_ours_floor"))
         if d.get("ratio_own0") is not None:
-            ratio = f"{d['ratio_own0']:.2f} (own 0)"
-        elif d.get("ratio_ours_floor") is not None:
-            ratio = f"{d['ratio_ours_floor']:.2f}"
-        else:
-            ratio = "—"
+            floor = f"{d['ratio_own0']:.2f} (own 0)"
         met = {True: "yes", False: "NO", None: "—" if not d.get("target") else "?"}[d.get("met")]
         n = f"{len([s for s in d['samples']['ours'] if 'value' in s])}"
         spread = "—" if d.get("spread_ours") is None else f"{d['spread_ours'] * 100:.0f}%"
         rows.append([d.get("label", key), unit, _fmt(d["median"]["ours"], unit),
-                     _fmt(d["median"]["floor"], unit), ratio, _target_text(d.get("target")),
+                     _fmt(d["median"]["pure"], unit), _fmt(d["median"]["ref"], unit), _fmt(d["median"]["floor"], unit),
+                     _ratio(d.get("ratio_ours_ref")), floor, _target_text(d.get("target")),
                      met, n, spread])
     return rows
 
 
-LEGEND = ("ours, floor: medians over n rounds (fresh server each run, alternating ours/floor); "
-          "ours/floor: ratio of medians, for the noise rows the median per-round ratio to our "
-          "own 0-pattern run; spread: (max - min) / median of ours. The floor (loadgen "
-          "nullbroker) can't run the noise rows: it forwards to every subscriber, and the noise "
-          "clients never read.")
+LEGEND = ("ours, pure, reference, floor: medians over n rounds (fresh server each run, alternating "
+          "ours/pure/reference/floor); pure: our server with SBUS_PURE_PYTHON=1 (--pure); reference: the C sbusd of maandree/sbus (--reference); floor: "
+          "bench/forwarder.c; ratios: of medians (time rows: lower is better), for the noise rows "
+          "ours/floor is the median per-round ratio to our own 0-pattern run; server CPU: utime + "
+          "stime of the server process over the publishing phase / messages delivered; spread: "
+          "(max - min) / median of ours. The floor does not run the noise rows (its linear "
+          "pattern scan is not a floor there).")
 
-HEADER = ["scenario", "unit", "ours", "floor", "ours/floor", "target", "met", "n", "spread"]
-RIGHT = {2, 3, 4, 7, 8}
+HEADER = ["scenario", "unit", "ours", "pure", "reference", "floor", "ours/ref", "ours/floor",
+          "target", "met", "n", "spread"]
+RIGHT = {2, 3, 4, 5, 6, 7, 10, 11}
 
 
 def text_table(rows: list[list[str]]) -> str:
@@ -603,6 +649,8 @@ def environment(args: argparse.Namespace, loadgen_c: Path) -> dict:
         "gcc": ((_cmd_out(["gcc", "--version"]) or "").splitlines() or [None])[0],
         "loadgen_c": str(loadgen_c),
         "loadgen_sha256": hashlib.sha256(loadgen_c.read_bytes()).hexdigest(),
+        "reference": args.reference,
+        "speedups": _cmd_out([args.python, "-c", "import sbus.seqpacket as s; print(s.BATCH_IO)"]),
         "git_commit": _cmd_out(["git", "rev-parse", "HEAD"]),
         "git_dirty": bool(_cmd_out(["git", "status", "--porcelain", "--untracked-files=no"])),
         "ours_command": args.ours,
@@ -610,22 +658,27 @@ def environment(args: argparse.Namespace, loadgen_c: Path) -> dict:
     }
 
 
-def build_loadgen() -> tuple[Path, Path]:
-    src = Path(os.environ.get("SBUS_LOADGEN_C") or REPO.parent / "shared" / "tools" / "loadgen.c")
-    if not src.is_file():
-        raise BenchError(f"loadgen source not found: {src} (set SBUS_LOADGEN_C)")
+def build_tools() -> tuple[Path, Path, Path]:
+    """Compile bench/loadgen.c and bench/forwarder.c (if their binaries are missing or older)."""
     OUT.mkdir(parents=True, exist_ok=True)
-    exe = OUT / "loadgen"
-    try:
-        r = subprocess.run(["gcc", "-O2", "-o", str(exe), str(src)], capture_output=True,
-                           text=True, timeout=120)
-    except FileNotFoundError:
-        raise BenchError("gcc not found: install a C compiler") from None
-    except subprocess.TimeoutExpired:
-        raise BenchError("gcc timed out compiling loadgen") from None
-    if r.returncode:
-        raise BenchError(f"gcc failed: {r.stderr.strip().splitlines()[0] if r.stderr.strip() else r.returncode}")
-    return src, exe
+    exes = []
+    for name in ("loadgen", "forwarder"):
+        src, exe = BENCH / f"{name}.c", OUT / name
+        if exe.exists() and exe.stat().st_mtime >= src.stat().st_mtime:
+            exes.append(exe)
+            continue
+        try:
+            r = subprocess.run(["gcc", "-O2", "-Wall", "-o", str(exe), str(src)],
+                               capture_output=True, text=True, timeout=120)
+        except FileNotFoundError:
+            raise BenchError("gcc not found: install a C compiler") from None
+        except subprocess.TimeoutExpired:
+            raise BenchError(f"gcc timed out compiling {src.name}") from None
+        if r.returncode:
+            raise BenchError(f"gcc failed on {src.name}: "
+                             f"{r.stderr.strip().splitlines()[0] if r.stderr.strip() else r.returncode}")
+        exes.append(exe)
+    return BENCH / "loadgen.c", exes[0], exes[1]
 
 
 def raise_nofile() -> None:
@@ -641,14 +694,15 @@ def raise_nofile() -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="bench/run.py", description="sbus benchmarks: our server vs the C floor.")
+        prog="bench/run.py",
+        description="sbus benchmarks: our server vs the reference C server and a minimal forwarder.")
     p.add_argument("--quick", action="store_true",
                    help="2 rounds and a quarter of the messages (a smoke run)")
     p.add_argument("--rounds", type=int, help="rounds per scenario (default 5, --quick 2)")
     p.add_argument("--json", type=Path, default=OUT / "results.json",
                    help="where to write raw samples and medians (default bench/out/results.json)")
     p.add_argument("--only", action="append", metavar="GROUP",
-                   choices=["fanout", "fanout_1x64", "fanout_1x4k", "fanout_8x64", "noise",
+                   choices=["fanout", "fanout_1x64", "fanout_1x4k", "fanout_8x64", "many", "noise",
                             "rtt", "startup", "memory"],
                    help="run only this scenario group (repeatable)")
     p.add_argument("--keep-going", action="store_true",
@@ -658,8 +712,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ours", default=DEFAULT_OURS,
                    help="command line of our server; {python} and {sock} are substituted "
                         f"(default: {DEFAULT_OURS!r})")
+    p.add_argument("--reference", metavar="PATH", default=os.environ.get("SBUS_REFERENCE") or None,
+                   help="the reference C sbusd to compare against (default: $SBUS_REFERENCE); "
+                        "docs/performance.md says how to build it")
+    p.add_argument("--pure", action="store_true",
+                   help="also run our server with SBUS_PURE_PYTHON=1 (no batch I/O) in every round")
     p.add_argument("--silent", action="store_true", help="no progress lines on stderr")
     a = p.parse_args(argv)
+    if a.reference and not os.access(a.reference, os.X_OK):
+        p.error(f"--reference {a.reference}: not an executable file")
     if a.rounds is None:
         a.rounds = 2 if a.quick else 5
     if a.rounds < 1:
@@ -680,9 +741,9 @@ def main(argv: list[str] | None = None) -> int:
     error = None
     try:
         raise_nofile()
-        src, exe = build_loadgen()
+        src, exe, fwd = build_tools()
         env = environment(args, src)
-        bench = Bench(args, exe)
+        bench = Bench(args, exe, fwd)
         load = os.getloadavg()[0]
         if load > (os.cpu_count() or 1) * 0.5:
             print(f"bench: note: load average {load:.1f} on {os.cpu_count()} CPUs before "

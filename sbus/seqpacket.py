@@ -24,6 +24,7 @@ the queue); single sends go through `trySend`.
 from __future__ import annotations
 
 import errno
+import os
 import select
 import socket
 
@@ -34,7 +35,7 @@ from zope.interface import implementer
 
 from sbus.address import peer_credentials, size_buffers
 from sbus.core.credentials import Credentials
-from sbus.core.flood import Outbox
+from sbus.core.flood import BLOCK, Outbox
 from sbus.core.limits import DEFAULT_DRAIN_CAP, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_PACKETS, MAX_PACKET
 from sbus.interfaces import IPacketTransport
 
@@ -640,7 +641,7 @@ class SeqPacketPort:
             if protocol is None:
                 conn.close()
                 return
-            transport = SeqPacketTransport(conn, protocol, self.reactor, peer=cred, **self._settings)
+            transport = ServerTransport(conn, protocol, self.reactor, peer=cred, **self._settings)
             protocol.makeConnection(transport)
             transport.startReading()
         except Exception:
@@ -692,3 +693,227 @@ def connectSeqPacket(reactor, address, protocol, *, max_packet: int = MAX_PACKET
     protocol.makeConnection(transport)
     transport.startReading()
     return transport
+
+
+# -- batch I/O (the accelerator): recvmmsg/sendmmsg through sbus._speedups ----------------------
+#
+# The server side reads a publisher's waiting packets with one recvmmsg, routes them all, and
+# sends each recipient its share with one sendmmsg when the batch is done (docs/performance.md).
+# Clients see no difference: per publisher, packets reach each subscriber in the order sent;
+# what a subscriber's socket does not take goes through the broker's flood control exactly as a
+# refused send does on the pure path. SBUS_PURE_PYTHON=1 (or no compiler at install) keeps the
+# pure-Python transport above.
+
+
+def _load_speedups():
+    if os.environ.get("SBUS_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    try:
+        from sbus import _speedups
+    except ImportError:
+        return None
+    return _speedups
+
+
+_speedups = _load_speedups()
+#: True when the server's connections use batch I/O (the C extension is there and not disabled).
+BATCH_IO = _speedups is not None
+if BATCH_IO:
+    _recv_batch = _speedups.recv_batch
+    _send_batch = _speedups.send_batch
+
+#: Set while a batch is being routed: `BatchSeqPacketTransport.trySend` then collects.
+_collecting = False
+#: The protocol whose packets are being routed (the feeder flood control may pause).
+_feeder = None
+#: Transports holding collected packets, flushed when the batch is routed.
+_dirty: list = []
+
+
+def _flush_dirty():
+    global _dirty
+    dirty = _dirty
+    _dirty = []
+    feeder = _feeder
+    for transport in dirty:
+        pending = transport._pending
+        if pending is not None:
+            transport._pending = None
+            transport._sendPending(pending, feeder)
+
+
+class BatchSeqPacketTransport(SeqPacketTransport):
+    """The server's transport with batch receive and batch send.
+
+    `doRead` takes up to `drain_cap` packets with one recvmmsg and routes them with deliveries
+    collected: while it runs, `trySend` (the broker's delivery path) appends to the recipient's
+    pending list instead of sending. When the batch is routed, every recipient's list goes out
+    with one sendmmsg; packets its socket refuses are handed back to its protocol's `deliver`
+    (flood control: queue, drop, block, disconnect) in order. Replies (`write`) are never
+    collected: they first flush what is pending for that client, so order holds.
+
+    If routing pauses the publisher (a full `block`-mode subscriber) in the middle of a batch,
+    the rest of the batch waits on the transport (`_stash`) exactly as unread packets wait in the
+    kernel, and is routed first when reading resumes.
+    """
+
+    __slots__ = ("_pending", "_stash")
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._pending = None
+        self._stash = None
+
+    # -- reading
+
+    def doRead(self):
+        stash = self._stash
+        if stash is not None:
+            self._stash = None
+            why = self._route(stash)
+            if why is not None or not self._reading:
+                return why
+        for _ in range(2):
+            try:
+                packets = _recv_batch(self._fd, self.drain_cap, self.max_packet)
+            except (InterruptedError, ConnectionResetError):
+                # ECONNRESET comes once, before the packets a closing peer sent: read on (as doRead).
+                continue
+            except OSError:
+                return main.CONNECTION_LOST
+            if not packets:
+                return None
+            return self._route(packets)
+        return None
+
+    def _route(self, packets: list):
+        global _collecting, _feeder
+        deliver = self._packetReceived
+        protocol = self.protocol
+        _collecting = True
+        _feeder = protocol
+        i = 0
+        try:
+            for packet in packets:
+                i += 1
+                if packet.__class__ is int:
+                    protocol.packetTooLarge(packet)
+                elif not packet:
+                    # A zero-length packet reads exactly like end of file: the peer closed.
+                    return main.CONNECTION_DONE
+                else:
+                    deliver(packet)
+                if not self._reading:
+                    if self.connected and not self.disconnecting and i < len(packets):
+                        self._stash = packets[i:]  # paused: the rest waits, as unread packets do
+                    return None
+            return None
+        finally:
+            _collecting = False
+            if _dirty:
+                _flush_dirty()
+            _feeder = None
+
+    def resumeProducing(self):
+        SeqPacketTransport.resumeProducing(self)
+        if self._stash is not None and self._reading:
+            # The socket may have nothing more to read, so the reactor would not call doRead.
+            self.reactor.callLater(0, self._routeStash)
+
+    def _routeStash(self):
+        if self._stash is not None and self._reading and self.connected:
+            stash, self._stash = self._stash, None
+            why = self._route(stash)
+            if why is not None:
+                self.connectionLost(failure.Failure(why))
+
+    # -- writing
+
+    def trySend(self, packet: bytes) -> bool:
+        # outbox.nbytes == 0 is "nothing queued" (no packet is empty) without a Python __bool__ call.
+        if _collecting and not self.outbox.nbytes and not self.disconnecting:
+            pending = self._pending
+            if pending is None:
+                self._pending = [packet]
+                _dirty.append(self)
+            else:
+                pending.append(packet)
+            return True
+        return SeqPacketTransport.trySend(self, packet)
+
+    def _sendPending(self, pending: list, feeder) -> None:
+        if not self.connected or self.disconnecting:
+            return
+        total = len(pending)
+        fd = self._fd
+        i = 0
+        while i < total:
+            try:
+                n = _send_batch(fd, pending, i)
+            except OSError as e:
+                if e.errno in _PACKET_ERRORS:  # this packet's fault (EMSGSIZE): drop it, go on
+                    self._unsendable(pending[i], e)
+                    i += 1
+                    continue
+                self._sendFailed(e)
+                return
+            if n == 0:
+                break  # EAGAIN: the socket is full
+            self.packets_out += n
+            self.bytes_out += sum(map(len, pending[i:i + n])) if i or n < total else sum(map(len, pending))
+            i += n
+        if i == total:
+            return
+        # The socket is full: the rest goes through flood control, in order, as refused sends do.
+        global _collecting
+        saved, _collecting = _collecting, False
+        try:
+            deliver = self.protocol.deliver
+            outbox = self.outbox
+            for j in range(i, total):
+                if self.disconnecting:
+                    break
+                if outbox and outbox.soft is BLOCK and feeder is not None and feeder.block_count:
+                    # The publisher is paused already; on the pure path these packets would still
+                    # be in its socket. They are read, so they wait here, never dropped.
+                    outbox.push(pending[j])
+                else:
+                    deliver(pending[j], feeder)
+        finally:
+            _collecting = saved
+
+    def _flushPending(self):
+        pending = self._pending
+        if pending is not None:
+            self._pending = None
+            self._sendPending(pending, _feeder)
+
+    def write(self, packet: bytes) -> None:
+        global _collecting
+        if self._pending is not None:
+            self._flushPending()
+        saved, _collecting = _collecting, False
+        try:
+            SeqPacketTransport.write(self, packet)
+        finally:
+            _collecting = saved
+
+    # -- closing: what was routed before is sent first, as on the pure path
+
+    def loseConnection(self, _reason=None):
+        self._flushPending()
+        SeqPacketTransport.loseConnection(self, _reason)
+
+    def abortConnection(self):
+        self._flushPending()
+        self._stash = None
+        SeqPacketTransport.abortConnection(self)
+
+    def connectionLost(self, reason):
+        self._pending = None
+        self._stash = None
+        SeqPacketTransport.connectionLost(self, reason)
+
+
+#: The class the server's port uses for the connections it accepts.
+ServerTransport = BatchSeqPacketTransport if BATCH_IO else SeqPacketTransport

@@ -102,7 +102,9 @@ class BrokerProtocol(protocol.Protocol):
             if end < 0:
                 return self.misbehaved(PROTOCOL_ERROR, "MSG without a NUL between key and payload")
             key = packet[4:end]
-            if b"!" in key:
+            # 33 is "!": an int membership test is one memchr; `b"!" in key` first tries the
+            # operand as an int and raises and clears a TypeError (CPython 3.11: ~10x slower).
+            if 33 in key:
                 try:
                     check_key(key)
                 except CredentialError as e:

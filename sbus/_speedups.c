@@ -1,0 +1,204 @@
+/* sbus._speedups: batch receive and batch send for SOCK_SEQPACKET sockets.
+ *
+ * Python's socket module has neither recvmmsg(2) nor sendmmsg(2). This optional
+ * extension adds the two calls the server's transport needs (sbus/seqpacket.py),
+ * and nothing else: no protocol logic lives here. When it cannot be built, or
+ * SBUS_PURE_PYTHON=1 is set, the transport uses socket.recv_into/send instead.
+ *
+ *   recv_batch(fd, count, size) -> list
+ *       Up to `count` packets in one recvmmsg(MSG_DONTWAIT | MSG_TRUNC) call, each
+ *       into its own `size`-byte slot of one process-wide buffer. Each item of the
+ *       list is the packet as bytes, or, for a packet longer than `size`, its real
+ *       length as an int (its data is discarded, as recv with MSG_TRUNC does). A
+ *       zero-length packet (which reads exactly like end of file) is returned as b""
+ *       and ends the list. An empty list means nothing was waiting (EAGAIN).
+ *       Other errors raise OSError.
+ *
+ *   send_batch(fd, packets, start=0) -> int
+ *       Send packets[start:] (a list of bytes, one packet each) with as few
+ *       sendmmsg(MSG_NOSIGNAL | MSG_DONTWAIT) calls as it takes; return how many
+ *       went. Stops at the first packet the socket does not take: EAGAIN is not an
+ *       error (the count says how far it got); another error raises OSError only
+ *       if nothing was sent by this call (the next call reports it otherwise).
+ *
+ * The reactor is single-threaded and these calls never block, so the GIL is
+ * kept: the module's buffers are used under it.
+ */
+#define PY_SSIZE_T_CLEAN
+#define _GNU_SOURCE
+#include <Python.h>
+
+#include <errno.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#define MAX_BATCH 1024 /* UIO_MAXIOV: the kernel's limit per sendmmsg/recvmmsg call */
+
+static char *rbuf;           /* count * size bytes, mmap'd: pages appear only when written */
+static size_t rbuf_len;
+static struct mmsghdr rmsgs[MAX_BATCH];
+static struct iovec riov[MAX_BATCH];
+static struct mmsghdr smsgs[MAX_BATCH];
+static struct iovec siov[MAX_BATCH];
+
+static int
+ensure_rbuf(size_t need)
+{
+	void *p;
+	if (need <= rbuf_len)
+		return 0;
+	if (rbuf)
+		munmap(rbuf, rbuf_len);
+	rbuf = NULL;
+	rbuf_len = 0;
+	p = mmap(NULL, need, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+	if (p == MAP_FAILED) {
+		PyErr_SetFromErrno(PyExc_OSError);
+		return -1;
+	}
+	rbuf = p;
+	rbuf_len = need;
+	return 0;
+}
+
+static PyObject *
+recv_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+	int fd, n, i;
+	Py_ssize_t count, size;
+	PyObject *list, *item;
+
+	if (nargs != 3) {
+		PyErr_SetString(PyExc_TypeError, "recv_batch(fd, count, size)");
+		return NULL;
+	}
+	fd = PyLong_AsLong(args[0]);
+	count = PyLong_AsSsize_t(args[1]);
+	size = PyLong_AsSsize_t(args[2]);
+	if (PyErr_Occurred())
+		return NULL;
+	if (fd < 0 || count < 1 || count > MAX_BATCH || size < 1 || size > (1 << 30)) {
+		PyErr_SetString(PyExc_ValueError, "recv_batch: need fd >= 0, 1 <= count <= 1024, 1 <= size <= 1 GiB");
+		return NULL;
+	}
+	if (ensure_rbuf((size_t)count * (size_t)size))
+		return NULL;
+	for (i = 0; i < count; i++) {
+		riov[i].iov_base = rbuf + (size_t)i * (size_t)size;
+		riov[i].iov_len = (size_t)size;
+		memset(&rmsgs[i].msg_hdr, 0, sizeof(rmsgs[i].msg_hdr));
+		rmsgs[i].msg_hdr.msg_iov = &riov[i];
+		rmsgs[i].msg_hdr.msg_iovlen = 1;
+		rmsgs[i].msg_len = 0;
+	}
+	n = recvmmsg(fd, rmsgs, (unsigned int)count, MSG_DONTWAIT | MSG_TRUNC, NULL);
+	if (n < 0) {
+		if (errno == EAGAIN || errno == EWOULDBLOCK)
+			return PyList_New(0);
+		return PyErr_SetFromErrno(PyExc_OSError);
+	}
+	/* At end of file every remaining slot reads as a zero-length packet: stop at the first. */
+	for (i = 0; i < n; i++)
+		if (rmsgs[i].msg_len == 0) {
+			n = i + 1;
+			break;
+		}
+	list = PyList_New(n);
+	if (!list)
+		return NULL;
+	for (i = 0; i < n; i++) {
+		size_t len = rmsgs[i].msg_len;
+		if (len > (size_t)size || (rmsgs[i].msg_hdr.msg_flags & MSG_TRUNC))
+			item = PyLong_FromSize_t(len);
+		else
+			item = PyBytes_FromStringAndSize(riov[i].iov_base, (Py_ssize_t)len);
+		if (!item) {
+			Py_DECREF(list);
+			return NULL;
+		}
+		PyList_SET_ITEM(list, i, item);
+	}
+	return list;
+}
+
+static PyObject *
+send_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+	int fd, r, i, k;
+	Py_ssize_t start = 0, total, sent = 0;
+	PyObject *packets, *p;
+
+	if (nargs < 2 || nargs > 3) {
+		PyErr_SetString(PyExc_TypeError, "send_batch(fd, packets, start=0)");
+		return NULL;
+	}
+	fd = PyLong_AsLong(args[0]);
+	if (fd == -1 && PyErr_Occurred())
+		return NULL;
+	packets = args[1];
+	if (!PyList_Check(packets)) {
+		PyErr_SetString(PyExc_TypeError, "send_batch: packets must be a list of bytes");
+		return NULL;
+	}
+	if (nargs == 3) {
+		start = PyLong_AsSsize_t(args[2]);
+		if (start == -1 && PyErr_Occurred())
+			return NULL;
+	}
+	total = PyList_GET_SIZE(packets);
+	if (fd < 0 || start < 0 || start > total) {
+		PyErr_SetString(PyExc_ValueError, "send_batch: bad fd or start");
+		return NULL;
+	}
+	while (start + sent < total) {
+		k = (int)(total - start - sent > MAX_BATCH ? MAX_BATCH : total - start - sent);
+		for (i = 0; i < k; i++) {
+			p = PyList_GET_ITEM(packets, start + sent + i);
+			if (!PyBytes_Check(p)) {
+				PyErr_SetString(PyExc_TypeError, "send_batch: packets must be bytes");
+				return NULL;
+			}
+			siov[i].iov_base = PyBytes_AS_STRING(p);
+			siov[i].iov_len = (size_t)PyBytes_GET_SIZE(p);
+			memset(&smsgs[i].msg_hdr, 0, sizeof(smsgs[i].msg_hdr));
+			smsgs[i].msg_hdr.msg_iov = &siov[i];
+			smsgs[i].msg_hdr.msg_iovlen = 1;
+		}
+		r = sendmmsg(fd, smsgs, (unsigned int)k, MSG_NOSIGNAL | MSG_DONTWAIT);
+		if (r < 0) {
+			if (errno == EAGAIN || errno == EWOULDBLOCK || sent)
+				break;
+			return PyErr_SetFromErrno(PyExc_OSError);
+		}
+		sent += r;
+		if (r < k)
+			break;
+	}
+	return PyLong_FromSsize_t(sent);
+}
+
+static PyMethodDef methods[] = {
+	{"recv_batch", (PyCFunction)(void (*)(void))recv_batch, METH_FASTCALL,
+	 "recv_batch(fd, count, size) -> list of bytes (int: size of a truncated packet)"},
+	{"send_batch", (PyCFunction)(void (*)(void))send_batch, METH_FASTCALL,
+	 "send_batch(fd, packets, start=0) -> number of packets sent"},
+	{NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+	PyModuleDef_HEAD_INIT, "sbus._speedups",
+	"Batch receive and send (recvmmsg/sendmmsg) for the SEQPACKET transport.", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__speedups(void)
+{
+	PyObject *m = PyModule_Create(&module);
+	if (m && PyModule_AddIntConstant(m, "MAX_BATCH", MAX_BATCH)) {
+		Py_DECREF(m);
+		return NULL;
+	}
+	return m;
+}
