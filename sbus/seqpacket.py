@@ -35,7 +35,7 @@ from zope.interface import implementer
 
 from sbus.address import peer_credentials, size_buffers
 from sbus.core.credentials import Credentials
-from sbus.core.flood import BLOCK, Outbox
+from sbus.core.flood import Outbox
 from sbus.core.limits import DEFAULT_DRAIN_CAP, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_PACKETS, MAX_PACKET
 from sbus.interfaces import IPacketTransport
 
@@ -748,29 +748,36 @@ class BatchSeqPacketTransport(SeqPacketTransport):
     `doRead` takes up to `drain_cap` packets with one recvmmsg and routes them with deliveries
     collected: while it runs, `trySend` (the broker's delivery path) appends to the recipient's
     pending list instead of sending. When the batch is routed, every recipient's list goes out
-    with one sendmmsg; packets its socket refuses are handed back to its protocol's `deliver`
-    (flood control: queue, drop, block, disconnect) in order. Replies (`write`) are never
-    collected: they first flush what is pending for that client, so order holds.
+    with one sendmmsg. Replies (`write`) are never collected: they first flush what is pending
+    for that client, so order holds.
 
-    If routing pauses the publisher (a full `block`-mode subscriber) in the middle of a batch,
-    the rest of the batch waits on the transport (`_stash`) exactly as unread packets wait in the
-    kernel, and is routed first when reading resumes.
+    What a recipient's socket refuses goes through its protocol's `deliver` (flood control:
+    queue, drop, block, disconnect) in order, exactly as a refused send does on the pure path,
+    until flood control pauses the publisher. From then on, the pure path would not have read
+    the publisher's later packets at all; here they are read already, so the publisher's
+    transport holds them (`_held`: recipient and packet), off every queue and limit, and hands
+    them over first when it resumes. Likewise, if the publisher is paused in the middle of a
+    batch, the rest of the batch waits on its transport (`_stash`), unrouted, as unread packets
+    wait in the kernel. So queues, limits, drops and pauses are what the pure path gives.
     """
 
-    __slots__ = ("_pending", "_stash")
+    __slots__ = ("_pending", "_stash", "_held")
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self._pending = None
         self._stash = None
+        self._held = None
+
+    def _paused(self) -> bool:
+        """Held back by flood control (not reading, yet neither closing nor hung up)."""
+        return not self._reading and self.connected and not self.disconnecting
 
     # -- reading
 
     def doRead(self):
-        stash = self._stash
-        if stash is not None:
-            self._stash = None
-            why = self._route(stash)
+        if self._held is not None or self._stash is not None:
+            why = self._catchUp()
             if why is not None or not self._reading:
                 return why
         for _ in range(2):
@@ -785,6 +792,34 @@ class BatchSeqPacketTransport(SeqPacketTransport):
                 return None
             return self._route(packets)
         return None
+
+    def _catchUp(self):
+        """Hand over what waited while this publisher was paused: held deliveries, then the
+        unrouted rest of its last batch. None, or why the connection ended."""
+        held = self._held
+        if held is not None:
+            self._held = None
+            protocol = self.protocol
+            for k, (client, packet) in enumerate(held):
+                t = client.transport
+                if t.connected and not t.disconnecting:
+                    client.deliver(packet, protocol)
+                if self._paused():
+                    rest = held[k + 1:]
+                    if rest:
+                        self._held = rest + (self._held or [])
+                    return None
+        stash = self._stash
+        if stash is not None and self._reading:
+            self._stash = None
+            return self._route(stash)
+        return None
+
+    def _hold(self, client, packets: list) -> None:
+        held = self._held
+        if held is None:
+            held = self._held = []
+        held.extend([(client, p) for p in packets])
 
     def _route(self, packets: list):
         global _collecting, _feeder
@@ -804,7 +839,7 @@ class BatchSeqPacketTransport(SeqPacketTransport):
                 else:
                     deliver(packet)
                 if not self._reading:
-                    if self.connected and not self.disconnecting and i < len(packets):
+                    if self._paused() and i < len(packets):
                         self._stash = packets[i:]  # paused: the rest waits, as unread packets do
                     return None
             return None
@@ -816,14 +851,13 @@ class BatchSeqPacketTransport(SeqPacketTransport):
 
     def resumeProducing(self):
         SeqPacketTransport.resumeProducing(self)
-        if self._stash is not None and self._reading:
+        if (self._held is not None or self._stash is not None) and self._reading:
             # The socket may have nothing more to read, so the reactor would not call doRead.
-            self.reactor.callLater(0, self._routeStash)
+            self.reactor.callLater(0, self._resumed)
 
-    def _routeStash(self):
-        if self._stash is not None and self._reading and self.connected:
-            stash, self._stash = self._stash, None
-            why = self._route(stash)
+    def _resumed(self):
+        if self._reading and self.connected:
+            why = self._catchUp()
             if why is not None:
                 self.connectionLost(failure.Failure(why))
 
@@ -864,21 +898,22 @@ class BatchSeqPacketTransport(SeqPacketTransport):
             i += n
         if i == total:
             return
-        # The socket is full: the rest goes through flood control, in order, as refused sends do.
+        # The socket is full: the rest goes through flood control, in order, as refused sends
+        # do; once that pauses the publisher, the rest waits with it (see the class doc).
         global _collecting
         saved, _collecting = _collecting, False
         try:
-            deliver = self.protocol.deliver
-            outbox = self.outbox
+            client = self.protocol
+            deliver = client.deliver
+            source = getattr(feeder, "transport", None)
+            paused = getattr(source, "_paused", None)
             for j in range(i, total):
                 if self.disconnecting:
                     break
-                if outbox and outbox.soft is BLOCK and feeder is not None and feeder.block_count:
-                    # The publisher is paused already; on the pure path these packets would still
-                    # be in its socket. They are read, so they wait here, never dropped.
-                    outbox.push(pending[j])
-                else:
-                    deliver(pending[j], feeder)
+                if paused is not None and paused():
+                    source._hold(client, pending[j:])
+                    break
+                deliver(pending[j], feeder)
         finally:
             _collecting = saved
 
@@ -889,9 +924,11 @@ class BatchSeqPacketTransport(SeqPacketTransport):
             self._sendPending(pending, _feeder)
 
     def write(self, packet: bytes) -> None:
+        """A reply (never collected). Everything routed before it goes out first, to every
+        client: a reply is a barrier (a client's whoami after its MSG means: routed)."""
         global _collecting
-        if self._pending is not None:
-            self._flushPending()
+        if _dirty:
+            _flush_dirty()
         saved, _collecting = _collecting, False
         try:
             SeqPacketTransport.write(self, packet)
@@ -906,12 +943,11 @@ class BatchSeqPacketTransport(SeqPacketTransport):
 
     def abortConnection(self):
         self._flushPending()
-        self._stash = None
+        self._stash = self._held = None
         SeqPacketTransport.abortConnection(self)
 
     def connectionLost(self, reason):
-        self._pending = None
-        self._stash = None
+        self._pending = self._stash = self._held = None
         SeqPacketTransport.connectionLost(self, reason)
 
 

@@ -77,19 +77,14 @@ def test_recv_batch_zero_length_packet_ends_the_list():
     assert speedups.recv_batch(b.fileno(), 8, 100) == [b"one", b""]
 
 
-def test_recv_batch_peer_gone_with_unread_data_is_connection_reset():
+def test_recv_batch_peer_gone_with_unread_data_is_connection_reset_then_its_packets():
     a, b = pair()
     b.send(b"never read by a")
     a.send(b"read by b")
-    a.close()  # a had unread data: b's next read after the queue reports ECONNRESET
-    got = []
+    a.close()  # a had unread data: Linux reports ECONNRESET once, before a's packets
     with pytest.raises(ConnectionResetError):
-        for _ in range(3):
-            batch = speedups.recv_batch(b.fileno(), 8, 100)
-            got += batch
-            if b"" in batch:
-                break
-    assert got == [b"read by b"]
+        speedups.recv_batch(b.fileno(), 8, 100)
+    assert speedups.recv_batch(b.fileno(), 8, 100) == [b"read by b", b""]
 
 
 def test_recv_batch_bad_arguments():
@@ -249,7 +244,8 @@ def test_block_mode_with_a_tiny_queue_keeps_order_per_publisher_and_drops_nothin
         t.join(30)
     assert seen == {0: list(range(n)), 1: list(range(n))}
     st = stats(s)
-    assert total(st["drops"]) == 0 and total(st["disconnects"]) == 0
+    assert total(st["drops"]) == 0
+    assert {r for r in st["disconnects"] if r != "closed"} == set()  # (twistd's readiness probe leaves)
 
 
 def test_soft_discard_counts_every_message_it_drops(mode_bus):
