@@ -33,8 +33,12 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #define MAX_BATCH 1024 /* UIO_MAXIOV: the kernel's limit per sendmmsg/recvmmsg call */
+/* A slot that took a packet longer than this gives the pages beyond it back after the copy,
+ * so a burst of big packets leaves at most count * KEEP_BYTES resident, not count * size. */
+#define KEEP_BYTES (64 * 1024)
 
 static char *rbuf;           /* count * size bytes, mmap'd: pages appear only when written */
 static size_t rbuf_len;
@@ -68,6 +72,7 @@ recv_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
 	int fd, n, i;
 	Py_ssize_t count, size;
+	size_t stride, page = (size_t)sysconf(_SC_PAGESIZE);
 	PyObject *list, *item;
 
 	if (nargs != 3) {
@@ -83,10 +88,11 @@ recv_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 		PyErr_SetString(PyExc_ValueError, "recv_batch: need fd >= 0, 1 <= count <= 1024, 1 <= size <= 1 GiB");
 		return NULL;
 	}
-	if (ensure_rbuf((size_t)count * (size_t)size))
+	stride = ((size_t)size + page - 1) / page * page; /* slots start on a page */
+	if (ensure_rbuf((size_t)count * stride))
 		return NULL;
 	for (i = 0; i < count; i++) {
-		riov[i].iov_base = rbuf + (size_t)i * (size_t)size;
+		riov[i].iov_base = rbuf + (size_t)i * stride;
 		riov[i].iov_len = (size_t)size;
 		memset(&rmsgs[i].msg_hdr, 0, sizeof(rmsgs[i].msg_hdr));
 		rmsgs[i].msg_hdr.msg_iov = &riov[i];
@@ -119,6 +125,12 @@ recv_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 			return NULL;
 		}
 		PyList_SET_ITEM(list, i, item);
+	}
+	for (i = 0; i < n; i++) {
+		size_t used = rmsgs[i].msg_len < (size_t)size ? rmsgs[i].msg_len : (size_t)size;
+		if (used > KEEP_BYTES) /* KEEP_BYTES is a multiple of the page size */
+			madvise((char *)riov[i].iov_base + KEEP_BYTES, (used - KEEP_BYTES + page - 1) / page * page,
+			        MADV_DONTNEED);
 	}
 	return list;
 }

@@ -418,12 +418,12 @@ def test_many_segment_patterns_do_not_amplify_memory(tmp_path, servers):
     c = connect(bus.address, big=True)
     sync(c)
     before = proc_rss_kib(bus.pid)
-    for i in range(2):
-        send(c, b"SUB %d/" % i + b"a/" * ((MAX_PACKET - 16) // 2))
     try:
+        for i in range(2):
+            send(c, b"SUB %d/" % i + b"a/" * ((MAX_PACKET - 16) // 2))
         sync(c, timeout=30)
-    except Disconnected:
-        return  # refused: fine
+    except (Disconnected, BrokenPipeError, ConnectionResetError):
+        return  # refused (the server may close before the second pattern is sent): fine
     grown_mib = (proc_rss_kib(bus.pid) - before) / 1024
     assert grown_mib < 16, f"two 400 KB patterns grew the server by {grown_mib:.0f} MiB"
 

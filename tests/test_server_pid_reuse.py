@@ -48,8 +48,12 @@ HOLDER = textwrap.dedent("""
                 s.send(b"SUB " + arg.encode())
             elif cmd == "sync":
                 s.send(b"CMSG !/cred/whoami")
-                while not s.recv(65536).startswith(b"CMSG !/cred/whoami"):
-                    pass
+                while True:
+                    p = s.recv(65536)
+                    if not p:  # closed: end of file when the server had read all we sent
+                        raise ConnectionResetError
+                    if p.startswith(b"CMSG !/cred/whoami"):
+                        break
                 out("synced")
             elif cmd == "recv-until":
                 keys = []

@@ -62,6 +62,17 @@ def test_recv_batch_reports_a_truncated_packet_by_its_real_size():
     assert got == [b"small", 1000, b"y" * 100, b"after"]
 
 
+def test_recv_batch_big_packets_survive_their_pages_being_given_back():
+    a, b = pair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    for round_ in range(2):  # the second round reads into slots whose tails were released
+        big = [bytes([65 + round_ * 3 + i]) * (300_000 + i) for i in range(3)]
+        for p in big:
+            a.send(p)
+        assert speedups.recv_batch(b.fileno(), 8, 409600) == big
+
+
 def test_recv_batch_end_of_file_is_an_empty_packet_and_ends_the_list():
     a, b = pair()
     a.send(b"last words")
