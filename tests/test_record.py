@@ -314,12 +314,16 @@ def test_pipeline_output_is_not_recorded_by_default(bus, start_recorder, tmp_pat
     rec = start_recorder(bus.address, tmp_path / "rec", "--roll-age", "200ms")
     rec2 = start_recorder(bus.address, tmp_path / "all", "--roll-age", "200ms", "--record-pipeline",
                           "--exclude", "noise/")
+    rec3 = start_recorder(bus.address, tmp_path / "agg", "--roll-age", "200ms", "--pattern", "_pipeline/")
     msgs = [(b"_pipeline/agg/sensors", b"{}"), (b"sensors/a", b"1"), (b"noise/x", b"2"), (b"_pipelinex", b"3")]
     publish_all(bus.address, msgs)
     wait_rows(tmp_path / "rec", 3)
     wait_rows(tmp_path / "all", 3)
+    wait_rows(tmp_path / "agg", 1)
     rec.stop()
     rec2.stop()
+    rec3.stop()
+    assert [r["key"] for r in read_recording(tmp_path / "agg")] == [b"_pipeline/agg/sensors"]
     assert [r["key"] for r in read_recording(tmp_path / "rec")] == [b"sensors/a", b"noise/x", b"_pipelinex"]
     assert [r["key"] for r in read_recording(tmp_path / "all")] == [b"_pipeline/agg/sensors", b"sensors/a",
                                                                     b"_pipelinex"]

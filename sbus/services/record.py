@@ -562,8 +562,7 @@ class Options(usage.Options):
         self["exclude"] = []
 
     def opt_exclude(self, value: str) -> None:
-        """Do not record keys matching this pattern (repeatable; _pipeline/ always unless
-        --record-pipeline)."""
+        """Do not record keys matching this pattern (repeatable; _pipeline/ is always excluded unless --record-pipeline or a --pattern under _pipeline/)."""
         try:
             self["exclude"].append(codec.encode_sub(os.fsencode(value))[4:])
         except codec.ProtocolError as e:
@@ -599,7 +598,8 @@ class Options(usage.Options):
                     raise usage.UsageError(f"--{name}: must be positive")
         if self["compression"] not in ("snappy", "zstd", "gzip", "lz4", "none", "brotli"):
             raise usage.UsageError(f"--compression: unknown codec {self['compression']!r}")
-        if not self["record-pipeline"]:
+        asked = any(p.startswith(PIPELINE_PREFIX) for p in self["patterns"])
+        if not self["record-pipeline"] and not asked:  # a --pattern '_pipeline/...' asks on purpose
             self["exclude"].insert(0, PIPELINE_PREFIX)
         try:
             require("pyarrow")
