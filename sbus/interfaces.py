@@ -4,21 +4,65 @@ from zope.interface import Attribute, Interface
 
 
 class IPacketTransport(Interface):
-    """A connected transport that keeps packet boundaries: one write, one packet."""
+    """A connected transport that keeps packet boundaries: one write, one packet.
 
-    outbox = Attribute("The `sbus.core.flood.Outbox` of packets waiting to be sent.")
+    The broker talks to its clients' transports through this and nothing else: send now,
+    queue under the client's flood policy, queue regardless (server replies), be told when
+    the queue has drained (`IPacketProtocol.outboxDrained`), pause and resume reading."""
+
     peer = Attribute("The peer's `Credentials` (pid, uid, gid) from SO_PEERCRED.")
+    connected = Attribute("False once the connection is gone.")
+    disconnecting = Attribute("True once closing has begun (nothing more is sent).")
+    packets_out = Attribute("Packets sent so far.")
+    bytes_out = Attribute("Bytes sent so far.")
 
     def trySend(packet):
         """Send now if nothing is queued and the socket takes it; return True if sent.
 
         Never queues: on False the caller decides (flood control)."""
 
-    def enqueue(packet):
-        """Append to the outbox and send it when the socket is writable."""
+    def offer(packet):
+        """Queue `packet` under the flood policy; return `sbus.core.flood`'s decision
+        (QUEUED, QUEUED_BLOCK, DROPPED_SOFT/HARD, DISCONNECT_SOFT/HARD)."""
 
     def write(packet):
         """Send one packet, queueing it (never dropping) if it cannot go now."""
+
+    def sendLast(packet):
+        """Send now, ahead of anything queued, if the socket takes it (before closing)."""
+
+    def notifyWritable():
+        """Have `outboxDrained` called once the socket is writable and nothing is queued."""
+
+    def queued():
+        """How many packets are queued."""
+
+    def queuedBytes():
+        """How many bytes are queued."""
+
+    def hasRoom():
+        """Is the queue under its limits (its own, its uid's, the server's)?"""
+
+    def queueState():
+        """A `sbus.core.flood.QueueState` (packets, bytes, soft, hard, order) for statistics."""
+
+    def setFlood(soft=None, hard=None, order=None):
+        """Change the flood policy (None: unchanged); switching order keeps what is queued."""
+
+    def setBudget(budget):
+        """Charge queued bytes to this `sbus.core.flood.Budget` (and its parent)."""
+
+    def peerPidfd():
+        """A pidfd of the process that connected; raises OSError if there is none to take."""
+
+    def pauseProducing():
+        """Stop reading from the peer."""
+
+    def resumeProducing():
+        """Read from the peer again."""
+
+    def abortConnection():
+        """Close now, throwing away anything queued."""
 
 
 class IPacketProtocol(Interface):

@@ -35,7 +35,7 @@ from zope.interface import implementer
 
 from sbus.address import peer_credentials, size_buffers
 from sbus.core.credentials import Credentials
-from sbus.core.flood import Outbox
+from sbus.core.flood import QUEUED_BLOCK, Outbox
 from sbus.core.limits import DEFAULT_DRAIN_CAP, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_PACKETS, MAX_PACKET
 from sbus.interfaces import IPacketTransport
 
@@ -52,6 +52,9 @@ _ACCEPT_CAP = 64
 _ACCEPT_ERRORS_BACKOFF = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 _buffers: dict[int, memoryview] = {}
+
+#: Linux 6.5+: a pidfd for the process that connected (not in Python 3.11's socket module).
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
 
 
 def receive_buffer(size: int) -> memoryview:
@@ -213,6 +216,57 @@ class SeqPacketTransport:
         self.packets_out += 1
         self.bytes_out += len(packet)
         return True
+
+    def offer(self, packet: bytes) -> int:
+        """Queue `packet` under the client's flood policy; return what `Outbox.offer` decided."""
+        action = self.outbox.offer(packet)
+        if action <= QUEUED_BLOCK:
+            self.startWriting()
+        return action
+
+    def sendLast(self, packet: bytes) -> None:
+        """Send now, ahead of anything queued, if the socket takes it (the connection is closing)."""
+        if self.connected:
+            try:
+                self._send(packet)
+            except OSError:
+                return
+            self.packets_out += 1
+            self.bytes_out += len(packet)
+
+    def notifyWritable(self) -> None:
+        """Call the protocol's `outboxDrained` once the socket is writable and nothing is queued."""
+        self.startWriting()
+
+    def queued(self) -> int:
+        return len(self.outbox)
+
+    def queuedBytes(self) -> int:
+        return self.outbox.nbytes
+
+    def hasRoom(self) -> bool:
+        """Is the queue under its limits (and its uid's and the server's)?"""
+        return not self.outbox.full()
+
+    def queueState(self):
+        return self.outbox.state()
+
+    def setFlood(self, soft=None, hard=None, order=None) -> None:
+        outbox = self.outbox
+        if soft is not None:
+            outbox.set_soft(soft)
+        if hard is not None:
+            outbox.set_hard(hard)
+        if order is not None:
+            outbox.set_order(order)
+
+    def setBudget(self, budget) -> None:
+        self.outbox.set_budget(budget)
+
+    def peerPidfd(self) -> int:
+        """A new pidfd (the caller closes it) of the process that connected: SO_PEERPIDFD, Linux
+        6.5+, always that process whenever asked. Raises OSError (ENOPROTOOPT: older kernels)."""
+        return self.socket.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
 
     def enqueue(self, packet: bytes) -> None:
         self.outbox.push(packet)

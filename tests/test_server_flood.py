@@ -37,6 +37,10 @@ def seq_of(key: bytes, packet: bytes) -> int:
     return int(packet[len(prefix):].split(b":", 1)[0])
 
 
+def dropped(count: int, first: bytes, last: bytes) -> bytes:
+    return b"CMSG server/dropped\0%d\0%s\0%s" % (count, first, last)
+
+
 def read_n(sock, key, n):
     return [seq_of(key, recv(sock)) for _ in range(n)]
 
@@ -72,7 +76,8 @@ def test_soft_discard_drops_without_blocking_the_publisher(bus, control):
     # what was not dropped arrives, in order, and nothing else
     got = read_n(s, key, n - drops)
     assert got == list(range(n - drops))
-    assert sync(s) == []
+    # then one drop notice tells it how many it missed (issue 15)
+    assert sync(s) == [dropped(drops, key, key)]
 
 
 def test_latest_control_message_wins(bus):
@@ -125,7 +130,7 @@ def test_default_queue_is_capped_in_bytes(bus):
     assert total(st["disconnects"]) == 0
     # the kept ones are the oldest (hard discard drops new packets), in order
     assert read_n(s, key, n - drops) == list(range(n - drops))
-    assert sync(s) == []
+    assert sync(s) == [dropped(drops, key, key)]
     # and nothing is logged per packet
     assert len(bus.log().splitlines()) < 30
 
@@ -144,7 +149,7 @@ def test_default_queue_is_capped_in_packets(bus):
     drops = total(st["drops"])
     assert drops == total(victim["drops"]) > 0
     assert read_n(s, key, n - drops) == list(range(n - drops))
-    assert sync(s) == []
+    assert sync(s) == [dropped(drops, key, key)]
 
 
 def test_hard_error_disconnects_once_over_the_limit(bus):
@@ -339,6 +344,7 @@ def test_queue_mode_keeps_order_while_the_reader_catches_up(bus):
     t = threading.Thread(target=rest, daemon=True)
     t.start()
     got = []
+    notices = 0
     expected = None  # known once p is done: n minus what the server dropped (hard discard)
     while expected is None or len(got) < expected:
         if expected is None and not t.is_alive():
@@ -349,8 +355,12 @@ def test_queue_mode_keeps_order_while_the_reader_catches_up(bus):
             pkt = recv(s, 0.1)
         except TimeoutError:
             continue
+        if pkt.startswith(b"CMSG server/dropped\0"):
+            notices += int(pkt.split(b"\0")[1])
+            continue
         got.append(seq_of(key, pkt))
-    assert sync(s) == []
+    notices += sum(int(p.split(b"\0")[1]) for p in sync(s))
+    assert notices == n - len(got)  # every drop was told
     assert got == sorted(set(got)), "out of order or duplicated"
     assert got[:300] == list(range(300))
 

@@ -104,11 +104,11 @@ def test_a_connection_whose_owner_exited_cannot_subscribe_to_its_secret_keys(bus
 def test_secret_keys_stop_reaching_a_connection_whose_owner_exited(bus):
     proc, who = start_owner(bus, subscribe_first=True)
     try:
-        bus.wait_log("the process that connected has exited")
         publisher = connect(bus.address)
         send(publisher, msg(f"{who}/secret", b"for the owner only"), msg("marker", b""))
         sync(publisher)
         assert ask(proc, "recv-until marker") == "marker"
+        bus.wait_log("the process that connected has exited")
     finally:
         proc.stdin.close()
 

@@ -142,3 +142,39 @@ ECHO_OFF, ECHO_ON = b"echo/off", b"echo/on"
 SOFT_MODES = (b"queue", b"discard", b"block", b"error")
 HARD_MODES = (b"discard", b"block", b"error")
 ORDERS = (b"queue", b"stack", b"random")
+
+#: Control messages the server sends of its own accord (docs/protocol.md, "Server notices").
+SERVER_ID = b"server/id"
+DROPPED = b"server/dropped"
+DISCONNECT = b"server/disconnect"
+
+
+class DropNotice(NamedTuple):
+    """`CMSG server/dropped\\0COUNT\\0FIRST\\0LAST`: `count` messages meant for this client were
+    dropped since the previous notice, the first with key `first`, the last with `last`."""
+
+    count: int
+    first: bytes
+    last: bytes
+
+
+class DisconnectNotice(NamedTuple):
+    """`CMSG server/disconnect\\0REASON\\0TEXT`: why the server is about to close the connection."""
+
+    reason: str
+    text: str
+
+    def __str__(self) -> str:
+        return f"the server closed the connection: {self.text} ({self.reason})"
+
+
+def parse_drop_notice(payload: bytes | None) -> DropNotice:
+    parts = (payload or b"").split(b"\0", 2)
+    if len(parts) != 3 or not parts[0].isdigit():
+        raise ProtocolError(f"malformed {DROPPED.decode()} payload {bytes(payload or b'')[:60]!r}")
+    return DropNotice(int(parts[0]), parts[1], parts[2])
+
+
+def parse_disconnect(payload: bytes | None) -> DisconnectNotice:
+    reason, _, text = (payload or b"").partition(b"\0")
+    return DisconnectNotice(reason.decode("utf-8", "replace"), text.decode("utf-8", "replace"))

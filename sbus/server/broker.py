@@ -1,8 +1,11 @@
 """The broker: per-client protocol and the factory that holds the bus together.
 
 A thin Twisted shell around the sans-I/O core: packets come in from a
-`SeqPacketTransport`, are classified and routed by `sbus.core`, and go out
-through each subscriber's transport under its flood-control settings.
+packet transport (`sbus.interfaces.IPacketTransport`), are classified and
+routed by `sbus.core`, and go out through each subscriber's transport under
+its flood-control settings. The broker uses only that interface: send now,
+queue under the flood policy, queue regardless (replies), pause and resume;
+the transport calls `outboxDrained` when its queue has emptied.
 Nothing here logs per packet or creates a Deferred per packet.
 """
 
@@ -12,26 +15,27 @@ import errno
 import json
 import os
 import select
-import socket
 import time
 from collections import Counter
 
-from twisted.internet import interfaces, protocol
+from twisted.internet import protocol
 from twisted.logger import Logger
 from zope.interface import implementer
 
 from sbus.core import codec, flood
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key, check_pattern, secret_prefix, whoami
+from sbus.core.pausing import Holds, Pauses
 from sbus.core.router import Router
-from sbus.server.config import allowed_uid_set, SEGMENT_COST, ServerConfig
+from sbus.interfaces import IPacketProtocol
+from sbus.server.config import SEGMENT_COST, ServerConfig, allowed_uid_set
 
 log = Logger()
 
-#: Linux 6.5+: a pidfd for the process that connected (not in Python 3.11's socket module).
-SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
-
 _WHOAMI_REPLY = b"CMSG " + codec.WHOAMI + b"\0"
 _STATS_REPLY = b"CMSG " + codec.STATS + b"\0"
+_ID_REPLY = b"CMSG " + codec.SERVER_ID + b"\0"
+_DROPPED = b"CMSG " + codec.DROPPED + b"\0"
+_DISCONNECT = b"CMSG " + codec.DISCONNECT + b"\0"
 
 # Disconnect reasons, as they appear in statistics.
 PROTOCOL_ERROR = "protocol_error"
@@ -43,15 +47,44 @@ TOO_MANY_SUBSCRIPTIONS = "too_many_subscriptions"
 STALLED = "stalled"
 CLOSED = "closed"
 
+#: What a drop or a disconnect decided by `Outbox.offer` is counted as.
+_OFFER_REASON = {
+    flood.DROPPED_SOFT: flood.SOFT_DISCARD, flood.DROPPED_HARD: flood.HARD_DISCARD,
+    flood.DISCONNECT_SOFT: flood.SOFT_ERROR, flood.DISCONNECT_HARD: flood.HARD_ERROR,
+}
 
+#: Rendering statistics may take at most this share of the reactor's time (see `BrokerFactory._statsFor`).
+STATS_SHARE = 0.1
+
+
+def _overflow_ids() -> tuple[int, int] | None:
+    """The kernel's overflow uid/gid if this server runs in a user namespace that does not map
+    every id (then a peer whose ids are not mapped shows as them); None in the initial one."""
+    try:
+        with open("/proc/self/uid_map") as f:
+            maps = f.read().split()
+        if maps == ["0", "0", "4294967295"]:
+            return None
+        with open("/proc/sys/kernel/overflowuid") as f:
+            uid = int(f.read())
+        with open("/proc/sys/kernel/overflowgid") as f:
+            gid = int(f.read())
+        return uid, gid
+    except (OSError, ValueError):
+        return 65534, 65534
+
+
+@implementer(IPacketProtocol)
 class BrokerProtocol(protocol.Protocol):
     """One connected client: its credentials, subscriptions, echo and flood settings."""
 
     __slots__ = (
         "factory", "cred", "label", "echo", "packets_in", "bytes_in", "drops",
-        "blocked_feeders", "block_count", "whoami_reply", "reason", "subscriptions", "subscription_bytes",
-        "_stall",
-        "_owner", "_match", "_prefix",
+        "pauses", "holds", "whoami_reply", "reason", "subscriptions", "subscription_bytes",
+        "_stall", "_credit", "_since",
+        "owner", "_match", "_prefix", "_secret_root",
+        "dropped", "_dropFirst", "_dropLast", "_dropWait", "_queuedSinceNotice",
+        "_replyHeld", "_statsWanted",
     )
 
     def __init__(self, factory: "BrokerFactory", cred):
@@ -62,21 +95,32 @@ class BrokerProtocol(protocol.Protocol):
         self.packets_in = 0
         self.bytes_in = 0
         self.drops: Counter | None = None
-        #: Publishers this client's full queue has paused (soft/hard `block`).
-        self.blocked_feeders: set | None = None
-        #: How many subscribers are holding this client's reading paused.
-        self.block_count = 0
+        #: Who holds this client's reading paused (subscribers it filled, the relay, its own replies).
+        self.pauses: Pauses | None = None
+        #: Publishers this client's full queue holds paused (soft/hard `block`).
+        self.holds = Holds()
         self.whoami_reply = _WHOAMI_REPLY + whoami(factory.config.cred_prefix, cred)
         self.reason = CLOSED
         self.subscriptions = 0
         #: Estimated memory its patterns pin (see `pattern_cost`).
         self.subscription_bytes = 0
-        #: Fires when this client has held publishers paused for too long.
+        #: The hold budget (see `_block`): seconds of holding publishers left, as of `_since`.
         self._stall = None
-        #: Watches the process that connected once the client holds secret patterns.
-        self._owner = None
+        self._credit = factory.config.stall_timeout
+        self._since = 0.0
+        #: The process that connected; None if it could not be proven alive at connect.
+        self.owner: Owner | None = None
         self._match = factory.router.match
         self._prefix = factory.config.cred_prefix
+        self._secret_root = self._prefix + SECRET_ROOT
+        #: Drops not yet told to the client (`server/dropped`), and the keys that began and ended them.
+        self.dropped = 0
+        self._dropFirst = self._dropLast = b""
+        self._dropWait = False
+        self._queuedSinceNotice = True
+        #: Whether this client's reading is paused until its replies drain.
+        self._replyHeld = False
+        self._statsWanted = 0
 
     def __repr__(self):
         return f"<client {self.label}>"
@@ -84,12 +128,13 @@ class BrokerProtocol(protocol.Protocol):
     # -- connection life
 
     def connectionMade(self):
+        self.pauses = Pauses(self.transport)
         self.factory.clientConnected(self)
 
     def connectionLost(self, reason=None):
         self._releaseFeeders()
-        if self._owner is not None:
-            self._owner.close()
+        if self.owner is not None:
+            self.owner.close()
         self.factory.clientGone(self)
 
     # -- incoming packets: the hot path
@@ -109,10 +154,13 @@ class BrokerProtocol(protocol.Protocol):
                     check_key(key)
                 except CredentialError as e:
                     return self.misbehaved(INVALID_BANG, str(e))
+                if key.startswith(self._secret_root):
+                    self.factory.deliverSecret(packet, key, self)
+                    return None
             for client in self._match(key):
                 if client is self and not self.echo:
                     continue
-                client.deliver(packet, self)
+                client.deliver(packet, self, key)
             upstream = self.factory.upstream
             if upstream is not None:
                 upstream.localPublish(packet, key, self)
@@ -136,51 +184,125 @@ class BrokerProtocol(protocol.Protocol):
 
     # -- outgoing
 
-    def deliver(self, packet: bytes, feeder: "BrokerProtocol | None") -> None:
+    def deliver(self, packet: bytes, feeder: "BrokerProtocol | None", key: bytes = b"") -> None:
         """Hand a routed packet to this client under its flood-control settings."""
+        if self.dropped:
+            self._tellDrops()
         transport = self.transport
         if transport.trySend(packet) or transport.disconnecting:
             return
-        outbox = transport.outbox
-        action = outbox.offer(packet)
+        action = transport.offer(packet)
         if action == flood.QUEUED:
-            transport.startWriting()
+            self._queuedSinceNotice = True
         elif action == flood.QUEUED_BLOCK:
-            transport.startWriting()
+            self._queuedSinceNotice = True
             if feeder is not None:
                 self._block(feeder)
-        elif action == flood.DROPPED:
+        elif action <= flood.DROPPED_HARD:
             drops = self.drops
             if drops is None:
                 drops = self.drops = Counter()
-            drops[outbox.reason] += 1
+            drops[_OFFER_REASON[action]] += 1
+            if not self.dropped:
+                self._dropFirst = key
+            self._dropLast = key
+            self.dropped += 1
+            if not transport.queued() and not self._dropWait:
+                # Nothing queued to wake us when the socket drains: ask to be told.
+                self._dropWait = True
+                transport.notifyWritable()
         else:
-            self.misbehaved(outbox.reason, f"cannot keep up ({outbox.reason.replace('_', '/')} mode, "
-                                           f"{len(outbox)} packets / {outbox.nbytes} bytes queued)")
+            reason = _OFFER_REASON[action]
+            packets, nbytes = transport.queued(), transport.queuedBytes()
+            self.misbehaved(reason, f"cannot keep up ({reason.replace('_', '/')} mode, "
+                                    f"{packets} packets / {nbytes} bytes queued)")
+
+    def _tellDrops(self, now: bool = False) -> None:
+        """Send the pending `server/dropped` notice if the client has room for it.
+
+        Room: an empty queue and a socket that takes it, or a queue under its limits into which a
+        packet went since the last notice (so that a client whose every packet is dropped gets one
+        notice per drained queue, not one per packet). The notice is queued regardless of the flood
+        mode and never counted as a drop."""
+        transport = self.transport
+        if transport.disconnecting:
+            return
+        if not transport.queued():
+            if self._dropWait and not now:
+                return
+            if transport.trySend(self._dropNotice()):
+                self._dropsTold()
+                return
+            self._dropWait = True
+            transport.notifyWritable()
+        elif self._queuedSinceNotice and transport.hasRoom():
+            transport.write(self._dropNotice())
+            self._queuedSinceNotice = False
+            self._dropsTold()
+
+    def _dropNotice(self) -> bytes:
+        count = b"%d" % self.dropped
+        first, last = self._dropFirst, self._dropLast
+        room = self.factory.config.max_packet - len(_DROPPED) - len(count) - 2
+        if len(first) + len(last) > room:
+            # Both keys do not fit in one packet: each keeps its beginning.
+            first, last = first[:room // 2], last[:room - room // 2]
+        return b"%s%s\0%s\0%s" % (_DROPPED, count, first, last)
+
+    def _dropsTold(self):
+        self.dropped = 0
+        self._dropFirst = self._dropLast = b""
 
     def reply(self, packet: bytes) -> None:
-        """Server replies are queued, never dropped, whatever the flood mode."""
-        self.transport.write(packet)
+        """Server replies are never dropped: they are queued whatever the flood mode, count against
+        the client's queue limits, and once the queue is full the client is not read any further
+        until it drains (a client that asks without reading pins one queue, not the server)."""
+        transport = self.transport
+        if transport.disconnecting:
+            return
+        if self.dropped:
+            self._tellDrops(now=True)
+        if transport.trySend(packet):
+            return
+        transport.write(packet)
+        if not self._replyHeld and not transport.hasRoom():
+            self._replyHeld = True
+            self.pauses.hold()
 
     def outboxDrained(self):
         self._releaseFeeders()
+        if self._replyHeld:
+            self._replyHeld = False
+            self.pauses.release()
+        self._dropWait = False
+        self._queuedSinceNotice = True
+        if self.dropped:
+            self._tellDrops()
+
+    # -- block modes and their hold budget
 
     def _block(self, feeder: "BrokerProtocol"):
-        feeders = self.blocked_feeders
-        if feeders is None:
-            feeders = self.blocked_feeders = set()
-            if self._stall is None:
-                self._stall = self.factory.reactor.callLater(self.factory.config.stall_timeout, self._stalled)
-        if feeder not in feeders:
-            feeders.add(feeder)
-            feeder.block_count += 1
-            if feeder.block_count == 1:
-                feeder.transport.pauseProducing()
+        """Hold `feeder` paused until our queue drains.
+
+        The hold budget: a client may hold publishers `stall_timeout` seconds more than it lets
+        them run. Holding spends the budget, not holding earns it back (up to `stall_timeout`); when
+        it is spent the client is disconnected as `stalled`. A client that drains now and then but
+        keeps publishers held most of the time cannot hold them indefinitely."""
+        pauses = feeder.pauses
+        if pauses is None:
+            return
+        if not self.holds and self._stall is None:
+            now = self.factory.reactor.seconds()
+            self._credit = min(self.factory.config.stall_timeout, self._credit + (now - self._since))
+            self._since = now
+            self._stall = self.factory.reactor.callLater(max(self._credit, 0.0), self._stalled)
+        self.holds.add(pauses)
 
     def _stalled(self):
         self._stall = None
-        self.misbehaved(STALLED, f"held publishers paused for over {self.factory.config.stall_timeout:g} s "
-                                 f"({len(self.transport.outbox)} packets queued)")
+        timeout = self.factory.config.stall_timeout
+        self.misbehaved(STALLED, f"held publishers paused for {timeout:g} s more than it let them run "
+                                 f"({self.transport.queued()} packets queued)")
 
     def _releaseFeeders(self):
         stall = self._stall
@@ -188,14 +310,10 @@ class BrokerProtocol(protocol.Protocol):
             self._stall = None
             if stall.active():
                 stall.cancel()
-        feeders = self.blocked_feeders
-        if not feeders:
-            return
-        self.blocked_feeders = None
-        for feeder in feeders:
-            feeder.block_count -= 1
-            if feeder.block_count == 0:
-                feeder.transport.resumeProducing()
+            now = self.factory.reactor.seconds()
+            self._credit -= now - self._since
+            self._since = now
+        self.holds.release()
 
     # -- requests
 
@@ -205,10 +323,10 @@ class BrokerProtocol(protocol.Protocol):
         except CredentialError as e:
             reason = FORBIDDEN if pattern.startswith(SECRET_ROOT) else INVALID_BANG
             return self.misbehaved(reason, str(e))
-        if pattern.startswith(SECRET_ROOT) and not self._ownerAlive():
-            return self.misbehaved(OWNER_GONE, f"secret pattern refused: the process that connected "
-                                               f"(pid {self.cred.pid}) has exited, its pid is not this "
-                                               f"connection's any more")
+        if pattern.startswith(self._secret_root):
+            refusal = self._secretRefusal()
+            if refusal is not None:
+                return self.misbehaved(*refusal)
         factory = self.factory
         config = factory.config
         segments = pattern.count(b"/") + pattern.count(b"*") + 1  # each is a trie node: '*'s count too
@@ -255,20 +373,64 @@ class BrokerProtocol(protocol.Protocol):
             if upstream is not None:
                 upstream.patternReleased(pattern)
 
-    def _ownerAlive(self) -> bool:
-        """Is the process that connected still alive? (pids get reused: its secrets are not inherited)"""
-        owner = self._owner
+    # -- the process that connected (secrets are not inherited)
+
+    def watchOwner(self) -> bool:
+        """Prove the process that connected alive, right at accept: True if it is.
+
+        Fails closed: whatever stops us proving it (an exited or reaped peer: ESRCH, or EINVAL on
+        kernels 6.5 to about 6.15; out of descriptors; a peer in another pid or user namespace)
+        means no secret key for this connection, with one log line saying why."""
+        cred = self.cred
+        overflow = self.factory.overflow_ids
+        why = None
+        if cred.pid == 0:
+            why = "its process is in another pid namespace (pid 0): it has no secret space here"
+        elif overflow is not None and (cred.uid == overflow[0] or cred.gid == overflow[1]):
+            why = (f"its uid/gid {cred.uid}/{cred.gid} is this user namespace's overflow id (a user of "
+                   f"another namespace): it has no secret space here")
+        else:
+            owner = Owner.take(self.transport, cred.pid)
+            if isinstance(owner, str):
+                why = owner
+            elif not owner.alive():
+                owner.close()
+                why = f"the process that connected (pid {cred.pid}) has already exited"
+            else:
+                self.owner = owner
+                self.factory.noSecrets.pop(self, None)
+                return True
+        self.factory.noSecrets[self] = why
+        log.info("client {client}: no secret keys for this connection: {why}", client=self.label, why=why)
+        return False
+
+    def _secretRefusal(self) -> tuple[str, str] | None:
+        """None if this connection may hold secret patterns; else (reason, text) to disconnect it."""
+        if self.owner is None:
+            why = self.factory.noSecrets.get(self, "")
+            if why.startswith("cannot prove") and self.watchOwner():
+                # It could not be proven alive at connect (out of descriptors): it can now.
+                self.factory.router.add_client(self, secret_prefix(self._prefix, self.cred))
+                return None
+            why = self.factory.noSecrets.get(self, "")
+            if "exited" not in why:
+                return FORBIDDEN if "cannot prove" not in why else OWNER_GONE, f"secret pattern refused: {why}"
+        elif self.ownerAlive():
+            return None
+        return OWNER_GONE, (f"secret pattern refused: the process that connected (pid {self.cred.pid}) "
+                            f"has exited, its pid is not this connection's any more")
+
+    def ownerAlive(self) -> bool:
+        """Is the process that connected alive now? (asked of the kernel, not remembered)"""
+        owner = self.owner
         if owner is None:
-            try:
-                fd = self.transport.socket.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
-            except OSError as e:
-                # ESRCH: already gone. Kernels before 6.5 have no pidfds: credentials alone, as in C.
-                return e.errno != errno.ESRCH
-            owner = self._owner = OwnerWatch(fd, self)
-            if not owner.alive():
-                return False
-            self.factory.reactor.addReader(owner)
-        return not owner.exited
+            return False
+        if owner.alive():
+            return True
+        if not owner.told:
+            owner.told = True
+            self.ownerExited()
+        return False
 
     def ownerExited(self):
         """The process that connected is gone; whoever holds the socket now is someone else."""
@@ -276,13 +438,20 @@ class BrokerProtocol(protocol.Protocol):
                  "no secret key is delivered to this connection any more", client=self.label)
         self.factory.router.add_client(self, None)
 
+    # -- leaving
+
     def misbehaved(self, reason: str, detail: str):
-        """Disconnect this client, with one log line naming it and why."""
-        if self.transport.disconnecting:
+        """Disconnect this client, with one log line naming it and why, and tell it why
+        (`server/disconnect`, sent ahead of anything queued, which is thrown away)."""
+        transport = self.transport
+        if transport.disconnecting:
             return
         self.reason = reason
         log.warn("disconnecting client {client}: {detail}", client=self.label, detail=detail)
-        self.transport.abortConnection()
+        text = detail.encode("utf-8", "replace").replace(b"\0", b" ").replace(b"\n", b" ")
+        notice = _DISCONNECT + reason.encode() + b"\0" + text
+        transport.sendLast(notice[:self.factory.config.max_packet])
+        transport.abortConnection()
 
     # -- control messages
 
@@ -290,7 +459,10 @@ class BrokerProtocol(protocol.Protocol):
         self.reply(self.whoami_reply)
 
     def _stats(self):
-        self.reply(_STATS_REPLY + self.factory.statsJSON(viewer_uid=self.cred.uid))
+        self.factory.statsRequested(self)
+
+    def _id(self):
+        self.reply(_ID_REPLY + self.factory.bus_id)
 
     def _echo_on(self):
         self.echo = True
@@ -299,57 +471,106 @@ class BrokerProtocol(protocol.Protocol):
         self.echo = False
 
 
-@implementer(interfaces.IReadDescriptor)
-class OwnerWatch:
-    """A pidfd of a client's connecting process: readable once that process exits."""
+class Owner:
+    """The process that connected, for secret keys: is it still alive?
 
-    __slots__ = ("fd", "client", "exited", "__weakref__")
+    With SO_PEERPIDFD (Linux 6.5+) each question takes a fresh pidfd from the socket (always
+    that process, even when its pid has been reused), polls it and closes it: no descriptor is
+    held per client. Without it, `pidfd_open` of the SO_PEERCRED pid right at accept, kept only
+    if that process started no later than the accept (not a newer one that got the pid), and
+    held for the life of the connection. Any error means "not proven alive" (fail closed)."""
 
-    def __init__(self, fd: int, client: BrokerProtocol):
+    __slots__ = ("transport", "fd", "exited", "told")
+
+    def __init__(self, transport, fd: int = -1):
+        self.transport = transport
         self.fd = fd
-        self.client = client
         self.exited = False
+        self.told = False
+
+    @classmethod
+    def take(cls, transport, pid: int) -> "Owner | str":
+        """An `Owner`, or the reason why the process cannot be watched."""
+        try:
+            os.close(transport.peerPidfd())
+            return cls(transport)
+        except OSError as e:
+            if e.errno in (errno.ESRCH, errno.EINVAL):
+                return f"the process that connected (pid {pid}) has already exited"
+            if e.errno != errno.ENOPROTOOPT or not hasattr(os, "pidfd_open"):
+                return f"cannot prove the process that connected alive ({e.strerror or e})"
+        try:
+            return cls(transport, _pidfd_of_old_process(pid, time.clock_gettime(time.CLOCK_BOOTTIME)))
+        except OSError as e:
+            if e.errno == errno.ESRCH:
+                return f"the process that connected (pid {pid}) has already exited"
+            return f"cannot prove the process that connected alive ({e.strerror or e})"
 
     def alive(self) -> bool:
-        if not self.exited and select.select([self.fd], [], [], 0)[0]:
-            self.exited = True
+        if self.exited:
+            return False
+        fd = self.fd
+        if fd >= 0:
+            return self._poll(fd)
+        try:
+            fd = self.transport.peerPidfd()
+        except OSError as e:
+            if e.errno in (errno.ESRCH, errno.EINVAL):
+                self.exited = True
+            return False
+        try:
+            return self._poll(fd)
+        finally:
+            os.close(fd)
+
+    def _poll(self, fd: int) -> bool:
+        p = select.poll()
+        p.register(fd, select.POLLIN)
+        try:
+            if p.poll(0):
+                self.exited = True  # a pidfd is readable once its process has exited
+        except OSError:
+            return False
         return not self.exited
-
-    def fileno(self):
-        return self.fd
-
-    def logPrefix(self):
-        return "OwnerWatch"
-
-    def doRead(self):
-        if not self.exited:
-            self.exited = True
-            self.client.factory.reactor.removeReader(self)
-            self.client.ownerExited()
-
-    def connectionLost(self, reason):
-        self.close()
 
     def close(self):
         if self.fd >= 0:
-            self.client.factory.reactor.removeReader(self)
             os.close(self.fd)
             self.fd = -1
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _pidfd_of_old_process(pid: int, accepted: float) -> int:
+    """pidfd_open(pid), kept only if that process started no later than `accepted` (CLOCK_BOOTTIME)."""
+    fd = os.pidfd_open(pid)
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        started = int(fields[19]) / _CLOCK_TICKS  # starttime, field 22 of proc(5)
+        if started > accepted + 1 / _CLOCK_TICKS:
+            raise OSError(errno.ESRCH, "the pid belongs to a process newer than the connection")
+    except (OSError, ValueError, IndexError):
+        os.close(fd)
+        raise
+    return fd
 
 
 def _control_table():
     table = {
         codec.WHOAMI: BrokerProtocol._whoami,
         codec.STATS: BrokerProtocol._stats,
+        codec.SERVER_ID: BrokerProtocol._id,
         codec.ECHO_ON: BrokerProtocol._echo_on,
         codec.ECHO_OFF: BrokerProtocol._echo_off,
     }
     for mode in flood.SOFT_MODES:
-        table[b"blocking/soft/" + mode.encode()] = lambda self, m=mode: self.transport.outbox.set_soft(m)
+        table[b"blocking/soft/" + mode.encode()] = lambda self, m=mode: self.transport.setFlood(soft=m)
     for mode in flood.HARD_MODES:
-        table[b"blocking/hard/" + mode.encode()] = lambda self, m=mode: self.transport.outbox.set_hard(m)
+        table[b"blocking/hard/" + mode.encode()] = lambda self, m=mode: self.transport.setFlood(hard=m)
     for order in flood.ORDERS:
-        table[b"order/" + order.encode()] = lambda self, o=order: self.transport.outbox.set_order(o)
+        table[b"order/" + order.encode()] = lambda self, o=order: self.transport.setFlood(order=o)
     return table
 
 
@@ -374,16 +595,29 @@ class BrokerFactory(protocol.Factory):
         self.on_empty = on_empty
         self.had_client = False
         self.started = time.time()
+        #: `server/id`: random at start, stable for the life of this process.
+        self.bus_id = os.urandom(16).hex().encode()
         allowed = self.config.allowed_uids
         self.allowed_uids = None if allowed is None else allowed_uid_set(allowed)
-        # Totals of clients that have gone; live clients are summed at stats time.
-        self.gone = Counter()
-        self.drops = Counter()
-        self.disconnects = Counter()
+        self.overflow_ids = _overflow_ids()
+        #: Connections that get no secret key, and why (their owner could not be proven alive).
+        self.noSecrets: dict[BrokerProtocol, str] = {}
+        # Per uid: live clients, and the totals of its clients that have gone.
+        self.uid_clients: dict[int, set] = {}
+        self.uid_gone: dict[int, Counter] = {}
+        self.uid_drops: dict[int, Counter] = {}
+        self.uid_disconnects: dict[int, Counter] = {}
         self.refused = Counter()
         self.uid_connections = Counter()
         self.uid_subscriptions = Counter()
         self.uid_subscription_bytes = Counter()
+        # Memory bounds on queued bytes: one budget per uid, all under the server's.
+        self.queue_budget = flood.Budget(self.config.max_queue_bytes)
+        self.uid_queue_budgets: dict[int, flood.Budget] = {}
+        # `server/stats`: when the next rendering may start, and who waits for it.
+        self._stats_next = 0.0
+        self._stats_waiting: list[BrokerProtocol] = []
+        self._stats_call = None
 
     def buildProtocol(self, addr):
         cred = addr.cred
@@ -400,10 +634,18 @@ class BrokerFactory(protocol.Factory):
         return self.protocol(self, cred)
 
     def clientConnected(self, client: BrokerProtocol):
+        uid = client.cred.uid
         self.clients.add(client)
-        self.uid_connections[client.cred.uid] += 1
+        self.uid_clients.setdefault(uid, set()).add(client)
+        self.uid_connections[uid] += 1
         self.had_client = True
-        self.router.add_client(client, secret_prefix(self.config.cred_prefix, client.cred))
+        budget = self.uid_queue_budgets.get(uid)
+        if budget is None:
+            budget = self.uid_queue_budgets[uid] = flood.Budget(self.config.max_uid_queue_bytes,
+                                                                self.queue_budget)
+        client.transport.setBudget(budget)
+        alive = client.watchOwner()
+        self.router.add_client(client, secret_prefix(self.config.cred_prefix, client.cred) if alive else None)
         log.info("client connected: {client}", client=client.label)
 
     def clientGone(self, client: BrokerProtocol):
@@ -412,20 +654,30 @@ class BrokerFactory(protocol.Factory):
             for pattern in released:
                 self.upstream.patternReleased(pattern)
         self.clients.discard(client)
+        self.noSecrets.pop(client, None)
         uid = client.cred.uid
+        mine = self.uid_clients.get(uid)
+        if mine is not None:
+            mine.discard(client)
+            if not mine:
+                del self.uid_clients[uid]
         for counts, n in ((self.uid_connections, 1), (self.uid_subscriptions, client.subscriptions),
                           (self.uid_subscription_bytes, client.subscription_bytes)):
             counts[uid] -= n
             if counts[uid] <= 0:
                 del counts[uid]
+        budget = self.uid_queue_budgets.get(uid)
+        if budget is not None and uid not in self.uid_clients and budget.used <= 0:
+            del self.uid_queue_budgets[uid]
         t = client.transport
-        self.gone["packets_in"] += client.packets_in
-        self.gone["bytes_in"] += client.bytes_in
-        self.gone["packets_out"] += t.packets_out
-        self.gone["bytes_out"] += t.bytes_out
+        gone = self.uid_gone.setdefault(uid, Counter())
+        gone["packets_in"] += client.packets_in
+        gone["bytes_in"] += client.bytes_in
+        gone["packets_out"] += t.packets_out
+        gone["bytes_out"] += t.bytes_out
         if client.drops:
-            self.drops.update(client.drops)
-        self.disconnects[client.reason] += 1
+            self.uid_drops.setdefault(uid, Counter()).update(client.drops)
+        self.uid_disconnects.setdefault(uid, Counter())[client.reason] += 1
         log.info("client disconnected: {client} ({reason})", client=client.label, reason=client.reason)
         if not self.clients and self.on_empty is not None:
             self.on_empty()
@@ -434,56 +686,133 @@ class BrokerFactory(protocol.Factory):
         """Deliver a MSG packet that came from outside this bus (a relay's master).
 
         `feeder`, if given, is paused like a local publisher when a subscriber in
-        `block` mode fills up: it needs `block_count` and a `transport`."""
+        `block` mode fills up: it needs a `pauses` (`sbus.core.pausing.Pauses`)."""
+        if key.startswith(self.config.cred_prefix + SECRET_ROOT):
+            return self.deliverSecret(packet, key, feeder, local=False)
         for client in self.router.match(key):
-            client.deliver(packet, feeder)
+            client.deliver(packet, feeder, key)
+
+    def deliverSecret(self, packet: bytes, key: bytes, publisher, local: bool = True) -> None:
+        """A secret key: its owner gets it only while the process that connected is alive, asked
+        now, not when the reactor gets round to the pidfd's exit event."""
+        for client in self.router.match(key):
+            if client is publisher and not client.echo:
+                continue
+            if client.ownerAlive():
+                client.deliver(packet, publisher, key)
+        if local and self.upstream is not None:
+            self.upstream.localPublish(packet, key, publisher)
+
+    # -- statistics
+
+    def statsRequested(self, client: BrokerProtocol) -> None:
+        """Answer now if rendering is allowed now; else hold the asker (not reading it keeps its
+        later packets after the answer) until the next rendering, which answers everyone waiting."""
+        if client._statsWanted == 0 and not self._stats_waiting and self.reactor.seconds() >= self._stats_next:
+            client.reply(_STATS_REPLY + self._statsFor({}, client.cred.uid))
+            return
+        client._statsWanted += 1
+        if client._statsWanted == 1:
+            self._stats_waiting.append(client)
+            client.pauses.hold()
+        if self._stats_call is None:
+            self._stats_call = self.reactor.callLater(max(0.0, self._stats_next - self.reactor.seconds()),
+                                                      self._answerStats)
+
+    def _answerStats(self) -> None:
+        self._stats_call = None
+        waiting, self._stats_waiting = self._stats_waiting, []
+        rendered: dict = {}
+        for client in waiting:
+            n, client._statsWanted = client._statsWanted, 0
+            if client.transport.connected and not client.transport.disconnecting:
+                reply = _STATS_REPLY + self._statsFor(rendered, client.cred.uid)
+                for _ in range(n):
+                    client.reply(reply)
+            client.pauses.release()
+
+    def _statsFor(self, rendered: dict, viewer_uid: int) -> bytes:
+        """The JSON for this viewer; one rendering per scope per batch. Rendering may take at most
+        STATS_SHARE of the reactor's time: the next one may start only after 1/STATS_SHARE - 1
+        times the last one's duration has passed."""
+        scope = None if self.privileged(viewer_uid) else viewer_uid
+        data = rendered.get(scope)
+        if data is None:
+            start = time.perf_counter()
+            data = rendered[scope] = self.statsJSON(viewer_uid)
+            spent = time.perf_counter() - start
+            self._stats_next = self.reactor.seconds() + spent * (1 / STATS_SHARE - 1)
+        return data
+
+    @staticmethod
+    def privileged(uid: int | None) -> bool:
+        return uid is None or uid in (0, os.getuid())
 
     def stats(self, viewer_uid: int | None = None) -> dict:
-        """Totals for the whole bus; per-client rows only for the viewer's own uid, unless the
-        viewer is root or the server's own user (other users' pids and traffic are theirs)."""
-        clients = list(self.clients)
-        private = viewer_uid is not None and viewer_uid not in (0, os.getuid())
-        drops = Counter(self.drops)
+        """The bus as `viewer_uid` may see it: root and the server's own user see every client and
+        the whole bus's totals; any other uid sees only its own clients, in rows and in totals (the
+        bus's totals would tell it who subscribes to what, by diffing them around a publish)."""
+        private = not self.privileged(viewer_uid)
+        if private:
+            uids = [viewer_uid]
+            clients = list(self.uid_clients.get(viewer_uid, ()))
+        else:
+            uids = set(self.uid_gone) | set(self.uid_clients) | set(self.uid_drops) | set(self.uid_disconnects)
+            clients = list(self.clients)
+        totals = Counter()
+        drops = Counter()
+        disconnects = Counter()
+        for uid in uids:
+            totals.update(self.uid_gone.get(uid, ()))
+            drops.update(self.uid_drops.get(uid, ()))
+            disconnects.update(self.uid_disconnects.get(uid, ()))
         queues = []
-        totals = Counter(self.gone)
+        subscriptions = 0
         for c in clients:
             t = c.transport
             totals["packets_in"] += c.packets_in
             totals["bytes_in"] += c.bytes_in
             totals["packets_out"] += t.packets_out
             totals["bytes_out"] += t.bytes_out
+            subscriptions += c.subscriptions
             if c.drops:
                 drops.update(c.drops)
-            if private and c.cred.uid != viewer_uid:
-                continue
-            ob = t.outbox
+            q = t.queueState()
             queues.append({
                 "pid": c.cred.pid, "uid": c.cred.uid, "gid": c.cred.gid,
                 "subscriptions": c.subscriptions,
-                "queued_packets": len(ob), "queued_bytes": ob.nbytes,
-                "soft": ob.soft, "hard": ob.hard, "order": ob.order, "echo": c.echo,
+                "queued_packets": q.packets, "queued_bytes": q.bytes,
+                "soft": q.soft, "hard": q.hard, "order": q.order, "echo": c.echo,
                 "packets_in": c.packets_in, "packets_out": t.packets_out,
                 "drops": dict(c.drops or {}),
             })
+        if private:
+            budget = self.uid_queue_budgets.get(viewer_uid)
+            queued = budget.used if budget is not None else 0
+        else:
+            queued = self.queue_budget.used
         result = {
             "clients": len(clients),
-            "subscriptions": self.router.subscription_count,
+            "subscriptions": subscriptions if private else self.router.subscription_count,
             "packets_in": totals["packets_in"],
             "packets_out": totals["packets_out"],
             "bytes_in": totals["bytes_in"],
             "bytes_out": totals["bytes_out"],
+            "queued_bytes": queued,
             "drops": dict(drops),
-            "disconnects": dict(self.disconnects),
-            "refused": dict(self.refused),
+            "disconnects": dict(disconnects),
+            "refused": {} if private else dict(self.refused),
             "queues": queues,
             "uptime_s": round(time.time() - self.started, 3),
             "limits": {name: getattr(self.config, name) for name in (
-                "max_packet", "queue_bytes", "queue_packets", "stall_timeout", "max_subscriptions",
-                "max_uid_subscriptions", "max_uid_connections", "max_subscription_bytes",
-                "max_uid_subscription_bytes", "max_pattern_segments")},
+                "max_packet", "queue_bytes", "queue_packets", "max_uid_queue_bytes", "max_queue_bytes",
+                "stall_timeout", "max_subscriptions", "max_uid_subscriptions", "max_uid_connections",
+                "max_subscription_bytes", "max_uid_subscription_bytes", "max_pattern_segments")},
         }
+        if private:
+            result["scope"] = "uid"
         upstream_stats = getattr(self.upstream, "stats", None)
-        if upstream_stats is not None:
+        if upstream_stats is not None and not private:
             result["upstream"] = upstream_stats()
         return result
 

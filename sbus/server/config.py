@@ -18,7 +18,12 @@ def allowed_uid_set(users: Iterable[int] | None) -> frozenset[int] | None:
         return None
     return frozenset(users) | {os.getuid()}
 
-#: How long a client in a `block` mode may hold publishers paused before it is disconnected.
+#: Queued bytes all clients of one uid may pin together, and all clients of the server: past either,
+#: a client's hard flood mode applies as if its own queue were full (fits a small machine).
+DEFAULT_MAX_UID_QUEUE_BYTES = 64 << 20
+DEFAULT_MAX_QUEUE_BYTES = 256 << 20
+#: The hold budget of the `block` modes: how much longer a client may hold publishers paused than it
+#: lets them run before it is disconnected (`stalled`).
 DEFAULT_STALL_TIMEOUT = 30.0
 #: So that one client or one user cannot take the whole bus's memory or descriptors.
 DEFAULT_MAX_SUBSCRIPTIONS = 100_000
@@ -44,6 +49,9 @@ class ServerConfig:
     #: Packets read from one client per wakeup before others get a turn.
     drain_cap: int = DEFAULT_DRAIN_CAP
     stall_timeout: float = DEFAULT_STALL_TIMEOUT
+    #: Queued bytes per uid (all its clients) and for the whole server.
+    max_uid_queue_bytes: int = DEFAULT_MAX_UID_QUEUE_BYTES
+    max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES
     #: Subscriptions one client may hold (duplicates count).
     max_subscriptions: int = DEFAULT_MAX_SUBSCRIPTIONS
     #: Subscriptions and connections all clients of one uid may hold together.

@@ -23,7 +23,9 @@ from sbus.server.config import (
     DEFAULT_MAX_SUBSCRIPTION_BYTES,
     DEFAULT_MAX_SUBSCRIPTIONS,
     DEFAULT_MAX_UID_SUBSCRIPTION_BYTES,
+    DEFAULT_MAX_QUEUE_BYTES,
     DEFAULT_MAX_UID_CONNECTIONS,
+    DEFAULT_MAX_UID_QUEUE_BYTES,
     DEFAULT_MAX_UID_SUBSCRIPTIONS,
     DEFAULT_QUEUE_BYTES,
     DEFAULT_QUEUE_PACKETS,
@@ -55,6 +57,7 @@ def parse_cred_prefix(text: str | bytes) -> bytes:
 _LIMITS = (
     "queue-bytes", "queue-packets", "max-subscriptions", "max-uid-subscriptions", "max-uid-connections",
     "max-subscription-bytes", "max-uid-subscription-bytes", "max-pattern-segments",
+    "max-uid-queue-bytes", "max-queue-bytes",
 )
 
 
@@ -79,8 +82,13 @@ class Options(usage.Options):
         ["max-packet", None, str(MAX_PACKET), "Largest packet accepted, in bytes (17 .. 16 MiB)."],
         ["queue-bytes", None, str(DEFAULT_QUEUE_BYTES), "Per-client output queue limit, bytes."],
         ["queue-packets", None, str(DEFAULT_QUEUE_PACKETS), "Per-client output queue limit, packets."],
+        ["max-uid-queue-bytes", None, str(DEFAULT_MAX_UID_QUEUE_BYTES),
+         "Queued bytes all clients of one uid may pin together (then their hard mode applies)."],
+        ["max-queue-bytes", None, str(DEFAULT_MAX_QUEUE_BYTES),
+         "Queued bytes all clients together may pin (then their hard mode applies)."],
         ["stall-timeout", None, str(DEFAULT_STALL_TIMEOUT),
-         "Seconds a client in a block mode may hold publishers paused before it is disconnected."],
+         "Hold budget: seconds a client in a block mode may hold publishers paused beyond the time "
+         "it lets them run; past it, it is disconnected (stalled)."],
         ["max-subscriptions", None, str(DEFAULT_MAX_SUBSCRIPTIONS), "Subscriptions one client may hold."],
         ["max-uid-subscriptions", None, str(DEFAULT_MAX_UID_SUBSCRIPTIONS),
          "Subscriptions all clients of one uid may hold together."],

@@ -55,6 +55,7 @@ from zope.interface import implementer
 from sbus.client import address as client_address
 from sbus.client.twisted import ReconnectingClient, SbusProtocol, parse_whoami
 from sbus.core.credentials import SECRET_ROOT
+from sbus.core.pausing import Holds, Pauses
 from sbus.interfaces import IUpstream
 from sbus.server import tap
 from sbus.server.address import parse_address
@@ -112,8 +113,12 @@ class UpstreamProtocol(SbusProtocol):
     """The relay's connection to its master."""
 
     relay: "Relay | None" = None
-    #: How many local subscribers hold this connection's reading paused (broker feeder protocol).
-    block_count = 0
+    #: Who holds this connection's reading paused (the broker's feeder protocol).
+    pauses: Pauses | None = None
+
+    def connectionMade(self):
+        self.pauses = Pauses(self.transport)
+        SbusProtocol.connectionMade(self)
 
     def packetReceived(self, packet: bytes) -> None:
         if packet[:4] == b"MSG ":
@@ -167,7 +172,8 @@ class Relay(service.Service):
         self._up_secret = None
         self._translate = False
         self.up_limit = config.queue_bytes
-        self.blocked: set = set()
+        #: Local publishers paused while too much waits to go up to the master.
+        self.blocked = Holds()
         # counters
         self.forwarded_up = 0
         self.forwarded_down = 0
@@ -292,11 +298,8 @@ class Relay(service.Service):
         transport = up.transport
         transport.write(packet)
         self.forwarded_up += 1
-        if transport.outbox.nbytes > self.up_limit and client not in self.blocked:
-            self.blocked.add(client)
-            client.block_count += 1
-            if client.block_count == 1:
-                client.transport.pauseProducing()
+        if transport.outbox.nbytes > self.up_limit and client.pauses is not None:
+            self.blocked.add(client.pauses)
 
     def patternHeld(self, pattern: bytes) -> None:
         up = self.up
@@ -345,11 +348,7 @@ class Relay(service.Service):
             self._releasePublishers()
 
     def _releasePublishers(self):
-        blocked, self.blocked = self.blocked, set()
-        for client in blocked:
-            client.block_count -= 1
-            if client.block_count == 0:
-                client.transport.resumeProducing()
+        self.blocked.release()
 
 
 def makeService(options: Options) -> Relay:

@@ -1,0 +1,83 @@
+"""Who holds a connection's reading paused, counted once (no Twisted here).
+
+A publisher may be held by several parties at once: every subscriber in a
+`block` mode whose queue it filled, a relay whose upward queue it filled,
+the server while its own replies to it wait. `Pauses` counts them for one
+producer: the first hold pauses it, the last release resumes it. `Holds`
+is one party's set of producers it holds (each at most once), released all
+together when that party's queue drains or it goes away.
+"""
+
+from __future__ import annotations
+
+
+class Pauses:
+    """How many holds keep one producer (anything with pauseProducing/resumeProducing) paused."""
+
+    __slots__ = ("producer", "count")
+
+    def __init__(self, producer):
+        self.producer = producer
+        self.count = 0
+
+    def hold(self) -> None:
+        self.count += 1
+        if self.count == 1:
+            self.producer.pauseProducing()
+
+    def release(self) -> None:
+        if self.count <= 0:
+            raise RuntimeError("released a producer that nobody holds")
+        self.count -= 1
+        if self.count == 0:
+            self.producer.resumeProducing()
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def __repr__(self):
+        return f"<Pauses {self.count} of {self.producer!r}>"
+
+
+class Holds:
+    """The `Pauses` one party holds, each at most once."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self):
+        self._held: set[Pauses] | None = None
+
+    def add(self, pauses: Pauses) -> bool:
+        """Hold `pauses` (no-op if already held); True if this is a new hold."""
+        held = self._held
+        if held is None:
+            held = self._held = set()
+        elif pauses in held:
+            return False
+        held.add(pauses)
+        pauses.hold()
+        return True
+
+    def discard(self, pauses: Pauses) -> None:
+        """Let one go (it went away, or needs releasing early)."""
+        if self._held and pauses in self._held:
+            self._held.remove(pauses)
+            pauses.release()
+
+    def release(self) -> int:
+        """Let every held producer go; return how many there were."""
+        held, self._held = self._held, None
+        if not held:
+            return 0
+        for pauses in held:
+            pauses.release()
+        return len(held)
+
+    def __len__(self) -> int:
+        return len(self._held) if self._held else 0
+
+    def __bool__(self) -> bool:
+        return bool(self._held)
+
+    def __contains__(self, pauses) -> bool:
+        return bool(self._held) and pauses in self._held
