@@ -228,7 +228,7 @@ class SeqPacketTransport:
         """Send now, ahead of anything queued, if the socket takes it (the connection is closing)."""
         if self.connected:
             try:
-                self._send(packet)
+                self._send(packet, _NOSIGNAL)
             except OSError:
                 return
             self.packets_out += 1

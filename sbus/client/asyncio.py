@@ -60,6 +60,10 @@ class Client:
         self._closed: BaseException | None = None
         self._reading = False
         self._write_waiter: asyncio.Future | None = None
+        #: Messages the server dropped for us (sum of its `server/dropped` notices, which
+        #: `receive()` returns as `DropNotice`s), and its `server/disconnect` notice if any.
+        self.dropped = 0
+        self.disconnect_reason: codec.DisconnectNotice | None = None
         self._start_reading()
 
     # -- plumbing
@@ -127,11 +131,15 @@ class Client:
                 n = sock.recv_into(view, limit, _MSG_TRUNC)
             except (BlockingIOError, InterruptedError):
                 break
+            except ConnectionResetError:
+                # Reported once, ahead of packets still queued for us (the server's last words).
+                continue
             except OSError as e:
                 self._lost(ConnectionClosed(f"the connection failed: {e.strerror or e}"))
                 return
             if n == 0:
-                self._lost(ConnectionClosed())
+                notice = self.disconnect_reason
+                self._lost(ConnectionClosed(str(notice), notice) if notice else ConnectionClosed())
                 return
             if n > limit:
                 inbox.append(PacketTooLarge(n, limit))
@@ -142,6 +150,20 @@ class Client:
             except ProtocolError as e:
                 inbox.append(e)
                 got = True
+                continue
+            if type(packet) is Control and packet.key == codec.DROPPED:
+                try:
+                    packet = codec.parse_drop_notice(packet.payload)
+                except ProtocolError as e:
+                    inbox.append(e)
+                    got = True
+                    continue
+                self.dropped += packet.count
+                inbox.append(packet)
+                got = True
+                continue
+            if type(packet) is Control and packet.key == codec.DISCONNECT:
+                self.disconnect_reason = codec.parse_disconnect(packet.payload)
                 continue
             if type(packet) is Control:
                 queue = self._requests.get(packet.key)

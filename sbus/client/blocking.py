@@ -27,7 +27,7 @@ import time
 from collections import deque
 
 from sbus.core import codec
-from sbus.core.codec import MAX_PACKET, Control, Message, ProtocolError
+from sbus.core.codec import MAX_PACKET, Control, DisconnectNotice, DropNotice, Message, ProtocolError
 
 from .address import open_socket, size_buffers
 
@@ -42,10 +42,12 @@ class SbusError(Exception):
 
 
 class ConnectionClosed(SbusError, ConnectionError):
-    """The server closed the connection (or the peer is gone)."""
+    """The server closed the connection (or the peer is gone); `notice` is the server's
+    `server/disconnect` (a `DisconnectNotice`: reason, text) when it said why."""
 
-    def __init__(self, message: str = "the server closed the connection"):
+    def __init__(self, message: str = "the server closed the connection", notice: DisconnectNotice | None = None):
         super().__init__(message)
+        self.notice = notice
 
 
 class PacketTooLarge(SbusError, ProtocolError):
@@ -98,6 +100,10 @@ class Client:
         self._buf = bytearray(max_packet)
         self._view = memoryview(self._buf)
         self._pending: deque = deque()
+        #: Messages the server dropped for this client, summed from its `server/dropped` notices.
+        self.dropped = 0
+        #: The server's `server/disconnect` notice, once it has sent one.
+        self.disconnect_reason: DisconnectNotice | None = None
 
     # -- plumbing
 
@@ -155,19 +161,43 @@ class Client:
         ms = -1 if timeout is None else max(0, int(timeout * 1000 + 0.999))
         return bool(p.poll(ms))
 
+    def _closed(self) -> ConnectionClosed:
+        notice = self.disconnect_reason
+        return ConnectionClosed(str(notice), notice) if notice is not None else ConnectionClosed()
+
     def _recv(self, flags: int = 0):
+        if self.disconnect_reason is not None:
+            raise self._closed()
         try:
             n = self.socket.recv_into(self._view, self.max_packet, flags | _MSG_TRUNC)
         except ConnectionResetError:
-            raise ConnectionClosed() from None
+            # Linux reports a reset once, ahead of packets still queued for us (the server's
+            # last words among them): read on until end of file.
+            try:
+                n = self.socket.recv_into(self._view, self.max_packet, (flags | _MSG_TRUNC | _MSG_DONTWAIT))
+            except (ConnectionResetError, BlockingIOError):
+                raise self._closed() from None
         if n == 0:
-            raise ConnectionClosed()
+            raise self._closed()
         if n > self.max_packet:
             raise PacketTooLarge(n, self.max_packet)
-        return codec.parse(self._view[:n].tobytes(), self.max_packet)
+        packet = codec.parse(self._view[:n].tobytes(), self.max_packet)
+        if type(packet) is Control:
+            if packet.key == codec.DROPPED:
+                notice = codec.parse_drop_notice(packet.payload)
+                if not flags & _MSG_PEEK:
+                    self.dropped += notice.count
+                return notice
+            if packet.key == codec.DISCONNECT:
+                self.disconnect_reason = codec.parse_disconnect(packet.payload)
+                raise self._closed()
+        return packet
 
     def receive(self, flags: int = 0, timeout: float | None = None):
-        """Return the next `Message` or `Control`.
+        """Return the next `Message`, `Control` or `DropNotice` (the server dropped `count`
+        messages meant for us; `dropped` sums them).
+
+        A `server/disconnect` from the server raises `ConnectionClosed` with its text.
 
         `flags` go to `recv` (``MSG_DONTWAIT`` raises `BlockingIOError` when
         nothing is there, ``MSG_PEEK`` leaves the packet queued). `timeout`
@@ -181,7 +211,7 @@ class Client:
             raise TimeoutError(f"no packet within {timeout} s")
         while True:
             packet = self._recv(flags)
-            if isinstance(packet, (Message, Control)):
+            if isinstance(packet, (Message, Control, DropNotice)):
                 return packet
             # The server never sends SUB/UNSUB; skip anything else defensively.
             if flags & _MSG_PEEK:
@@ -224,7 +254,7 @@ class Client:
                 continue
             if isinstance(packet, Control) and packet.key == key:
                 return packet.payload
-            if isinstance(packet, (Message, Control)):
+            if isinstance(packet, (Message, Control, DropNotice)):
                 self._pending.append(packet)
 
     def whoami(self, timeout: float | None = None) -> bytes:

@@ -38,7 +38,9 @@ from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, Control, Message, ProtocolError
 from sbus.core.credentials import CredentialError, Credentials, SECRET_ROOT, check_pattern
 from sbus.core.patterns import matches
+from sbus.interfaces import IPacketProtocol
 from sbus.seqpacket import SeqPacketTransport
+from zope.interface import implementer
 
 from .address import open_socket
 from .blocking import ConnectionClosed, echo_packet, flood_packets
@@ -69,8 +71,13 @@ class _Subscription:
         self.callback = callback
 
 
+@implementer(IPacketProtocol)
 class SbusProtocol(Protocol):
     """One connection to an sbus server (a packet protocol, see `IPacketProtocol`).
+
+    Server notices: `dropNotice(count, first, last)` is called for each `server/dropped`
+    (`dropped` counts them all); a `server/disconnect` is kept as `disconnectReason` (a
+    `codec.DisconnectNotice`) and becomes the `ConnectionClosed` the connection is lost with.
 
     Callbacks given to `subscribe` are called as ``callback(key, payload)``
     (bytes, bytes) for each message whose key their pattern matches; a
@@ -93,6 +100,10 @@ class SbusProtocol(Protocol):
         #: Last settings sent, for `ReconnectingClient` and inspection.
         self.echoOn: bool | None = None
         self.floodModes: dict[str, str] = {}
+        #: Messages the server dropped for us, summed from its `server/dropped` notices.
+        self.dropped = 0
+        #: The server's `server/disconnect` notice, if it sent one before closing.
+        self.disconnectReason: codec.DisconnectNotice | None = None
 
     # -- connection
 
@@ -101,11 +112,14 @@ class SbusProtocol(Protocol):
 
     def connectionLost(self, reason=None):
         self.connected = False
+        if self.disconnectReason is not None:
+            reason = Failure(ConnectionClosed(str(self.disconnectReason)))
         self.lostReason = reason
         requests, self._requests = self._requests, {}
         for queue in requests.values():
             for d in queue:
-                d.errback(ConnectionClosed())
+                d.errback(ConnectionClosed(str(self.disconnectReason)) if self.disconnectReason
+                          else ConnectionClosed())
         why = reason.value if isinstance(reason, Failure) else reason
         waiters, self._lost = self._lost, []
         for d in waiters:
@@ -250,6 +264,18 @@ class SbusProtocol(Protocol):
 
     def controlReceived(self, key: bytes, payload: bytes | None, packet: bytes) -> None:
         """A control message arrived: replies fire `request` Deferreds, in order."""
+        if key == codec.DROPPED:
+            try:
+                notice = codec.parse_drop_notice(payload)
+            except ProtocolError as e:
+                log.warn("ignoring a malformed drop notice: {err}", err=e)
+                return
+            self.dropped += notice.count
+            self.dropNotice(notice.count, notice.first, notice.last)
+            return
+        if key == codec.DISCONNECT:
+            self.disconnectReason = codec.parse_disconnect(payload)
+            return
         queue = self._requests.get(key)
         if queue:
             d = queue.popleft()
@@ -261,6 +287,11 @@ class SbusProtocol(Protocol):
 
     def unsolicitedControl(self, key: bytes, payload: bytes | None) -> None:
         """A control message nobody asked for."""
+
+    def dropNotice(self, count: int, first: bytes, last: bytes) -> None:
+        """The server dropped `count` messages meant for us (keys `first` .. `last`)."""
+        log.warn("the server dropped {n} messages for this connection (keys {first!r} .. {last!r})",
+                 n=count, first=first, last=last)
 
     # -- secret patterns
 

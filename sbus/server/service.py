@@ -17,7 +17,9 @@ from twisted.internet import defer
 from twisted.logger import Logger
 
 from sbus.server.address import Listener, open_listener
+from sbus.interfaces import IBus
 from sbus.server.config import ServerConfig
+from zope.interface import implementer
 
 
 def raise_descriptor_limit(warn) -> int:
@@ -35,6 +37,7 @@ def raise_descriptor_limit(warn) -> int:
     return soft
 
 
+@implementer(IBus)
 class BusService(service.Service):
     """Listen on `address` and serve the bus there.
 
