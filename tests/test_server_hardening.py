@@ -436,3 +436,25 @@ def test_drop_notices_sum_to_the_servers_counter(bus):
         counted = sum(mine[0]["drops"].values())
         assert counted > 0
         assert c.dropped == counted
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("runner", ["twistd", "twist"])
+def test_twistd_log_files_take_the_bus_mode(tmp_path, runner):
+    """The log names every client's pid and uid: 0600 for a 0700 bus (it was 0644)."""
+    from helpers import LoggedProcess, child_env
+
+    log = tmp_path / "bus.log"
+    address = str(tmp_path / "bus.socket")
+    if runner == "twistd":
+        argv = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()", "-n",
+                "--pidfile", str(tmp_path / "twistd.pid"), "--logfile", str(log), "sbus", "--socket", address]
+    else:
+        argv = [sys.executable, "-m", "twisted", "--log-file", str(log), "sbus", "--socket", address]
+    proc = LoggedProcess(argv, tmp_path / "out.log", env=child_env(), cwd=str(tmp_path))
+    try:
+        wait_until(lambda: proc.alive_or_raise() and os.path.exists(address), "the bus socket")
+        wait_until(lambda: "listening" in log.read_text(), "the log line")
+        assert os.stat(log).st_mode & 0o777 == 0o600
+    finally:
+        proc.stop()
