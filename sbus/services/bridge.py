@@ -6,6 +6,11 @@
         --rule 'cmd/ b>a alice/ bob/'
 
 The bridge is an ordinary client of each bus (side ``a`` and side ``b``).
+Run as root, it connects to each side *as that side's user* (the owner of
+the socket's directory, or ``--a-user``/``--b-user``), through a helper
+process that drops to that user first and never follows a symlink it does
+not own (`sbus.services.safeconnect`): a user who points their socket path
+at someone else's bus gets ``Permission denied``, not the other bus.
 
 Rules
 -----

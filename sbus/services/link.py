@@ -38,21 +38,37 @@ Whatever follows the link's own prefix must itself be a secret key
 (``!/cred/...``); anything else is dropped. Over several links the prefixes
 nest (``<link1>/<link2>/W``).
 
-**Learning one's cross-host identity.** Publish ``MSG sbus-link/whoami\\0<own
-whoami>`` on the local bus (and subscribe to ``!/cred////sbus-link/whoami``,
-i.e. ``<own whoami>/sbus-link/whoami``): every link on the bus answers on
-``<own whoami>/sbus-link/whoami`` with the name the peer's bus knows you by
-(``<peer link's whoami there>/<own whoami>``), or with an empty payload while
-its peer is not connected.
+**Learning one's cross-host identity** (`sbus.services.linkauth.ask_cross_identity`).
+Anyone may publish on anyone's secret key, so an answer is believed only if
+it carries a nonce that only the link could have read. Subscribe to
+``<own whoami>/sbus-link/whoami`` (``!/cred////sbus-link/whoami``), then:
 
-**Security.** TLS with client certificates: on ``--listen``, ``ssl:`` takes
-``caCertsDir=DIR`` (every ``*.pem`` in it is a trusted CA) and then requires
-and verifies a client certificate; on ``--connect``, ``ssl:`` takes
-``caCertsDir``, ``certKey`` and ``privateKey`` (and ``hostname`` to check the
-server's name). Plain TCP, and TLS that authenticates nobody (a ``ssl:``
-listener without ``caCertsDir``, a ``ssl:`` connection without
-``caCertsDir``), are refused unless on a loopback address or
-``--allow-plain-tcp`` is given. ``unix:`` paths are always accepted.
+1. publish ``MSG sbus-link/whoami\\0<own whoami>``: every link answers there
+   with ``link\\0<its whoami>`` (a candidate: forgeable; believe only links of
+   a trusted uid, e.g. your own, root or the bus owner);
+2. publish ``MSG <link whoami>/sbus-link/whoami\\0<own whoami>\\0<nonce>``, a
+   secret key of the link that only it receives: it answers
+   ``answer\\0<nonce>\\0<identity>``, the identity being the name the peer's
+   bus knows you by (``<peer link's whoami there>/<own whoami>``, empty while
+   the peer is down). Ignore any answer without your nonce.
+
+**Security: every transport authenticates the peer.** Nobody reaches a bus
+through a link who could not open its socket.
+
+* TLS with client certificates: on ``--listen``, ``ssl:`` takes
+  ``caCertsDir=DIR`` (every ``*.pem`` in it is a trusted CA) and then requires
+  and verifies a client certificate; on ``--connect``, ``ssl:`` takes
+  ``caCertsDir``, ``certKey`` and ``privateKey`` (and ``hostname`` to check the
+  server's name).
+* A shared key, ``--key-file FILE`` (mode 0600, the same key on both ends):
+  an HMAC challenge-response both ways before anything else crosses
+  (`sbus.services.linkauth`). Plain TCP needs it, loopback included (any
+  local user can connect to a loopback port), and so does TLS that
+  authenticates nobody. Off loopback, plain TCP also needs
+  ``--allow-plain-tcp`` (the key authenticates, it does not encrypt).
+* ``unix:``: the peer's uid (``SO_PEERCRED``) must be one that could open the
+  bus socket (`sbus.services.access`), and a listening socket takes the bus
+  socket's mode and owner (Twisted's default is 0666).
 
 **Down sides.** While the peer is not connected, local messages are dropped
 (``drops.peer_down``); while the bus is not connected, messages from the
