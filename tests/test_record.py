@@ -370,3 +370,33 @@ def test_symlinked_tmp_dir_is_refused(tmp_path):
     assert p.returncode != 0
     assert "symlink" in (p.stdout + p.stderr).strip().splitlines()[-1]
     assert os.listdir(elsewhere) == []
+
+
+def test_cut_off_for_holding_too_long_goes_lossy_for_a_while(tmp_path):
+    """The bus's hold budget disconnects a block-mode client that holds publishers too long
+    (`stalled`): the recorder then records lossy (drops notified, counted and marked) for a
+    while rather than be cut off again, then lossless again."""
+    from twisted.internet.task import Clock
+
+    from sbus.services.record import RecordService
+
+    clock = Clock()
+    svc = RecordService("x", str(tmp_path), [b""], reactor=clock)
+
+    class Client:
+        modes = []
+
+        def flood(self, soft=None, hard=None, order=None):
+            self.modes.append((soft, hard))
+
+    svc.client = Client()
+    svc.running = True
+    svc.disconnectNotice("protocol_error", "whatever")
+    assert svc.client.modes == [] and not svc.degraded
+    svc.disconnectNotice("stalled", "held publishers paused for over 30 s")
+    assert svc.client.modes == [("queue", "discard")] and svc.degraded
+    clock.advance(svc.degraded_for)
+    assert svc.client.modes[-1] == ("block", "block") and not svc.degraded
+    svc.lossy = True
+    svc.disconnectNotice("stalled", "")
+    assert len(svc.client.modes) == 2  # --lossy: nothing to change

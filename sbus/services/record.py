@@ -67,6 +67,8 @@ log = Logger(namespace="sbus.record")
 
 DEFAULT_QUEUE_BYTES = 64 << 20
 DEFAULT_REPORT_INTERVAL = 10.0
+#: How long the recorder stays lossy after the bus disconnected it as ``stalled``.
+DEGRADED_FOR = 60.0
 
 #: The drop notice the server sends (``CMSG server/dropped\0COUNT\0FIRST\0LAST``).
 DROPPED_NOTICE = b"server/dropped"
@@ -330,8 +332,7 @@ def _make_protocol(recorder: Recorder, service: "RecordService"):
                 service.noticeReceived(*notice)
             elif key == DISCONNECT_NOTICE:
                 reason, _, text = (payload or b"").partition(b"\0")
-                log.warn("the bus is disconnecting us: {reason}: {text}",
-                         reason=reason.decode("utf-8", "replace"), text=text.decode("utf-8", "replace"))
+                service.disconnectNotice(reason.decode("utf-8", "replace"), text.decode("utf-8", "replace"))
             else:
                 super().unsolicitedControl(key, payload)
 
@@ -371,6 +372,10 @@ class RecordService(service.Service):
         self._last_bus_line = None  # when the last bus-drop line was logged
         self._bus_run = None  # [first key, last key] since the last line
         self._held = 0  # times we held the bus back, at the last report
+        #: After the bus cut us off for holding publishers too long (its hold budget): lossy a while.
+        self.degraded = False
+        self.degraded_for = DEGRADED_FOR
+        self._restore_call = None
 
     @property
     def reactor(self):
@@ -436,6 +441,10 @@ class RecordService(service.Service):
             def connectionLost(self, reason):
                 if svc.running:
                     log.warn("lost the bus connection ({why}); reconnecting", why=reason)
+                    if svc.sink.full and not svc.lossy and not svc.degraded:
+                        # cut off while we held the publishers: the bus's hold budget (its
+                        # disconnect notice may not get through a full socket)
+                        svc._degrade()
 
         self.client = Client(self.reactor, self.bus, _make_protocol(self.recorder, self), maxDelay=5.0)
         for p in self.patterns:
@@ -448,6 +457,31 @@ class RecordService(service.Service):
         self._loop = LoopingCall(self._report)
         self._loop.clock = self.reactor
         self._loop.start(self.report_interval, now=False)
+
+    def disconnectNotice(self, reason: str, text: str) -> None:
+        """The bus is about to close our connection (``CMSG server/disconnect``)."""
+        log.warn("the bus is disconnecting us: {reason}: {text}", reason=reason, text=text)
+        if reason == "stalled" and not self.lossy:
+            self._degrade()
+
+    def _degrade(self) -> None:
+        """We held the publishers longer than the bus's hold budget (it disconnects us):
+        record lossy for a while (the bus discards for us and tells us, so every loss is
+        marked) rather than be cut off again and lose what is published while we reconnect."""
+        if self._restore_call is not None and self._restore_call.active():
+            self._restore_call.cancel()
+        self.degraded = True
+        self.client.flood(soft="queue", hard="discard")
+        self._restore_call = self.reactor.callLater(self.degraded_for, self._restore)
+        log.warn("the writer cannot keep up with the publishers for long: recording lossy for {t:g}s "
+                 "(drops counted and marked in the recording), then lossless again", t=self.degraded_for)
+
+    def _restore(self) -> None:
+        self._restore_call = None
+        self.degraded = False
+        if self.running:
+            self.client.flood(soft="block", hard="block")
+            log.info("recording lossless again (publishers are held back when we are behind)")
 
     def noticeReceived(self, count: int, first: bytes, last: bytes) -> None:
         """Log bus drops: at once for the first notice of a quiet spell, then once per interval."""
@@ -498,6 +532,8 @@ class RecordService(service.Service):
         super().stopService()
         if self._loop is not None and self._loop.running:
             self._loop.stop()
+        if self._restore_call is not None and self._restore_call.active():
+            self._restore_call.cancel()
         d = self.client.stop() if self.client is not None else defer.succeed(None)
 
         def flush(_):
