@@ -27,7 +27,9 @@ from helpers import (
     unsub,
     wait_closed,
     wait_stats,
+    wait_until,
 )
+from test_relay import Relay, procs, queue_of  # noqa: F401  (procs: fixture)
 
 from sbus.core.patterns import matches
 
@@ -148,3 +150,21 @@ def test_many_star_patterns_are_limited(bus):
     wait_closed(greedy, SERVICE_TIMEOUT)
     st = stats(fine)
     assert st["disconnects"].get("too_many_subscriptions") == 1 and st["subscriptions"] == 2, st
+
+
+def test_relay_withdraws_aliasing_patterns_upward(start_bus, tmp_path, procs):  # noqa: F811
+    """A relay subscribes upward once per distinct pattern and withdraws it when its last
+    local holder goes: with aliasing patterns the withdrawal used to be lost."""
+    master = start_bus()
+    relay = Relay(master.address, str(tmp_path / "relay.sock"), tmp_path)
+    procs.append(relay)
+    held = lambda: (queue_of(master.address, relay.proc.pid) or {}).get("subscriptions")  # noqa: E731
+    local = connect(relay.address)
+    send(local, sub(b"x*/"), sub(b"x**/"), sub(b"*/"), sub(b"**/"))
+    sync(local)
+    wait_until(lambda: held() == 4, "the relay subscribed upward")
+    send(local, unsub(b"x**/"))
+    sync(local)
+    wait_until(lambda: held() == 3, "the relay withdrew x**/ upward")
+    local.close()
+    wait_until(lambda: held() == 0, "the relay withdrew everything upward")
