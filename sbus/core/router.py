@@ -394,7 +394,7 @@ class Router:
             self._deref(result)
             return result
         self._cache[key] = result
-        first = key.split(b"/", 1)[0]
+        first = key.partition(b"/")[0]
         group = self._groups.get(first)
         if group is None:
             self._groups[first] = {key}
@@ -434,7 +434,7 @@ class Router:
         groups = self._groups
         for key in victims:
             self._drop(key)
-            first = key.split(b"/", 1)[0]
+            first = key.partition(b"/")[0]
             group = groups[first]
             group.discard(key)
             if not group:
