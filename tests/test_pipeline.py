@@ -295,8 +295,6 @@ def test_report_of_a_short_recording(spark, tmp_path):
     private_tree(tmp_path / "report")
 
 
-@pytest.mark.xfail(not hasattr(__import__("sbus.core.codec").core.codec, "DROPPED"),
-                   reason="the server's drop notices (issue 15, core) are not on this branch yet", strict=True)
 def test_lossy_recorder_report_counts_what_the_bus_dropped(start_bus, start_recorder, spark, tmp_path):
     """--lossy and a recorder that cannot keep up (stopped): the bus drops for it, tells it,
     and the report's headline counts exactly the server's own drop counter."""

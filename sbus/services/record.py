@@ -70,29 +70,10 @@ DEFAULT_REPORT_INTERVAL = 10.0
 #: How long the recorder stays lossy after the bus disconnected it as ``stalled``.
 DEGRADED_FOR = 60.0
 
-#: The drop notice the server sends (``CMSG server/dropped\0COUNT\0FIRST\0LAST``).
-DROPPED_NOTICE = b"server/dropped"
-DISCONNECT_NOTICE = b"server/disconnect"
-
-
 class DropRow(tuple):
     """``(recv_us, seq, count, first_key, last_key)``: `count` messages lost at this point."""
 
     __slots__ = ()
-
-
-def parse_dropped(payload: bytes | None) -> tuple[int, bytes, bytes] | None:
-    """(count, first key, last key) of a drop notice's payload, or None if malformed."""
-    parts = (payload or b"").split(b"\0", 2)
-    try:
-        count = int(parts[0], 10)
-    except ValueError:
-        return None
-    if count <= 0:
-        return None
-    first = parts[1] if len(parts) > 1 else b""
-    last = parts[2] if len(parts) > 2 else b""
-    return count, first, last
 
 
 class BoundedWriter:
@@ -322,19 +303,18 @@ def _make_protocol(recorder: Recorder, service: "RecordService"):
         def messageReceived(self, key, payload, packet):
             recorder.record(key, payload, self._matchPattern)
 
-        def unsolicitedControl(self, key, payload):
-            if key == DROPPED_NOTICE:
-                notice = parse_dropped(payload)
-                if notice is None:
-                    log.warn("ignoring a malformed drop notice from the bus: {p!r}", p=payload)
-                    return
-                recorder.dropped_by_bus(*notice)
-                service.noticeReceived(*notice)
-            elif key == DISCONNECT_NOTICE:
-                reason, _, text = (payload or b"").partition(b"\0")
-                service.disconnectNotice(reason.decode("utf-8", "replace"), text.decode("utf-8", "replace"))
-            else:
-                super().unsolicitedControl(key, payload)
+        def dropNotice(self, count, first, last):
+            # CMSG server/dropped (the client has parsed it): mark it, count it, log it
+            if count <= 0:
+                return
+            recorder.dropped_by_bus(count, first, last)
+            service.noticeReceived(count, first, last)
+
+        def connectionLost(self, reason=None):
+            notice = self.disconnectReason  # CMSG server/disconnect, if it got through
+            if notice is not None:
+                service.disconnectNotice(notice.reason, notice.text)
+            super().connectionLost(reason)
 
     return RecorderProtocol
 
