@@ -257,13 +257,66 @@ def test_error_permission_denied(bus):
 
 
 def test_error_server_closes_the_connection(bus, subs):
-    # a subscription in another process's secret space gets us disconnected
-    assert_one_error_line(sbus_run("--socket", bus.address, "sub", "!/cred/1/2/3/x"),
-                   "the server closed the connection")
+    # a subscription in another process's secret space gets us disconnected, and the server
+    # says why (CMSG server/disconnect): that reason is the one line printed
+    err = assert_one_error_line(sbus_run("--socket", bus.address, "sub", "!/cred/1/2/3/x"),
+                                "the server closed the connection", "forbidden_subscription")
+    assert "secret pattern" in err and "gid" in err, err
+    # a server that goes away says nothing more specific than that
     s = subs("x")
     bus.stop()
     code, out, err = s.finish()
-    assert code == 1 and err == "sbus: the server closed the connection\n"
+    assert code == 1 and err.startswith("sbus: the server closed the connection") and err.count("\n") == 1, err
+
+
+def test_error_server_reason_after_a_failed_send(tmp_path):
+    """The server closed while `sbus pub` was still sending: the send fails (EPIPE), and the
+    reason the server sent before closing is still read and printed (it was not, at first)."""
+    import threading
+    path = str(tmp_path / "fake.socket")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+
+    def fake_server():
+        conn, _ = listener.accept()
+        conn.recv(65536)  # the first message
+        conn.send(b"CMSG server/disconnect\0oversize\0packet of 999 bytes over the 10-byte limit")
+        conn.close()
+
+    t = threading.Thread(target=fake_server, daemon=True)
+    t.start()
+    try:
+        # paced, so that sends go on after the server has closed: one of them fails
+        r = sbus_run("--socket", path, "pub", "k", "v", "--count", "1000", "--rate", "200")
+        assert_one_error_line(r, "the server closed the connection", "oversize", "over the 10-byte limit")
+    finally:
+        t.join(TIMEOUT)
+        listener.close()
+
+
+def test_error_server_reason_is_escaped(tmp_path):
+    """A server's reason is printed as one line of text, whatever bytes it holds."""
+    import threading
+    path = str(tmp_path / "fake.socket")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+
+    def fake_server():
+        conn, _ = listener.accept()
+        conn.recv(65536)  # the whoami of `sbus whoami`
+        conn.send(b"CMSG server/disconnect\0protocol_error\0bad \x1b[2J\nfake line")
+        conn.close()
+
+    t = threading.Thread(target=fake_server, daemon=True)
+    t.start()
+    try:
+        err = assert_one_error_line(sbus_run("--socket", path, "whoami"), "protocol_error", "bad \\e[2J\\nfake line")
+        assert "\x1b" not in err
+    finally:
+        t.join(TIMEOUT)
+        listener.close()
 
 
 def test_error_message_too_large(bus, tmp_path):

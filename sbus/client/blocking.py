@@ -133,7 +133,7 @@ class Client:
         try:
             return self.socket.send(packet, flags | _MSG_NOSIGNAL)
         except (BrokenPipeError, ConnectionResetError):
-            raise ConnectionClosed() from None
+            raise self._last_words() from None
 
     # -- the four packet types
 
@@ -164,6 +164,33 @@ class Client:
     def _closed(self) -> ConnectionClosed:
         notice = self.disconnect_reason
         return ConnectionClosed(str(notice), notice) if notice is not None else ConnectionClosed()
+
+    def _last_words(self) -> ConnectionClosed:
+        """A send found the connection closed: what the server sent before closing is still
+        queued for us, its `server/disconnect` notice among it. Read it without waiting
+        (other packets are kept for `receive()`), so the error says why."""
+        resets = 0
+        while self.disconnect_reason is None:
+            try:
+                n = self.socket.recv_into(self._view, self.max_packet, _MSG_TRUNC | _MSG_DONTWAIT)
+            except ConnectionResetError:
+                resets += 1  # reported once, ahead of what is still queued
+                if resets > 1:
+                    break
+                continue
+            except OSError:
+                break
+            if n == 0 or n > self.max_packet:
+                break
+            try:
+                packet = codec.parse(self._view[:n].tobytes(), self.max_packet)
+            except ProtocolError:
+                break
+            if type(packet) is Control and packet.key == codec.DISCONNECT:
+                self.disconnect_reason = codec.parse_disconnect(packet.payload)
+            else:
+                self._pending.append(packet)
+        return self._closed()
 
     def _recv(self, flags: int = 0):
         if self.disconnect_reason is not None:
