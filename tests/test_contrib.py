@@ -293,7 +293,8 @@ def test_deploy_doc_commands_work_when_pasted(tmp_path):
 # ---------------------------------------------------------------- clean shutdown (issue 11 item 7)
 
 
-@pytest.mark.parametrize("service", ["sbus-bridge", "sbus-link", "sbus-msgbus"])
+@pytest.mark.parametrize("service", ["sbus", "sbus-relay", "sbus-record", "sbus-bridge", "sbus-link",
+                                     "sbus-msgbus"])
 def test_sigterm_stops_every_service_cleanly(service, start_bus, tmp_path):
     """SIGTERM (twice, the second while stopping): exit status 0, the final counters, no traceback."""
     import signal
@@ -311,12 +312,24 @@ def test_sigterm_stops_every_service_cleanly(service, start_bus, tmp_path):
         port = re.search(r"port=(\d+)", listener.wait_log(r"listening on .*port=\d+")).group(1)
         args = ["--bus", bus_a.address, "--connect", f"tcp:host=127.0.0.1:port={port}", "--key-file", str(key)]
         ready = "link up"
-    else:
+    elif service == "sbus-msgbus":
         args = ["--bus", bus_a.address, "--port", "tcp:0:interface=127.0.0.1"]
         ready = "subscribed to msgbus/"
+    elif service == "sbus":
+        args = ["--socket", str(tmp_path / "own.socket")]
+        ready = "sbus listening on"
+    elif service == "sbus-relay":
+        args = ["--upstream", bus_a.address, "--socket", str(tmp_path / "relay.socket")]
+        ready = "listening"
+    else:
+        args = ["--bus", bus_a.address, "--out", str(tmp_path / "rec")]
+        ready = "subscribed"
     proc = TwistdProcess([service, *args], tmp_path)
     try:
         proc.wait_log(ready)
+        if service == "sbus":  # its line comes before the reactor runs: wait for an answer
+            from helpers import try_whoami, wait_until
+            wait_until(lambda: try_whoami(args[1]) == "served", "a served whoami")
         proc.proc.send_signal(signal.SIGTERM)
         try:
             proc.proc.send_signal(signal.SIGTERM)
@@ -330,4 +343,6 @@ def test_sigterm_stops_every_service_cleanly(service, start_bus, tmp_path):
     log = proc.log()
     assert code == 0, (code, log)
     assert "Traceback" not in log and "ReactorNotRunning" not in log and "#critical]" not in log, log
-    assert ("stats" in log or "stopped:" in log), log
+    assert "Server Shut Down." in log, log
+    if service in ("sbus-bridge", "sbus-link", "sbus-msgbus"):
+        assert "stats" in log or "stopped:" in log, log      # the final counters

@@ -121,6 +121,13 @@ class BusService(service.Service):
     def startService(self) -> None:
         self._open()
         service.Service.startService(self)
+        from sbus.services.shutdown import exit_zero_on_sigterm
+
+        if self.reactor is None:
+            from twisted.internet import reactor
+        else:
+            reactor = self.reactor
+        exit_zero_on_sigterm(reactor)
 
     def stopService(self):
         service.Service.stopService(self)

@@ -383,6 +383,8 @@ class RecordService(service.Service):
         from sbus.pipeline.writer import RecordingWriter
 
         super().startService()
+        from sbus.services.shutdown import exit_zero_on_sigterm
+        exit_zero_on_sigterm(self.reactor)
         writer = RecordingWriter(self.out, log=self._from_thread, **self.settings)
         if writer.cleaned:
             log.warn("removed {n} unpublished leftover(s) from {tmp}: {names}",

@@ -190,6 +190,8 @@ class Relay(service.Service):
         if self.reactor is None:
             from twisted.internet import reactor
             self.reactor = reactor
+        from sbus.services.shutdown import exit_zero_on_sigterm
+        exit_zero_on_sigterm(self.reactor)
         log.info("sbus-relay: connecting to the master at {up}; {where} opens once it has answered "
                  "whoami (the credential prefix comes from the master)", up=self.upstream, where=self.address)
 

@@ -28,7 +28,10 @@ def exit_zero_on_sigterm(reactor) -> None:
         reactor.callFromThread(stop)
 
     def install():
-        if signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN,):
+        # only in place of the reactor's own handler (twistd/twist): a reactor run without
+        # signal handlers (tests, embedding applications) keeps whatever its owner chose
+        current = signal.getsignal(signal.SIGTERM)
+        if getattr(current, "__self__", None) is reactor:
             signal.signal(signal.SIGTERM, handler)
 
     if hasattr(reactor, "callWhenRunning"):
