@@ -45,6 +45,11 @@ def _stderr_is_devnull() -> bool:
 def _say(prog: str, text: str) -> None:
     import sys
 
+    plugin = prog.split()[-1]
+    for prefix in (prog + ": ", plugin + ": "):  # a message that names its plugin already
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+            break
     out = sys.__stderr__
     if out is None:
         return

@@ -315,3 +315,20 @@ def test_systemd_inherited_socket(server, tmp_path):
     assert "systemd fd 3" in s.log()
     assert s.stop(signal.SIGTERM) in (0, -signal.SIGTERM)
     assert os.path.exists(path), "the plugin unlinked an inherited socket's path"
+
+
+def test_failure_inside_start_service_is_one_line(tmp_path):
+    """A plugin whose service fails while starting (sbus-msgbus on a taken port): one line
+    naming the plugin once, status 1, no traceback."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        res = run([*TWISTD, "sbus-msgbus", "--port", f"tcp:{port}:interface=127.0.0.1",
+                   "--bus", str(tmp_path / "nobus.sock")], tmp_path)
+    finally:
+        taken.close()
+    assert res.returncode == 1
+    line = _one_error_line(res)
+    assert line.startswith(f"twistd sbus-msgbus: cannot listen on tcp:{port}") and line.count("sbus-msgbus") == 1, line
