@@ -458,3 +458,22 @@ def test_twistd_log_files_take_the_bus_mode(tmp_path, runner):
         assert os.stat(log).st_mode & 0o777 == 0o600
     finally:
         proc.stop()
+
+
+@pytest.mark.timeout(60)
+def test_clients_are_told_when_the_server_shuts_down(start_twistd_bus):
+    bus = start_twistd_bus()
+    s = connect(bus.address)
+    sync(s)
+    bus.stop()
+    got = wait_closed(s)
+    assert got == [b"CMSG server/disconnect\0shutdown\0the server is shutting down"], got
+
+
+@pytest.mark.timeout(60)
+def test_sbusd_tells_its_clients_when_it_stops(start_bus):
+    bus = start_bus()
+    s = connect(bus.address)
+    sync(s)
+    bus.stop()
+    assert wait_closed(s) == [b"CMSG server/disconnect\0shutdown\0the server is shutting down"]

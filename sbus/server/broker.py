@@ -45,6 +45,7 @@ INVALID_BANG = "invalid_bang"
 OWNER_GONE = "owner_exited"
 TOO_MANY_SUBSCRIPTIONS = "too_many_subscriptions"
 STALLED = "stalled"
+SHUTDOWN = "shutdown"
 CLOSED = "closed"
 
 #: What a drop or a disconnect decided by `Outbox.offer` is counted as.
@@ -618,6 +619,15 @@ class BrokerFactory(protocol.Factory):
         self._stats_next = 0.0
         self._stats_waiting: list[BrokerProtocol] = []
         self._stats_call = None
+
+    def stopFactory(self):
+        """The server is stopping: tell every client why before the process closes them."""
+        notice = _DISCONNECT + SHUTDOWN.encode() + b"\0the server is shutting down"
+        for client in list(self.clients):
+            transport = client.transport
+            if transport is not None and transport.connected and not transport.disconnecting:
+                client.reason = SHUTDOWN
+                transport.sendLast(notice)
 
     def buildProtocol(self, addr):
         cred = addr.cred
