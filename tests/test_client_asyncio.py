@@ -89,8 +89,10 @@ def test_server_disconnect(bus):
     async def main():
         c = await aio.connect(bus.address)
         await c.subscribe(b"!/cred/1/2/3/not-mine")
-        with pytest.raises(ConnectionClosed):
+        with pytest.raises(ConnectionClosed) as info:
             await c.whoami(TIMEOUT)
+        assert "forbidden_subscription" in str(info.value)  # the server's server/disconnect
+        assert c.disconnect_reason.reason == "forbidden_subscription"
         assert [m async for m in c] == []
         with pytest.raises(ConnectionClosed):
             await c.publish("a", b"")
@@ -208,5 +210,46 @@ def test_control_messages_reach_receive(bus):
         async with await aio.connect(bus.address) as c:
             await c.send_control(b"!/cred/whoami")  # not through request(): lands in the inbox
             assert await c.receive(TIMEOUT) == Control(b"!/cred/whoami", own_whoami())
+
+    run(main())
+
+
+def test_drop_notices(bus):
+    """soft/discard and a reader that reads late: the server's drop notices come out of
+    receive() as DropNotice and `dropped` sums them to the server's own count."""
+    import socket as _socket
+
+    from sbus.core.codec import DropNotice
+
+    async def main():
+        c = await aio.connect(bus.address)
+        c._stop_reading()  # a reader that does not read for now
+        c.socket.setsockopt(_socket.SOL_SOCKET, _socket.SO_RCVBUF, 8192)
+        await c.flood(soft="discard")
+        await c.subscribe("adrop/")
+        pub = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
+        pub.connect(bus.address)
+        for i in range(500):
+            pub.send(b"MSG adrop/x\0" + b"." * 2000)
+        pub.send(b"CMSG !/cred/whoami")
+        pub.recv(4096)
+        c._start_reading()
+        notices = []
+        while True:
+            try:
+                m = await c.receive(timeout=1.0)
+            except TimeoutError:
+                break
+            if isinstance(m, DropNotice):
+                notices.append(m)
+        st = await c.stats(TIMEOUT)
+        while c.pending():  # a notice still pending went out just before the reply
+            m = await c.receive()
+            if isinstance(m, DropNotice):
+                notices.append(m)
+        mine = [q for q in st["queues"] if q["pid"] == os.getpid() and q["drops"]]
+        assert notices and c.dropped == sum(n.count for n in notices) == sum(mine[0]["drops"].values())
+        pub.close()
+        c.close()
 
     run(main())

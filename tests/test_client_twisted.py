@@ -213,6 +213,14 @@ async def test_flood_soft_discard(clients):
     assert sum(stats["drops"].values()) > 0
     reader.transport.resumeProducing()
     assert await within(q.get()) == len(chunk)
+    # the server tells what it dropped (server/dropped): dropNotice is called, `dropped` sums it
+    notices = []
+    reader.dropNotice = lambda count, first, last: notices.append((count, first, last))
+    await within(reader.sync())
+    while reader.dropped < sum(stats["drops"].values()):
+        await within(reader.sync())
+    assert reader.dropped == sum(stats["drops"].values())
+    assert all(first == last == b"flood/x" for _, first, last in notices)
 
 
 @pytest_twisted.ensureDeferred
@@ -226,9 +234,12 @@ async def test_server_disconnect(clients):
     p = await clients()
     lost = p.whenLost()
     p.subscribe(b"!/cred/1/2/3/not-mine")  # not our secret space: the server disconnects us
-    with pytest.raises(ConnectionClosed):
+    with pytest.raises(ConnectionClosed) as info:
         await within(p.whoami())
-    await within(lost)
+    assert "forbidden_subscription" in str(info.value)  # the server's server/disconnect reason
+    why = await within(lost)
+    assert "forbidden_subscription" in str(why)
+    assert p.disconnectReason.reason == "forbidden_subscription"
     assert not p.connected
     with pytest.raises(ConnectionClosed):
         p.publish("a", b"b")

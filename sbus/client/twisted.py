@@ -289,9 +289,9 @@ class SbusProtocol(Protocol):
         """A control message nobody asked for."""
 
     def dropNotice(self, count: int, first: bytes, last: bytes) -> None:
-        """The server dropped `count` messages meant for us (keys `first` .. `last`)."""
-        log.warn("the server dropped {n} messages for this connection (keys {first!r} .. {last!r})",
-                 n=count, first=first, last=last)
+        """The server dropped `count` messages meant for us (keys `first` .. `last`); `dropped`
+        already counts them. Override to react (log, mark a gap); the default does nothing more,
+        so that a lossy subscriber does not log once per notice."""
 
     # -- secret patterns
 
