@@ -83,10 +83,13 @@ _UNLIMITED = Budget(1 << 62, Budget(1 << 62))
 
 
 class Outbox:
-    """Packets waiting for one client, with that client's flood settings."""
+    """Packets waiting for one client, with that client's flood settings.
+
+    This class serves `queue` and `stack` from one deque of packets; the first switch to
+    `random` turns the instance into a `_DualOutbox` (same slots) for the rest of its life."""
 
     __slots__ = ("soft", "hard", "order", "max_bytes", "max_packets", "nbytes", "_items", "_heap",
-                 "_seq", "_n", "_dead_items", "_dead_heap", "reason", "budget", "_server")
+                 "_seq", "_n", "_dead_items", "_dead_heap", "reason", "budget", "_server", "_charged")
 
     def __init__(self, max_bytes: int, max_packets: int):
         self.soft = QUEUE
@@ -95,11 +98,12 @@ class Outbox:
         self.max_bytes = max_bytes
         self.max_packets = max_packets
         self.nbytes = 0
-        #: Plain mode: packets in arrival order. Dual mode: entries ``[packet]`` (``[None]`` once sent).
+        #: Packets in arrival order (dual mode: entries ``[packet]``, ``[None]`` once sent).
         self._items: deque = deque()
-        #: Dual mode only (None before): ``(-size, seq, entry)`` for every entry.
+        #: Dual mode only: ``(-size, seq, entry)`` for every entry.
         self._heap: list | None = None
         self._seq = 0
+        #: Dual mode only: live packets (dead entries stay in the deque and the heap).
         self._n = 0
         self._dead_items = 0
         self._dead_heap = 0
@@ -108,33 +112,36 @@ class Outbox:
         #: What this outbox charges its bytes to (its uid's budget, whose parent is the server's).
         self.budget = _UNLIMITED
         self._server = _UNLIMITED.parent
+        #: What is charged to the budgets: `nbytes` as of the last push (sends are settled at the
+        #: next push or when the queue empties, so the budgets never count less than is queued).
+        self._charged = 0
 
     def set_budget(self, budget: Budget) -> None:
         """Charge to `budget` (and its parent) from now on, moving what is queued there."""
-        old = self.budget
-        old.used -= self.nbytes
-        self._server.used -= self.nbytes
+        self.budget.used -= self._charged
+        self._server.used -= self._charged
         self.budget = budget
         self._server = budget.parent if budget.parent is not None else _UNLIMITED.parent
+        self._charged = self.nbytes
         budget.used += self.nbytes
         self._server.used += self.nbytes
 
     def __len__(self) -> int:
-        return self._n
+        return len(self._items)
 
     def __bool__(self) -> bool:
-        return self._n != 0
+        return bool(self._items)
 
     def full(self) -> bool:
         """Is the queue at or over one of its limits (its own, its uid's, the server's)?"""
-        return (self.nbytes >= self.max_bytes or self._n >= self.max_packets
+        return (self.nbytes >= self.max_bytes or len(self) >= self.max_packets
                 or self.budget.used >= self.budget.limit or self._server.used >= self._server.limit)
 
     def state(self) -> QueueState:
-        return QueueState(self._n, self.nbytes, self.soft, self.hard, self.order)
+        return QueueState(len(self), self.nbytes, self.soft, self.hard, self.order)
 
     def offer(self, packet: bytes) -> int:
-        """Decide the fate of a packet that cannot be sent right now."""
+        """Decide the fate of a packet that cannot be sent right now (and queue it if kept)."""
         soft = self.soft
         if soft is DISCARD:
             self.reason = SOFT_DISCARD
@@ -145,7 +152,7 @@ class Outbox:
         n = len(packet)
         budget = self.budget
         server = self._server
-        if (self.nbytes + n > self.max_bytes or self._n >= self.max_packets
+        if (self.nbytes + n > self.max_bytes or len(self._items) - self._dead_items >= self.max_packets
                 or budget.used + n > budget.limit or server.used + n > server.limit):
             hard = self.hard
             if hard is DISCARD:
@@ -161,74 +168,32 @@ class Outbox:
 
     def push(self, packet: bytes) -> None:
         """Queue unconditionally."""
-        n = len(packet)
-        self.nbytes += n
-        self.budget.used += n
-        self._server.used += n
-        self._n += 1
-        heap = self._heap
-        if heap is None:
-            self._items.append(packet)
-        else:
-            entry = [packet]
-            self._items.append(entry)
-            self._seq += 1
-            heapq.heappush(heap, (-len(packet), self._seq, entry))
+        nbytes = self.nbytes + len(packet)
+        self.nbytes = nbytes
+        charge = nbytes - self._charged
+        self._charged = nbytes
+        self.budget.used += charge
+        self._server.used += charge
+        self._items.append(packet)
+
+    def _settle(self) -> None:
+        """The queue is empty: nothing is charged any more."""
+        charged, self._charged = self._charged, 0
+        self.budget.used -= charged
+        self._server.used -= charged
 
     def peek(self) -> bytes:
         """The packet to send next."""
-        items = self._items
-        heap = self._heap
-        if heap is None:
-            return items[-1] if self.order is STACK else items[0]
-        if self.order is LARGEST:
-            while heap[0][2][0] is None:
-                heapq.heappop(heap)
-                self._dead_heap -= 1
-            return heap[0][2][0]
-        if self.order is STACK:
-            while items[-1][0] is None:
-                items.pop()
-                self._dead_items -= 1
-            return items[-1][0]
-        while items[0][0] is None:
-            items.popleft()
-            self._dead_items -= 1
-        return items[0][0]
+        return self._items[-1] if self.order is STACK else self._items[0]
 
     def pop(self) -> bytes:
         """Remove the packet `peek` returns (it has been sent)."""
         items = self._items
-        heap = self._heap
-        if heap is None:
-            packet = items.pop() if self.order is STACK else items.popleft()
-        else:
-            self.peek()  # skips dead entries at the end we take from
-            if self.order is LARGEST:
-                entry = heapq.heappop(heap)[2]
-                self._dead_items += 1
-            else:
-                entry = items.pop() if self.order is STACK else items.popleft()
-                self._dead_heap += 1
-            packet = entry[0]
-            entry[0] = None
-            self._compact()
-        n = len(packet)
-        self.nbytes -= n
-        self.budget.used -= n
-        self._server.used -= n
-        self._n -= 1
+        packet = items.pop() if self.order is STACK else items.popleft()
+        self.nbytes -= len(packet)
+        if not items:
+            self._settle()
         return packet
-
-    def _compact(self) -> None:
-        n = self._n
-        if self._dead_items > n + _COMPACT_SLACK:
-            self._items = deque(e for e in self._items if e[0] is not None)
-            self._dead_items = 0
-        if self._dead_heap > n + _COMPACT_SLACK:
-            heap = self._heap = [t for t in self._heap if t[2][0] is not None]
-            heapq.heapify(heap)
-            self._dead_heap = 0
 
     def set_order(self, order: str) -> None:
         """Switch draining order, keeping what is queued: O(1) (amortised, see the module's text)."""
@@ -238,11 +203,10 @@ class Outbox:
         if order is LARGEST and self._heap is None:
             # Once per outbox: from now on it keeps both views.
             entries = deque([p] for p in self._items)
-            heap = []
-            for seq, entry in enumerate(entries, 1):
-                heap.append((-len(entry[0]), seq, entry))
+            heap = [(-len(entry[0]), seq, entry) for seq, entry in enumerate(entries, 1)]
             heapq.heapify(heap)
-            self._items, self._heap, self._seq = entries, heap, len(entries)
+            self._items, self._heap, self._seq, self._n = entries, heap, len(entries), len(entries)
+            self.__class__ = _DualOutbox
         self.order = order
 
     def set_soft(self, mode: str) -> None:
@@ -257,14 +221,87 @@ class Outbox:
 
     def clear(self) -> int:
         """Forget everything queued; return how many packets that was."""
-        n = self._n
+        n = len(self)
         self._items = deque()
         if self._heap is not None:
             self._heap = []
-        self.budget.used -= self.nbytes
-        self._server.used -= self.nbytes
+        self._settle()
         self._n = self.nbytes = self._dead_items = self._dead_heap = 0
         return n
+
+
+class _DualOutbox(Outbox):
+    """An `Outbox` that has used `random`: a deque of entries in arrival order plus a heap of
+    the same entries by size; what one of them sends is dead in the other."""
+
+    __slots__ = ()
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __bool__(self) -> bool:
+        return self._n != 0
+
+    def push(self, packet: bytes) -> None:
+        n = len(packet)
+        nbytes = self.nbytes + n
+        self.nbytes = nbytes
+        charge = nbytes - self._charged
+        self._charged = nbytes
+        self.budget.used += charge
+        self._server.used += charge
+        self._n += 1
+        entry = [packet]
+        self._items.append(entry)
+        self._seq += 1
+        heapq.heappush(self._heap, (-n, self._seq, entry))
+
+    def peek(self) -> bytes:
+        if self.order is LARGEST:
+            heap = self._heap
+            while heap[0][2][0] is None:
+                heapq.heappop(heap)
+                self._dead_heap -= 1
+            return heap[0][2][0]
+        items = self._items
+        if self.order is STACK:
+            while items[-1][0] is None:
+                items.pop()
+                self._dead_items -= 1
+            return items[-1][0]
+        while items[0][0] is None:
+            items.popleft()
+            self._dead_items -= 1
+        return items[0][0]
+
+    def pop(self) -> bytes:
+        self.peek()  # skips dead entries at the end we take from
+        if self.order is LARGEST:
+            entry = heapq.heappop(self._heap)[2]
+            self._dead_items += 1
+        else:
+            entry = self._items.pop() if self.order is STACK else self._items.popleft()
+            self._dead_heap += 1
+        packet = entry[0]
+        entry[0] = None
+        self.nbytes -= len(packet)
+        self._n -= 1
+        if not self._n:
+            self._settle()
+        live = self._n + _COMPACT_SLACK
+        if self._dead_items > live:
+            self._items = deque(e for e in self._items if e[0] is not None)
+            self._dead_items = 0
+        if self._dead_heap > live:
+            heap = self._heap = [t for t in self._heap if t[2][0] is not None]
+            heapq.heapify(heap)
+            self._dead_heap = 0
+        return packet
+
+    def set_order(self, order: str) -> None:
+        if order not in ORDERS:
+            raise ValueError(f"unknown order {order!r}")
+        self.order = ORDERS_BY_NAME[order]
 
 
 # Interned names so `is` comparisons above hold for values parsed off the wire.
