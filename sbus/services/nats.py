@@ -1,0 +1,720 @@
+"""``twistd sbus-nats``: carry a bus over a NATS server or cluster.
+
+    twistd -n --reactor=asyncio sbus-nats --bus /run/sbus.socket \\
+        --server nats://n1.example:4222 --server nats://n2.example:4222 --tls-ca ca.pem \\
+        --export sensors/ --import cmd/
+
+The service is an ordinary client of the bus and of NATS (nats-py, asyncio,
+run under Twisted's asyncio reactor; the plugin installs that reactor when
+none is chosen, and refuses another one in one line).
+
+* Messages published on the bus whose keys match an ``--export`` pattern
+  are published on NATS under ``PREFIX.<subject of the key>``
+  (`sbus.core.natsmap`: exact and reversible), with a header
+  ``Sbus-Origin: <bus id>``.
+* NATS messages whose subjects map to keys matching an ``--import`` pattern
+  are published on the bus.
+* Nothing crosses until asked: no ``--export``, nothing leaves; no
+  ``--import``, nothing comes in.
+
+Loops and duplicates. The bus connection has echo off, so what the service
+publishes on the bus never comes back to it; the NATS connection has
+``no_echo``, so what it publishes on NATS never comes back either; a
+message whose ``Sbus-Origin`` is this bus's own id (``CMSG server/id``; a
+random id of this process if the server does not answer it) is dropped, so
+two sbus-nats on one bus do not feed each other. Overlapping imports
+(``a/`` and ``a/b/``) are two NATS subscriptions, which NATS delivers a
+message to once each: only the first subscription (in order) whose subject
+matches takes it, the others skip it, so each message is published on the
+bus once.
+
+Interest. NATS is subscribed to every ``--import`` pattern for the life of
+the service, whether or not a local client holds a matching subscription:
+a client of the bus cannot see other clients' subscriptions (only the
+server, or a relay, which is a server, can), so "subscribe only what local
+clients hold" would need sbus-nats to be a relay that the clients connect
+to. Imported messages nobody local wants cost one routing step on the bus.
+
+Secrets. Keys under ``!/cred/`` are exported only if an export pattern
+names ``!/cred/`` itself (``""`` or ``*/`` do not), and imported only if an
+import pattern does: a process id is local to a host, so a remote ``!/cred/``
+key names whichever local process happens to have those ids. An explicit
+``--import '!/cred/...'`` says "remote hosts may send private messages to
+these local identities" (the sender is not authenticated by sbus: it is
+whoever NATS lets publish on that subject).
+
+Back-pressure and drops. When nats-py's outgoing buffer holds more than
+``--max-pending`` bytes, the service stops reading the bus (the server's
+flood control, ``hard block`` for this connection, then holds the
+publishers) and reads again when the buffer drained to half. While NATS is
+unreachable, nats-py buffers up to ``8 x --max-pending`` for the reconnect;
+beyond that messages are dropped (reason ``nats_down``). Every drop is
+counted by reason in `stats()`; a stats line is logged every
+``--stats-interval`` seconds if it changed, and at stop; the service also
+answers ``sbus/services/stats`` requests on the bus (`sbus.services.svcstats`
+when present, else the same protocol here).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import ssl
+import sys
+from urllib.parse import urlsplit
+
+from twisted.application import service
+from twisted.internet import defer
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python import usage
+
+from sbus.core import codec
+from sbus.core.codec import MAX_PACKET, ProtocolError
+from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key
+from sbus.core.natsmap import (MappingError, check_prefix, key_to_subject, pattern_to_subject,
+                               subject_matches, subject_to_key, subjects_overlap)
+from sbus.core.patterns import matches
+from sbus.services.shutdown import exit_zero_on_sigterm
+
+log = Logger(namespace="sbus.nats")
+
+ORIGIN_HEADER = "Sbus-Origin"
+STATS_REQUEST = b"sbus/services/stats"
+#: NATS's default max_control_line is 4096 bytes: PUB/HPUB, subject and sizes must fit.
+MAX_SUBJECT = 4000
+EXTRA = "pip install 'sbus[nats]'"
+
+
+def _b(text) -> bytes:
+    return os.fsencode(text) if isinstance(text, str) else bytes(text)
+
+
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_servers(urls, tls: bool, allow_plain: bool) -> list[str]:
+    """Validate ``--server`` URLs; plain ones off loopback need `allow_plain`. Returns them."""
+    out = []
+    for url in urls:
+        u = urlsplit(url if "://" in url else f"nats://{url}")
+        if u.scheme not in ("nats", "tls"):
+            raise usage.UsageError(f"--server {url!r}: scheme must be nats:// or tls://")
+        if not u.hostname:
+            raise usage.UsageError(f"--server {url!r}: no host")
+        if not (tls or u.scheme == "tls" or allow_plain or _is_loopback(u.hostname)):
+            raise usage.UsageError(
+                f"--server {url!r}: refusing a plain (unencrypted) connection to a host that is not "
+                "loopback; use tls:// or --tls-ca, or --allow-plain")
+        out.append(u.geturl())
+    return out
+
+
+def _drive(coro, failed):
+    """Run coroutine `coro` now, without a Task when it does not suspend (nats-py's publish
+    only suspends when its buffer is over its limit); `failed(exc)` gets its exception."""
+    try:
+        fut = coro.send(None)
+    except StopIteration:
+        return
+    except Exception as e:
+        failed(e)
+        return
+
+    def resume(_):
+        try:
+            nxt = coro.send(None)
+        except StopIteration:
+            return
+        except Exception as e:
+            failed(e)
+            return
+        nxt.add_done_callback(resume)
+
+    fut.add_done_callback(resume)
+
+
+class _Import:
+    """One NATS subscription: its subject, the patterns it serves, and the earlier
+    subscriptions that may see the same message (which take it instead)."""
+
+    __slots__ = ("subject", "patterns", "exact", "earlier", "sub")
+
+    def __init__(self, subject: str, patterns: list[bytes], exact: bool):
+        self.subject = subject
+        self.patterns = patterns
+        self.exact = exact
+        self.earlier: list[str] = []
+        self.sub = None
+
+
+class _BusPauser:
+    """Registered on the bus transport: the bus connection's outbox is full (imports wait)."""
+
+    def __init__(self, svc):
+        self.svc = svc
+
+    def pauseProducing(self):
+        self.svc._bus_full = True
+
+    def resumeProducing(self):
+        self.svc._bus_full = False
+
+    def stopProducing(self):
+        self.svc._bus_full = False
+
+
+class NatsService(service.Service):
+    name = "sbus-nats"
+
+    def __init__(self, bus, servers: list[str], *, exports=(), imports=(), prefix: str = "sbus",
+                 connect_options: dict | None = None, max_pending: int = 1 << 20,
+                 stats_interval: float = 60.0, reconnect_wait: float = 1.0,
+                 max_packet: int = MAX_PACKET, reactor=None):
+        self.bus = bus
+        self.servers = list(servers)
+        self.exports = [_b(p) for p in exports]
+        self.imports = [_b(p) for p in imports]
+        self.prefix = check_prefix(prefix)
+        self.connect_options = dict(connect_options or {})
+        self.max_pending = max_pending
+        self.stats_interval = stats_interval
+        self.reconnect_wait = reconnect_wait
+        self.max_packet = max_packet
+        self._reactor = reactor
+        self.secret_exports = [p for p in self.exports if p.startswith(SECRET_ROOT)]
+        self.secret_imports = [p for p in self.imports if p.startswith(SECRET_ROOT)]
+        # imports: one NATS subscription per distinct subject
+        by_subject: dict[str, _Import] = {}
+        for p in self.imports:
+            subject, exact = pattern_to_subject(p, self.prefix)
+            imp = by_subject.get(subject)
+            if imp is None:
+                imp = by_subject[subject] = _Import(subject, [], exact)
+            imp.patterns.append(p)
+            imp.exact = imp.exact or exact
+        self.subs = list(by_subject.values())
+        for i, imp in enumerate(self.subs):
+            imp.earlier = [s.subject for s in self.subs[:i] if subjects_overlap(s.subject, imp.subject)]
+        #: Random per process; replaced by the bus's `server/id` when the server answers it.
+        self.bus_id = os.urandom(16).hex()
+        self.bus_id_from_server = False
+        self._headers = {ORIGIN_HEADER: self.bus_id}
+        self.nc = None
+        self.client = None
+        self.exported = 0
+        self.imported = 0
+        self.drops: dict[str, int] = {}
+        self.secret_filtered = 0
+        self.secret_refused = 0
+        self.duplicates = 0
+        self.filtered = 0
+        self.own_origin = 0
+        self.pauses = 0
+        self.nats_connects = 0
+        self.bus_connects = 0
+        self._paused = False
+        self._bus_full = False
+        self._drain_call = None
+        self._subject_cache: dict[bytes, str] = {}
+        self._logged: set = set()
+        self._loop = None
+        self._last_stats = None
+        self._nats_task = None
+        self._stopping = False
+
+    @property
+    def reactor(self):
+        if self._reactor is None:
+            from twisted.internet import reactor
+            self._reactor = reactor
+        return self._reactor
+
+    def _drop(self, reason: str, n: int = 1) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + n
+
+    def _once(self, what: str, text: str, **kw) -> None:
+        """Log a warning once per distinct `what` (bad input must not flood the log)."""
+        if what not in self._logged and len(self._logged) < 1000:
+            self._logged.add(what)
+            log.warn(text, **kw)
+
+    # -- life cycle
+
+    def startService(self):
+        from sbus.client.twisted import ReconnectingClient, SbusProtocol
+
+        super().startService()
+        svc = self
+
+        class BusProtocol(SbusProtocol):
+            def messageReceived(self, key, payload, packet):
+                svc._from_bus(self, key, payload)
+
+        class Client(ReconnectingClient):
+            def connectionMade(self, protocol):
+                svc._bus_connected(protocol)
+
+            def connectionLost(self, reason):
+                if svc.running:
+                    log.warn("bus: lost the connection to {addr} ({why}); reconnecting",
+                             addr=svc.bus, why=reason.getErrorMessage() if hasattr(reason, "getErrorMessage") else reason)
+
+            def connectionFailed(self, reason):
+                svc._once("bus-fail:" + reason.getErrorMessage(),
+                          "bus: cannot connect to {addr}: {why}; retrying", addr=svc.bus,
+                          why=reason.getErrorMessage())
+
+        self.client = Client(self.reactor, self.bus, BusProtocol, initialDelay=0.1, maxDelay=10.0,
+                             max_packet=self.max_packet)
+        for p in dict.fromkeys(self.exports):
+            self.client.subscribe(p)
+        self.client.subscribe(STATS_REQUEST)
+        self.client.echo(False)
+        # lossless toward NATS: when we stop reading, the server holds the publishers
+        self.client.flood(hard="block")
+        self.client.start()
+        log.info("exporting {e}; importing {i}; subject prefix {p!r}",
+                 e=", ".join(repr(p) for p in self.exports) or "nothing",
+                 i=", ".join(f"{p!r} as {s.subject}{'' if s.exact else ' (filtered)'}"
+                             for s in self.subs for p in s.patterns) or "nothing", p=self.prefix)
+        import asyncio
+        self._nats_task = asyncio.ensure_future(self._run_nats())
+        self._loop = LoopingCall(self._report, False)
+        self._loop.clock = self.reactor
+        self._loop.start(self.stats_interval, now=False)
+        exit_zero_on_sigterm(self.reactor)
+
+    def stopService(self):
+        import asyncio
+        super().stopService()
+        self._stopping = True
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        if self._drain_call is not None and self._drain_call.active():
+            self._drain_call.cancel()
+        ds = [self.client.stop()] if self.client is not None else []
+        if self.nc is not None and not self.nc.is_closed:
+            ds.append(defer.Deferred.fromFuture(asyncio.ensure_future(self._close_nats())))
+        elif self._nats_task is not None:
+            self._nats_task.cancel()
+        return defer.DeferredList(ds, consumeErrors=True).addCallback(lambda _: self._report(True))
+
+    async def _close_nats(self):
+        try:
+            await self.nc.flush(timeout=2)
+        except Exception:
+            pass
+        await self.nc.close()
+
+    # -- the bus side
+
+    def _bus_connected(self, proto) -> None:
+        self.bus_connects += 1
+        proto.transport.registerProducer(_BusPauser(self), True)
+        if self._paused:
+            proto.transport.pauseProducing()
+        answer: list = []
+        proto.request(codec.SERVER_ID).addCallbacks(answer.append, lambda f: None)
+
+        def synced(_):
+            ident = answer[0] if answer else None
+            if ident and len(ident) == 32 and all(c in b"0123456789abcdef" for c in ident):
+                self.bus_id = ident.decode()
+                self.bus_id_from_server = True
+            else:
+                log.warn("bus: the server did not answer server/id; origin id {id} is this "
+                         "process's own", id=self.bus_id)
+            self._headers = {ORIGIN_HEADER: self.bus_id}
+            log.info("bus: {what} to {addr} as {who}; bus id {id}",
+                     what="connected" if self.bus_connects == 1 else "reconnected",
+                     addr=self.bus or "(default address)",
+                     who=(proto.credentials or b"").decode("utf-8", "replace"), id=self.bus_id)
+
+        proto.sync().addCallbacks(synced, lambda f: None)
+
+    def _from_bus(self, proto, key: bytes, payload: bytes) -> None:
+        if key == STATS_REQUEST:
+            self._answer_stats(proto, payload)
+            return
+        if key.startswith(SECRET_ROOT):
+            match = proto._matchPattern
+            if not any(matches(match(p), key) for p in self.secret_exports):
+                self.secret_filtered += 1
+                return
+        subject = self._subject_cache.get(key)
+        if subject is None:
+            subject = key_to_subject(key, self.prefix)
+            if len(self._subject_cache) > 4096:
+                self._subject_cache.clear()
+            self._subject_cache[key] = subject
+        if len(subject) > MAX_SUBJECT:
+            self._drop("subject_too_long")
+            self._once("long", "not exporting {key!r}...: its subject is longer than {n} bytes "
+                       "(NATS's control line); counted as subject_too_long", key=key[:60], n=MAX_SUBJECT)
+            return
+        nc = self.nc
+        if nc is None or nc.is_closed:
+            self._drop("nats_down")
+            return
+        if len(payload) > nc.max_payload:
+            self._drop("too_large")
+            self._once("large", "not exporting {key!r}: {n} bytes is more than the NATS server's "
+                       "max_payload {m}; counted as too_large", key=key[:60], n=len(payload), m=nc.max_payload)
+            return
+        _drive(nc.publish(subject, payload, headers=self._headers), self._publish_failed)
+        self.exported += 1
+        if nc.pending_data_size > self.max_pending and not self._paused and nc.is_connected:
+            self._pause()
+
+    def _publish_failed(self, exc) -> None:
+        import nats.errors as ne
+        self.exported -= 1
+        if isinstance(exc, (ne.OutboundBufferLimitError, ne.ConnectionClosedError,
+                            ne.ConnectionReconnectingError)):
+            self._drop("nats_down")
+        else:
+            self._drop("publish_error")
+            self._once("pub:" + type(exc).__name__, "NATS publish failed: {err!r}", err=exc)
+
+    def _pause(self) -> None:
+        self._paused = True
+        self.pauses += 1
+        proto = self.client.protocol if self.client else None
+        if proto is not None and proto.transport is not None:
+            proto.transport.pauseProducing()
+        self._drain_call = self.reactor.callLater(0.002, self._check_drained)
+
+    def _check_drained(self) -> None:
+        nc = self.nc
+        if nc is None or not nc.is_connected or nc.pending_data_size <= self.max_pending // 2:
+            self._paused = False
+            proto = self.client.protocol if self.client else None
+            if proto is not None and proto.transport is not None:
+                proto.transport.resumeProducing()
+            return
+        self._drain_call = self.reactor.callLater(0.002, self._check_drained)
+
+    # -- the NATS side
+
+    async def _run_nats(self) -> None:
+        import asyncio
+
+        import nats
+
+        delay = 0.1
+        while not self._stopping:
+            try:
+                nc = await nats.connect(
+                    servers=self.servers, no_echo=True, allow_reconnect=True,
+                    max_reconnect_attempts=-1, reconnect_time_wait=self.reconnect_wait,
+                    connect_timeout=2, pending_size=8 * self.max_pending, name="sbus-nats",
+                    error_cb=self._nats_error, disconnected_cb=self._nats_disconnected,
+                    reconnected_cb=self._nats_reconnected, closed_cb=self._nats_closed,
+                    **self.connect_options)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                why = str(e) or type(e).__name__
+                self._once("nats-fail:" + why, "NATS: cannot connect to {servers}: {why}; retrying",
+                           servers=" ".join(self.servers), why=why)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+                continue
+            self.nc = nc
+            self.nats_connects += 1
+            for i, imp in enumerate(self.subs):
+                imp.sub = await nc.subscribe(imp.subject, cb=self._make_cb(imp),
+                                             pending_msgs_limit=1 << 20, pending_bytes_limit=256 << 20)
+            await nc.flush()
+            log.info("NATS: connected to {url}; {n} subscription(s); ready",
+                     url=self._url(), n=len(self.subs))
+            return
+
+    def _url(self) -> str:
+        try:
+            u = self.nc.connected_url
+            return f"{u.scheme}://{u.hostname}:{u.port}"
+        except Exception:
+            return "?"
+
+    async def _nats_error(self, exc) -> None:
+        import nats.errors as ne
+        if isinstance(exc, ne.SlowConsumerError):
+            self._drop("nats_slow_consumer")
+            return
+        self._once("nats-err:" + str(exc), "NATS: {err}", err=str(exc) or type(exc).__name__)
+
+    async def _nats_disconnected(self) -> None:
+        if not self._stopping:
+            log.warn("NATS: disconnected; reconnecting (to any of the cluster's servers)")
+
+    async def _nats_reconnected(self) -> None:
+        self.nats_connects += 1
+        log.info("NATS: reconnected to {url}", url=self._url())
+
+    async def _nats_closed(self) -> None:
+        if not self._stopping:
+            log.warn("NATS: connection closed; starting over")
+            import asyncio
+            self.nc = None
+            self._nats_task = asyncio.ensure_future(self._run_nats())
+
+    def _make_cb(self, imp: _Import):
+        async def cb(msg):
+            self._from_nats(imp, msg)
+        return cb
+
+    def _from_nats(self, imp: _Import, msg) -> None:
+        subject = msg.subject
+        for earlier in imp.earlier:
+            if subject_matches(earlier, subject):
+                self.duplicates += 1      # an earlier subscription takes this one
+                return
+        hdr = msg.headers
+        if hdr and hdr.get(ORIGIN_HEADER) == self.bus_id:
+            self.own_origin += 1
+            return
+        try:
+            key = subject_to_key(subject, self.prefix)
+        except MappingError as e:
+            self._drop("bad_subject")
+            self._once("subj:" + subject[:40], "not importing NATS subject {s!r}: {err}",
+                       s=subject[:200], err=e)
+            return
+        if not imp.exact and not any(matches(p, key) for p in self.imports):
+            self.filtered += 1
+            return
+        if key.startswith(SECRET_ROOT):
+            if not any(matches(p, key) for p in self.secret_imports):
+                self.secret_refused += 1
+                return
+            try:
+                check_key(key)
+            except CredentialError as e:
+                self._drop("bad_key")
+                self._once("key:" + str(e), "not importing {key!r}: {err}", key=key[:80], err=e)
+                return
+        try:
+            packet = codec.encode_msg(key, msg.data, self.max_packet)
+        except ProtocolError:
+            self._drop("too_large")
+            return
+        proto = self.client.protocol if self.client else None
+        if proto is None or not proto.connected:
+            self._drop("bus_down")
+            return
+        if self._bus_full:
+            self._drop("bus_slow")
+            return
+        proto.sendPacket(packet)
+        self.imported += 1
+
+    # -- statistics
+
+    def stats(self) -> dict:
+        nc = self.nc
+        return {
+            "exported": self.exported,
+            "imported": self.imported,
+            "drops": dict(sorted(self.drops.items())),
+            "secret_filtered": self.secret_filtered,
+            "secret_refused": self.secret_refused,
+            "own_origin_dropped": self.own_origin,
+            "duplicates_suppressed": self.duplicates,
+            "filtered": self.filtered,
+            "paused": self.pauses,
+            "bus": {"connected": bool(self.client and self.client.connected),
+                    "reconnects": max(0, self.bus_connects - 1), "id": self.bus_id},
+            "nats": {"connected": bool(nc is not None and nc.is_connected),
+                     "reconnects": max(0, self.nats_connects - 1),
+                     "server": self._url() if nc is not None and nc.is_connected else None,
+                     "pending_bytes": nc.pending_data_size if nc is not None else 0},
+        }
+
+    def _answer_stats(self, proto, payload: bytes) -> None:
+        try:
+            from sbus.services.svcstats import StatsResponder
+        except ImportError:
+            StatsResponder = _StatsResponder
+        responder = getattr(self, "_responder", None)
+        if responder is None:
+            responder = self._responder = StatsResponder(
+                "sbus-nats", lambda: f"{self.bus_id[:8]}->{','.join(self.servers)}", self.stats,
+                lambda: {"nats_connected": bool(self.nc is not None and self.nc.is_connected)})
+        packet = responder.answer(payload)
+        if packet is not None and len(packet) <= self.max_packet:
+            proto.sendPacket(packet)
+
+    def _report(self, final: bool) -> None:
+        st = self.stats()
+        st["nats"].pop("pending_bytes", None)
+        if not final and st == self._last_stats:
+            return
+        self._last_stats = st
+        log.info("sbus-nats {what}: {stats}", what="stopped" if final else "stats",
+                 stats=json.dumps(st, separators=(",", ":")))
+
+
+class _StatsResponder:
+    """The ``sbus/services/stats`` protocol (see sbus.services.svcstats when it is present):
+    the request's payload is a secret reply key of the asker; full counters go to our own
+    uid and root, others get the service's kind and state."""
+
+    def __init__(self, service_name, name, stats, public=None):
+        self.service, self.name, self.stats, self.public = service_name, name, stats, public
+
+    def answer(self, payload: bytes) -> bytes | None:
+        key = payload.strip()
+        if not key.startswith(SECRET_ROOT) or len(key) > 1024:
+            return None
+        try:
+            check_key(key)
+        except CredentialError:
+            return None
+        parts = key[len(SECRET_ROOT):].split(b"/", 3)
+        if len(parts) < 3 or not parts[1].isdigit():
+            return None
+        uid = int(parts[1])
+        body = {"service": self.service, "name": self.name(), "pid": os.getpid(), "uid": os.getuid()}
+        body["stats"] = self.stats() if uid in (0, os.getuid()) else self.public()
+        return b"MSG " + key + b"\0" + json.dumps(body, separators=(",", ":"), default=str).encode()
+
+
+# -- twistd options
+
+
+def _ensure_asyncio_reactor() -> None:
+    """Install Twisted's asyncio reactor if none is installed yet; refuse another one."""
+    if "twisted.internet.reactor" not in sys.modules:
+        from twisted.internet import asyncioreactor
+        asyncioreactor.install()
+        return
+    from twisted.internet import reactor
+    from twisted.internet.asyncioreactor import AsyncioSelectorReactor
+    if not isinstance(reactor, AsyncioSelectorReactor):
+        raise usage.UsageError(f"sbus-nats runs on the asyncio reactor, not {type(reactor).__name__}: "
+                               "use twistd --reactor=asyncio (or no --reactor)")
+
+
+class Options(usage.Options):
+    synopsis = ("--bus ADDRESS --server URL [--server URL ...] [--export PATTERN ...] "
+                "[--import PATTERN ...]")
+    longdesc = (
+        "Carry an sbus bus over a NATS server or cluster (several --server URLs: one cluster, "
+        "failed over between). Nothing is exported or imported unless asked: --export PATTERN "
+        "publishes the bus's matching messages on NATS, --import PATTERN publishes NATS's "
+        "matching messages on the bus (both repeatable; '' is everything). Keys map to "
+        "subjects PREFIX.seg1.seg2 with bytes other than [A-Za-z0-9-] escaped as _XX "
+        "(docs/deploy.md). !/cred/ keys cross only if a pattern names !/cred/. A plain "
+        "connection to a host that is not loopback needs --allow-plain. Needs nats-py: "
+        f"{EXTRA}; runs on the asyncio reactor (installed unless another is chosen)."
+    )
+    optParameters = [
+        ["bus", None, None, "Address of the bus (path, /dev/unix/abstract/HEX); default: the default bus."],
+        ["subject-prefix", None, "sbus", "Subject prefix (literal tokens joined by '.'; '' for none)."],
+        ["creds", None, None, "NATS credentials file (JWT + nkey seed)."],
+        ["token", None, None, "NATS authentication token."],
+        ["user", None, None, "NATS user name (with --password)."],
+        ["password", None, None, "NATS password (with --user)."],
+        ["tls-ca", None, None, "CA certificate(s) to verify the NATS servers with (turns TLS on)."],
+        ["tls-cert", None, None, "Client certificate for TLS (with --tls-key)."],
+        ["tls-key", None, None, "Client private key for TLS."],
+        ["max-pending", None, str(1 << 20), "Stop reading the bus while nats-py has this many bytes "
+                                            "unsent; read again at half."],
+        ["reconnect-wait", None, "1", "Seconds before retrying a NATS server just tried."],
+        ["stats-interval", None, "60", "Seconds between stats lines in the log (only if changed)."],
+    ]
+    optFlags = [
+        ["allow-plain", None, "Allow an unencrypted connection to a NATS server that is not loopback."],
+    ]
+
+    def __init__(self):
+        super().__init__()
+        self["servers"] = []
+        self["exports"] = []
+        self["imports"] = []
+
+    def opt_server(self, value: str) -> None:
+        """A NATS server URL, nats://HOST:PORT or tls://HOST:PORT (repeatable: one cluster)."""
+        self["servers"].append(value)
+
+    def opt_export(self, value: str) -> None:
+        """Publish the bus's messages matching this pattern on NATS (repeatable)."""
+        self["exports"].append(_b(value))
+
+    def opt_import(self, value: str) -> None:
+        """Publish NATS's messages matching this pattern on the bus (repeatable)."""
+        self["imports"].append(_b(value))
+
+    def postOptions(self):
+        from sbus.options import positive_float, positive_int
+
+        if not self["servers"]:
+            raise usage.UsageError("at least one --server URL is required")
+        if not self["exports"] and not self["imports"]:
+            raise usage.UsageError("nothing to do: give --export and/or --import patterns")
+        for what in ("exports", "imports"):
+            for p in self[what]:
+                if b"\0" in p:
+                    raise usage.UsageError(f"--{what[:-1]}: a pattern cannot contain NUL")
+        try:
+            check_prefix(self["subject-prefix"])
+        except MappingError as e:
+            raise usage.UsageError(f"--subject-prefix: {e}") from None
+        if self["bus"]:
+            from sbus.client.address import AddressError, parse
+            try:
+                parse(self["bus"])
+            except AddressError as e:
+                raise usage.UsageError(f"--bus: {e}") from None
+        if bool(self["user"]) != bool(self["password"]):
+            raise usage.UsageError("--user and --password go together")
+        if self["token"] and self["user"]:
+            raise usage.UsageError("--token or --user/--password, not both")
+        if bool(self["tls-cert"]) != bool(self["tls-key"]):
+            raise usage.UsageError("--tls-cert and --tls-key go together")
+        for name in ("creds", "tls-ca", "tls-cert", "tls-key"):
+            if self[name] and not os.path.isfile(self[name]):
+                raise usage.UsageError(f"--{name}: no such file: {self[name]}")
+        tls = bool(self["tls-ca"] or self["tls-cert"])
+        self["servers"] = check_servers(self["servers"], tls, self["allow-plain"])
+        self["max-pending"] = positive_int("max-pending", self["max-pending"])
+        self["reconnect-wait"] = positive_float("reconnect-wait", self["reconnect-wait"])
+        self["stats-interval"] = positive_float("stats-interval", self["stats-interval"])
+        _ensure_asyncio_reactor()
+
+
+def _connect_options(options) -> dict:
+    kw: dict = {}
+    if options["creds"]:
+        kw["user_credentials"] = options["creds"]
+    if options["token"]:
+        kw["token"] = options["token"]
+    if options["user"]:
+        kw["user"], kw["password"] = options["user"], options["password"]
+    if options["tls-ca"] or options["tls-cert"] or any(s.startswith("tls://") for s in options["servers"]):
+        ctx = ssl.create_default_context(cafile=options["tls-ca"] or None)
+        if options["tls-cert"]:
+            ctx.load_cert_chain(options["tls-cert"], options["tls-key"])
+        kw["tls"] = ctx
+    return kw
+
+
+def makeService(options) -> NatsService:
+    try:
+        import nats  # noqa: F401
+    except ImportError:
+        raise SystemExit(f"sbus-nats needs nats-py: {EXTRA}") from None
+    return NatsService(options["bus"], options["servers"], exports=options["exports"],
+                       imports=options["imports"], prefix=options["subject-prefix"],
+                       connect_options=_connect_options(options), max_pending=options["max-pending"],
+                       stats_interval=options["stats-interval"],
+                       reconnect_wait=options["reconnect-wait"])

