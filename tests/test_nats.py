@@ -164,7 +164,10 @@ def drain(sock, until, timeout=TIMEOUT):
         left = deadline - time.monotonic()
         if left <= 0:
             raise AssertionError(f"timed out; got {len(got)}: {got[-5:]}")
-        p = recv(sock, left)
+        try:
+            p = recv(sock, left)
+        except (TimeoutError, socket.timeout):
+            raise AssertionError(f"timed out; got {len(got)}: {got[-5:]}") from None
         if p.startswith(b"MSG "):
             key, _, payload = p[4:].partition(b"\0")
             got.append((key, payload))
@@ -320,12 +323,49 @@ def test_stats_answer_on_the_bus(mesh):
     s.close()
 
 
+def bridge_node(mesh, i):
+    url = re.findall(r"NATS: (?:re)?connected to (nats://127\.0\.0\.1:\d+)", mesh["bridges"][i].log())[-1]
+    return next(n for n in mesh["nodes"] if n.url == url)
+
+
+def test_y_slow_nats_pauses_the_bus_and_loses_nothing(mesh):
+    """The NATS node of the exporting bridge stops (SIGSTOP): the bridge stops reading its bus
+    (the server holds the publisher: hard/block), then everything arrives once it continues."""
+    from sbus.client.blocking import flood_packets
+    buses, bridges = mesh["buses"], mesh["bridges"]
+    s1 = connect(buses[1].address, big=True)
+    send(s1, *flood_packets("block", "block", None), sub(b"t/"))
+    sync(s1)
+    p0 = connect(buses[0].address, big=True)
+    warm_up_pair(p0, s1, "bp")
+    victim = bridge_node(mesh, 0)
+    paused_before = len(re.findall(r'"paused":[1-9]', bridges[0].log()))
+    n, size = 5000, 4000
+    victim.proc.send_signal(signal.SIGSTOP)
+    try:
+        pub = threading.Thread(target=lambda: send(p0, *[msg(b"t/bp/%d" % i, b"x" * size) for i in range(n)]))
+        pub.start()
+        # the bridge's stats line shows the pause (its bus connection is not read meanwhile)
+        bridges[0].wait_log(re.compile(r'"paused":[1-9]'), TIMEOUT, count=paused_before + 1)
+        assert pub.is_alive(), "the publisher was not held back"
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+    got = drain(s1, lambda g: sum(k.startswith(b"t/bp/") for k, _ in g) >= n, timeout=60)
+    pub.join(TIMEOUT)
+    keys = [k for k, _ in got if k.startswith(b"t/bp/")]
+    assert keys == [b"t/bp/%d" % i for i in range(n)]
+    assert not [p for p in sync(s1) if p.startswith(b"MSG t/bp/")]
+    # no drops anywhere
+    for i in (0, 1):
+        assert '"drops":{}' in bridges[i].wait_log(re.compile(r'"imported"'), TIMEOUT).rsplit("sbus-nats stats", 1)[1]
+    s1.close()
+    p0.close()
+
+
 def test_zz_failover_when_the_node_dies(mesh):
     """Runs last: kills the node bridge 0 uses; traffic resumes through another node in < 5 s."""
     buses, nodes, bridges = mesh["buses"], mesh["nodes"], mesh["bridges"]
-    log = bridges[0].log()
-    url = re.findall(r"NATS: (?:re)?connected to (nats://127\.0\.0\.1:\d+)", log)[-1]
-    victim = next(n for n in nodes if n.url == url)
+    victim = bridge_node(mesh, 0)
     s1 = subscriber(buses[1])
     s0 = subscriber(buses[0])
     p0 = connect(buses[0].address, big=True)
@@ -349,3 +389,43 @@ def test_zz_failover_when_the_node_dies(mesh):
     bridges[0].wait_re(r"NATS: reconnected to ")
     for x in (s0, s1, p0, p1):
         x.close()
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def run_twistd(*args, pre=""):
+    argv = [sys.executable, "-c", pre + "from twisted.scripts.twistd import run; run()", "-n", "--pidfile=",
+            *args]
+    return subprocess.run(argv, capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("args, code, needle", [
+    (["sbus-nats", "--server", "nats://192.0.2.1:4222", "--export", "a/"], 2, "--allow-plain"),
+    (["sbus-nats", "--server", "nats://127.0.0.1:4222"], 2, "nothing to do"),
+    (["sbus-nats", "--export", "a/"], 2, "--server"),
+    (["sbus-nats", "--server", "nats://127.0.0.1:1", "--export", "a/", "--subject-prefix", "a..b"], 2,
+     "--subject-prefix"),
+    (["--reactor=poll", "sbus-nats", "--server", "nats://127.0.0.1:1", "--export", "a/"], 2,
+     "--reactor=asyncio"),
+    (["sbus-nats", "--server", "nats://127.0.0.1:1", "--export", "a/", "--user", "u"], 2, "--password"),
+])
+def test_bad_command_lines_are_one_line(args, code, needle):
+    r = run_twistd(*args)
+    err = r.stderr.decode().strip()
+    assert r.returncode == code, err
+    assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err, err
+
+
+def test_without_nats_py_one_line_names_the_extra(tmp_path):
+    r = run_twistd("sbus-nats", "--bus", str(tmp_path / "x.sock"), "--server", "nats://127.0.0.1:1",
+                   "--export", "a/", pre="import sys; sys.modules['nats'] = None; ")
+    err = r.stderr.decode().strip()
+    assert r.returncode != 0 and "pip install 'sbus[nats]'" in err and len(err.splitlines()) == 1, err
+
+
+def test_help_says_nothing_crosses_by_default():
+    r = run_twistd("sbus-nats", "--help")
+    out = r.stdout.decode()
+    assert r.returncode == 0
+    assert "default: none" in out and "--allow-plain" in out

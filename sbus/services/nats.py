@@ -48,7 +48,10 @@ Back-pressure and drops. When nats-py's outgoing buffer holds more than
 flood control, ``hard block`` for this connection, then holds the
 publishers) and reads again when the buffer drained to half. While NATS is
 unreachable, nats-py buffers up to ``8 x --max-pending`` for the reconnect;
-beyond that messages are dropped (reason ``nats_down``). Every drop is
+beyond that messages are dropped (reason ``nats_down``). The other way,
+NATS cannot be asked to wait: imported messages queue for the bus up to
+``--import-buffer`` bytes (64 MiB), beyond that they are dropped
+(``bus_slow``). Every drop is
 counted by reason in `stats()`; a stats line is logged every
 ``--stats-interval`` seconds if it changed, and at stop; the service also
 answers ``sbus/services/stats`` requests on the bus (`sbus.services.svcstats`
@@ -155,27 +158,12 @@ class _Import:
         self.sub = None
 
 
-class _BusPauser:
-    """Registered on the bus transport: the bus connection's outbox is full (imports wait)."""
-
-    def __init__(self, svc):
-        self.svc = svc
-
-    def pauseProducing(self):
-        self.svc._bus_full = True
-
-    def resumeProducing(self):
-        self.svc._bus_full = False
-
-    def stopProducing(self):
-        self.svc._bus_full = False
-
-
 class NatsService(service.Service):
     name = "sbus-nats"
 
     def __init__(self, bus, servers: list[str], *, exports=(), imports=(), prefix: str = "sbus",
                  connect_options: dict | None = None, max_pending: int = 1 << 20,
+                 import_buffer: int = 64 << 20,
                  stats_interval: float = 60.0, reconnect_wait: float = 1.0,
                  max_packet: int = MAX_PACKET, reactor=None):
         self.bus = bus
@@ -185,6 +173,7 @@ class NatsService(service.Service):
         self.prefix = check_prefix(prefix)
         self.connect_options = dict(connect_options or {})
         self.max_pending = max_pending
+        self.import_buffer = import_buffer
         self.stats_interval = stats_interval
         self.reconnect_wait = reconnect_wait
         self.max_packet = max_packet
@@ -221,7 +210,6 @@ class NatsService(service.Service):
         self.nats_connects = 0
         self.bus_connects = 0
         self._paused = False
-        self._bus_full = False
         self._drain_call = None
         self._subject_cache: dict[bytes, str] = {}
         self._logged: set = set()
@@ -318,7 +306,6 @@ class NatsService(service.Service):
 
     def _bus_connected(self, proto) -> None:
         self.bus_connects += 1
-        proto.transport.registerProducer(_BusPauser(self), True)
         if self._paused:
             proto.transport.pauseProducing()
         answer: list = []
@@ -511,7 +498,7 @@ class NatsService(service.Service):
         if proto is None or not proto.connected:
             self._drop("bus_down")
             return
-        if self._bus_full:
+        if proto.transport.queuedBytes() > self.import_buffer:
             self._drop("bus_slow")
             return
         proto.sendPacket(packet)
@@ -629,6 +616,9 @@ class Options(usage.Options):
         ["tls-key", None, None, "Client private key for TLS."],
         ["max-pending", None, str(1 << 20), "Stop reading the bus while nats-py has this many bytes "
                                             "unsent; read again at half."],
+        ["import-buffer", None, str(64 << 20), "Bytes of imported messages to queue for a bus "
+                                               "that does not take them; beyond, they are dropped "
+                                               "(bus_slow): NATS cannot be told to wait."],
         ["reconnect-wait", None, "1", "Seconds before retrying a NATS server just tried."],
         ["stats-interval", None, "60", "Seconds between stats lines in the log (only if changed)."],
     ]
@@ -647,11 +637,11 @@ class Options(usage.Options):
         self["servers"].append(value)
 
     def opt_export(self, value: str) -> None:
-        """Publish the bus's messages matching this pattern on NATS (repeatable)."""
+        """Publish the bus's messages matching this pattern on NATS (repeatable; default: none)."""
         self["exports"].append(_b(value))
 
     def opt_import(self, value: str) -> None:
-        """Publish NATS's messages matching this pattern on the bus (repeatable)."""
+        """Publish NATS's messages matching this pattern on the bus (repeatable; default: none)."""
         self["imports"].append(_b(value))
 
     def postOptions(self):
@@ -687,6 +677,7 @@ class Options(usage.Options):
         tls = bool(self["tls-ca"] or self["tls-cert"])
         self["servers"] = check_servers(self["servers"], tls, self["allow-plain"])
         self["max-pending"] = positive_int("max-pending", self["max-pending"])
+        self["import-buffer"] = positive_int("import-buffer", self["import-buffer"])
         self["reconnect-wait"] = positive_float("reconnect-wait", self["reconnect-wait"])
         self["stats-interval"] = positive_float("stats-interval", self["stats-interval"])
         _ensure_asyncio_reactor()
@@ -716,5 +707,6 @@ def makeService(options) -> NatsService:
     return NatsService(options["bus"], options["servers"], exports=options["exports"],
                        imports=options["imports"], prefix=options["subject-prefix"],
                        connect_options=_connect_options(options), max_pending=options["max-pending"],
+                       import_buffer=options["import-buffer"],
                        stats_interval=options["stats-interval"],
                        reconnect_wait=options["reconnect-wait"])
