@@ -29,7 +29,7 @@ print("ok")
 
 CLIENT_SIDE = [
     "sbus.seqpacket", "sbus.address", "sbus.interfaces", "sbus.client", "sbus.client.address",
-    "sbus.client.blocking", "sbus.client.twisted", "sbus.client.asyncio", "sbus.cli",
+    "sbus.client.blocking", "sbus.client.twisted", "sbus.client.asyncio", "sbus.cli", "sbus.top",
 ]
 
 
