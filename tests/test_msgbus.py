@@ -100,6 +100,36 @@ def test_trie():
     assert not t and t.channels == 0
 
 
+def test_radix_trie_against_a_model():
+    """Random adds and removes of aliasing channels: collect() matches a plain set, and
+    removing everything leaves only the root (no node is kept for nothing)."""
+    import random
+
+    from sbus.services.msgbus import ChannelTrie
+
+    for seed in range(200):
+        r = random.Random(seed)
+        t, model = ChannelTrie(), set()
+        for _ in range(150):
+            ch = bytes(r.choice(b"ab") for _ in range(r.randint(0, 5)))
+            m = r.randint(0, 3)
+            if r.random() < 0.6:
+                assert t.add(ch, m) == ((ch, m) not in model)
+                model.add((ch, m))
+            else:
+                assert t.remove(ch, m) == ((ch, m) in model)
+                model.discard((ch, m))
+            p = bytes(r.choice(b"ab") for _ in range(r.randint(0, 4)))
+            assert t.collect(p, set()) == {mm for c, mm in model if c.startswith(p)}, seed
+            assert t.channels == len(model)
+        for c, m in list(model):
+            t.remove(c, m)
+        assert not t and t.nodes() == 1, seed
+    t = ChannelTrie()
+    t.add(b"x" * 60_000, "L")
+    assert t.nodes() == 2                     # one node per channel, not per byte
+
+
 def test_readme_session_with_sbus_both_ways(bus, gateway):
     gw = gateway()
     listener, sender = MsgbusClient(gw.port), MsgbusClient(gw.port)

@@ -40,7 +40,7 @@ import struct
 from twisted.internet import defer, endpoints
 from twisted.logger import Logger
 
-from sbus.address import AddressError, parse_address
+from sbus.address import AddressError
 
 log = Logger(namespace="sbus.access")
 
@@ -97,15 +97,16 @@ class BusAccess:
     """Who could open the bus at `address` (see the module text)."""
 
     def __init__(self, address):
-        self.text = str(address) if address else ""
+        from sbus.client.address import resolve
+
         self.path = None
-        if self.text:
-            try:
-                addr = parse_address(self.text)
-            except AddressError:
-                addr = None
-            if addr is not None and addr.kind == "path":
-                self.path = addr.value
+        try:
+            addr = resolve(address)  # None: $SBUS_SOCKET, then ./sbus.socket, as clients do
+        except AddressError:
+            addr = None
+        self.text = str(addr) if addr is not None else ""
+        if addr is not None and addr.kind == "path":
+            self.path = os.path.abspath(addr.value)  # twistd may chdir later
         self.own_uid = os.getuid()
 
     def allows(self, uid: int | None) -> bool:
