@@ -7,7 +7,7 @@
             ...
 """
 
-from sbus.core.codec import MAX_PACKET, Control, Message, ProtocolError
+from sbus.core.codec import MAX_PACKET, Control, DisconnectNotice, DropNotice, Message, ProtocolError
 
 from .address import DEFAULT_ADDRESS, ENV_VAR, Address, AddressError, open_socket, parse, resolve
 from .blocking import Client, ConnectionClosed, PacketTooLarge, SbusError, connect
@@ -19,6 +19,8 @@ __all__ = [
     "Client",
     "ConnectionClosed",
     "Control",
+    "DisconnectNotice",
+    "DropNotice",
     "DEFAULT_ADDRESS",
     "ENV_VAR",
     "Message",

@@ -300,7 +300,7 @@ class Relay(service.Service):
         transport = up.transport
         transport.write(packet)
         self.forwarded_up += 1
-        if transport.outbox.nbytes > self.up_limit and client.pauses is not None:
+        if transport.queuedBytes() > self.up_limit and client.pauses is not None:
             self.blocked.add(client.pauses)
 
     def patternHeld(self, pattern: bytes) -> None:
@@ -331,7 +331,7 @@ class Relay(service.Service):
             "disconnects": self.disconnects,
             "failed_attempts": self.failed_attempts,
             "drops": dict(self.drops),
-            "queued_up_bytes": up.transport.outbox.nbytes if up is not None else 0,
+            "queued_up_bytes": up.transport.queuedBytes() if up is not None else 0,
             "blocked_publishers": len(self.blocked),
         }
 
