@@ -281,8 +281,11 @@ def test_secret_keys_stay_home_unless_exported(mesh):
         assert re.fullmatch(r"[0-9a-f]{32}", secret[0][2]["Sbus-Origin"])
         p.close()
     finally:
-        secret_bridge.stop()
+        code = secret_bridge.stop()
         watcher.close()
+    # SIGTERM: status 0, the final counters, no traceback
+    assert code == 0 and "sbus-nats stopped: " in secret_bridge.log()
+    assert "Traceback" not in secret_bridge.log()
 
 
 def test_imported_secret_keys_refused(mesh):
