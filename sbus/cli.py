@@ -226,7 +226,15 @@ def _json_safe(text: str) -> str:
     with ensure_ascii=False leaves DEL, C1 controls and U+2028 raw)."""
     if text.isascii() and "\x7f" not in text:
         return text
-    return "".join(f"\\u{ord(c):04x}" if _unsafe_char(c) else c for c in text)
+    return "".join(_json_escape(c) if _unsafe_char(c) else c for c in text)
+
+
+def _json_escape(c: str) -> str:
+    o = ord(c)
+    if o > 0xFFFF:  # JSON escapes UTF-16 code units: a surrogate pair
+        o -= 0x10000
+        return f"\\u{0xD800 + (o >> 10):04x}\\u{0xDC00 + (o & 0x3FF):04x}"
+    return f"\\u{o:04x}"
 
 
 def _format(fmt: str, raw: bool = False):

@@ -445,6 +445,18 @@ def test_sub_escapes_a_hostile_message_from_another_uid(tmp_path, world_bus):
             s.kill()
 
 
+def test_json_escapes_round_trip():
+    """--format json escapes what a terminal would act on and still reads back to the same text
+    (characters beyond U+FFFF as surrogate pairs, as JSON wants)."""
+    from sbus.cli import _format
+    from sbus.core.codec import Message
+    render = _format("json")
+    for text in ("plain", "x\x7f\u2028\u009b\x1b[2J", "tag\U000e0001s", "é\u202e", "line\nbreak"):
+        out = render(Message(b"k", text.encode()))
+        assert not re.search(rb"[\x00-\x1f\x7f]", out[:-1]) and "\u009b".encode() not in out, out
+        assert json.loads(out)["payload"] == text
+
+
 # --- --ready-file ------------------------------------------------------------------
 
 
