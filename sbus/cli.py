@@ -215,7 +215,8 @@ def escape(data: bytes, space: bool = False) -> bytes:
         elif "\udc80" <= c <= "\udcff":  # a byte that is not UTF-8
             out.append(f"\\x{ord(c) - 0xdc00:02x}")
         elif _unsafe_char(c):
-            out.append(f"\\x{ord(c):02x}" if ord(c) < 0x80 else f"\\u{ord(c):04x}")
+            o = ord(c)
+            out.append(f"\\x{o:02x}" if o < 0x80 else f"\\u{o:04x}" if o <= 0xFFFF else f"\\U{o:08x}")
         else:
             out.append(c)
     return "".join(out).encode("utf-8")
