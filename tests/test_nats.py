@@ -309,6 +309,54 @@ def test_imported_secret_keys_refused(mesh):
     me.close()
 
 
+def bus_id(bus) -> str:
+    from helpers import cmsg
+    s = connect(bus.address)
+    send(s, cmsg(b"server/id"))
+    while True:
+        p = recv(s)
+        if p.startswith(b"CMSG server/id\0"):
+            s.close()
+            return p.split(b"\0", 1)[1].decode()
+
+
+def test_own_origin_and_reserved_keys_do_not_cross(mesh):
+    """A NATS message stamped with bus 0's id is not imported on bus 0 (it came from there),
+    but is on bus 1; reserved control keys (spanning tree, service requests) cross neither way."""
+    buses, urls = mesh["buses"], mesh["urls"]
+    id0 = bus_id(buses[0])
+    assert re.fullmatch(r"[0-9a-f]{32}", id0)
+    s0 = subscriber(buses[0], b"")
+    s1 = subscriber(buses[1], b"t/")
+    watcher = Watcher(urls[0])
+    try:
+        p0 = connect(buses[0].address)
+        send(p0, msg(b"sbus/topology/hello", b"x"), msg(b"sbus/services/ping", b"x"), msg(b"t/reserved-end"))
+        wait_until(lambda: any(m[0] == "sbus.t.reserved-end" for m in watcher.msgs), "marker on NATS")
+        assert not [m for m in watcher.msgs if m[0].startswith("sbus.sbus.")]
+        p0.close()
+    finally:
+        watcher.close()
+
+    async def inject():
+        nc = await nats.connect(urls[0])
+        await nc.publish("sbus.t.from-bus0", b"o", headers={"Sbus-Origin": id0})
+        await nc.publish("sbus.sbus.topology.hello", b"forged")
+        await nc.publish("sbus.t.origin-end", b"")
+        await nc.flush()
+        await nc.close()
+
+    warm_up_pair(connect(buses[1].address), s0, "origin")
+    asyncio.run(inject())
+    got0 = drain(s0, lambda g: any(k == b"t/origin-end" for k, _ in g))
+    keys0 = [k for k, _ in got0]
+    assert b"t/from-bus0" not in keys0 and b"sbus/topology/hello" not in keys0
+    got1 = drain(s1, lambda g: any(k == b"t/from-bus0" for k, _ in g))
+    assert [k for k, _ in got1].count(b"t/from-bus0") == 1
+    s0.close()
+    s1.close()
+
+
 def test_stats_answer_on_the_bus(mesh):
     buses = mesh["buses"]
     s = connect(buses[0].address)

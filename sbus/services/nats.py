@@ -35,6 +35,10 @@ server, or a relay, which is a server, can), so "subscribe only what local
 clients hold" would need sbus-nats to be a relay that the clients connect
 to. Imported messages nobody local wants cost one routing step on the bus.
 
+Reserved keys. ``sbus/topology/...`` (the spanning tree's announcements) and
+``sbus/services/...`` (service requests such as stats) belong to one bus:
+they are neither exported nor imported (``reserved_skipped``).
+
 Secrets. Keys under ``!/cred/`` are exported only if an export pattern
 names ``!/cred/`` itself (``""`` or ``*/`` do not), and imported only if an
 import pattern does: a process id is local to a host, so a remote ``!/cred/``
@@ -85,6 +89,9 @@ log = Logger(namespace="sbus.nats")
 
 ORIGIN_HEADER = "Sbus-Origin"
 STATS_REQUEST = b"sbus/services/stats"
+#: Control keys of one bus's services (the spanning tree's announcements, stats requests):
+#: never exported nor imported, like a bridge or link never forwards them.
+RESERVED = (b"sbus/topology/", b"sbus/services/")
 #: NATS's default max_control_line is 4096 bytes: PUB/HPUB, subject and sizes must fit.
 MAX_SUBJECT = 4000
 EXTRA = "pip install 'sbus[nats]'"
@@ -206,6 +213,7 @@ class NatsService(service.Service):
         self.duplicates = 0
         self.filtered = 0
         self.own_origin = 0
+        self.reserved = 0
         self.pauses = 0
         self.nats_connects = 0
         self.bus_connects = 0
@@ -330,6 +338,9 @@ class NatsService(service.Service):
     def _from_bus(self, proto, key: bytes, payload: bytes) -> None:
         if key == STATS_REQUEST:
             self._answer_stats(proto, payload)
+            return
+        if key.startswith(RESERVED):
+            self.reserved += 1
             return
         if key.startswith(SECRET_ROOT):
             match = proto._matchPattern
@@ -476,6 +487,9 @@ class NatsService(service.Service):
             self._once("subj:" + subject[:40], "not importing NATS subject {s!r}: {err}",
                        s=subject[:200], err=e)
             return
+        if key.startswith(RESERVED):
+            self.reserved += 1
+            return
         if not imp.exact and not any(matches(p, key) for p in self.imports):
             self.filtered += 1
             return
@@ -517,6 +531,7 @@ class NatsService(service.Service):
             "own_origin_dropped": self.own_origin,
             "duplicates_suppressed": self.duplicates,
             "filtered": self.filtered,
+            "reserved_skipped": self.reserved,
             "paused": self.pauses,
             "bus": {"connected": bool(self.client and self.client.connected),
                     "reconnects": max(0, self.bus_connects - 1), "id": self.bus_id},
