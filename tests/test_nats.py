@@ -480,3 +480,47 @@ def test_help_says_nothing_crosses_by_default():
     out = r.stdout.decode()
     assert r.returncode == 0
     assert "default: none" in out and "--allow-plain" in out
+
+
+def test_started_before_nats_and_whole_cluster_restart(tmp_path):
+    """NATS absent at start: the bridges retry; the whole cluster (one node here) dies and comes
+    back on its address: they reconnect, re-subscribe, and traffic flows again."""
+    port, cport = free_ports(2)
+    buses = []
+    procs = []
+    node = None
+    try:
+        for name in ("a", "b"):
+            addr = str(tmp_path / f"{name}.socket")
+            buses.append(SbusdProcess(["-f", "-a", addr], tmp_path / f"{name}.log", address=addr))
+        procs += buses
+        url = f"nats://127.0.0.1:{port}"
+        x = Twistd(["sbus-nats", "--bus", buses[0].address, "--server", url, "--reconnect-wait", "0.2",
+                    "--export", "t/"], tmp_path)
+        y = Twistd(["sbus-nats", "--bus", buses[1].address, "--server", url, "--reconnect-wait", "0.2",
+                    "--import", "t/"], tmp_path)
+        procs += [x, y]
+        for br in (x, y):
+            br.wait_re(r"NATS: (cannot connect|.*(Connect call failed|refused))")
+        node = NatsNode("solo", port, cport, [], tmp_path)
+        node.wait_log("Server is ready")
+        for br in (x, y):
+            br.wait_re(r"NATS: connected to .*; ready")
+        s = subscriber(buses[1])
+        p = connect(buses[0].address)
+        warm_up_pair(p, s, "before")
+        node.proc.kill()
+        node.proc.wait()
+        x.wait_re("NATS: disconnected")
+        y.wait_re("NATS: disconnected")
+        node = NatsNode("solo2", port, cport, [], tmp_path)
+        node.wait_log("Server is ready")
+        warm_up_pair(p, s, "after")
+        y.wait_re("NATS: reconnected to ")
+        s.close()
+        p.close()
+    finally:
+        for pr in reversed(procs):
+            pr.stop()
+        if node is not None:
+            node.stop()
