@@ -524,3 +524,46 @@ def test_started_before_nats_and_whole_cluster_restart(tmp_path):
             pr.stop()
         if node is not None:
             node.stop()
+
+
+def test_tls_with_client_certificates_and_a_token(tmp_path):
+    """TLS verified against --tls-ca, a client certificate and a token pass through to NATS;
+    a wrong token never gets connected."""
+    pytest.importorskip("cryptography")
+    from test_link import _certs
+
+    pki = _certs(tmp_path)
+    ca = os.path.join(pki["cadir"], "ca.pem")
+    (srv_cert, srv_key), (cli_cert, cli_key) = pki["server"], pki["client"]
+    port, cport = free_ports(2)
+    token = os.urandom(8).hex()
+    node = LoggedProcess([NATS_SERVER, "-a", "127.0.0.1", "-p", str(port), "--tlsverify",
+                          "--tlscert", srv_cert, "--tlskey", srv_key, "--tlscacert", ca, "--auth", token],
+                         tmp_path / "tls-node.log")
+    procs = []
+    try:
+        node.wait_log("Server is ready")
+        buses = []
+        for name in ("a", "b"):
+            addr = str(tmp_path / f"{name}.socket")
+            buses.append(SbusdProcess(["-f", "-a", addr], tmp_path / f"{name}.log", address=addr))
+        procs += buses
+        common = ["--server", f"tls://127.0.0.1:{port}", "--tls-ca", ca, "--tls-cert", cli_cert,
+                  "--tls-key", cli_key, "--reconnect-wait", "0.2"]
+        x = start_bridge(tmp_path, buses[0].address, [], *common, "--token", token, "--export", "t/")
+        y = start_bridge(tmp_path, buses[1].address, [], *common, "--token", token, "--import", "t/")
+        procs += [x, y]
+        bad = Twistd(["sbus-nats", "--bus", buses[1].address, *common, "--token", "wrong", "--import", "t/"],
+                     tmp_path)
+        procs.append(bad)
+        s = subscriber(buses[1])
+        p = connect(buses[0].address)
+        warm_up_pair(p, s, "tls")
+        bad.wait_re(r"(?i)NATS: .*authorization")
+        assert "; ready" not in bad.log()
+        s.close()
+        p.close()
+    finally:
+        for pr in reversed(procs):
+            pr.stop()
+        node.stop()
