@@ -844,6 +844,10 @@ class BatchSeqPacketTransport(SeqPacketTransport):
                 return main.CONNECTION_LOST
             if not packets:
                 return None
+            if len(packets) == 1 and packets[0].__class__ is bytes and packets[0]:
+                # One packet (a round trip, a quiet bus): nothing to batch, send as it routes.
+                self._packetReceived(packets[0])
+                return None
             return self._route(packets)
         return None
 
