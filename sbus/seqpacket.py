@@ -785,6 +785,12 @@ _feeder = None
 _dirty: list = []
 
 
+def _key_of(packet: bytes) -> bytes:
+    """The routing key of a delivered (MSG) packet, for flood control's drop notices."""
+    end = packet.find(b"\0", 4)
+    return packet[4:end] if end >= 0 else packet[4:]
+
+
 def _flush_dirty():
     global _dirty
     dirty = _dirty
@@ -907,7 +913,7 @@ class BatchSeqPacketTransport(SeqPacketTransport):
             for k, (client, packet) in enumerate(held):
                 t = client.transport
                 if t.connected and not t.disconnecting:
-                    client.deliver(packet, protocol)
+                    client.deliver(packet, protocol, _key_of(packet))
                 if self._paused():
                     rest = held[k + 1:]
                     if rest:
@@ -941,6 +947,10 @@ class BatchSeqPacketTransport(SeqPacketTransport):
                     # A zero-length packet reads exactly like end of file: the peer closed.
                     return main.CONNECTION_DONE
                 else:
+                    if packet[0] != 77 and _dirty:
+                        # Not a MSG ("M"): a request, maybe for stats or whoami, whose answer must
+                        # see every delivery routed before it as done (sent, queued or dropped).
+                        _flush_dirty()
                     deliver(packet)
                 if not self._reading:
                     if self._paused() and i < len(packets):
@@ -1017,7 +1027,7 @@ class BatchSeqPacketTransport(SeqPacketTransport):
                 if paused is not None and paused():
                     source._hold(client, pending[j:])
                     break
-                deliver(pending[j], feeder)
+                deliver(pending[j], feeder, _key_of(pending[j]))
         finally:
             _collecting = saved
 
@@ -1026,9 +1036,9 @@ class BatchSeqPacketTransport(SeqPacketTransport):
         oldest first (order/queue); other orders, and the end of the drain (producers,
         `outboxDrained`), are the pure transport's."""
         outbox = self.outbox
-        items = outbox._items
-        if outbox.order is not FIFO or outbox._seq is not None:
+        if outbox.__class__ is not Outbox or outbox.order is not FIFO:  # (random: a dual outbox)
             return SeqPacketTransport.doWrite(self)
+        items = outbox._items
         fd = self._fd
         cap = self.drain_cap
         while items:
