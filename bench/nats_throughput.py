@@ -2,6 +2,10 @@
 (`twistd sbus-link` x2, key-authenticated TCP on loopback), in the same run, alternating.
 
     PYTHONPATH=. /work/venv/bin/python bench/nats_throughput.py [--messages 50000] [--size 100] [--rounds 3]
+    PYTHONPATH=. /work/venv/bin/python bench/nats_throughput.py --publish-only   # nats-py publish cost
+
+`--publish-only` compares how sbus-nats drives nats-py's publish coroutine (to completion, no Task)
+with a Task per publish (asyncio.ensure_future), against a local nats-server.
 
 One publisher on bus A sends MESSAGES messages of SIZE bytes under bench/; one subscriber on
 bus B (blocking/soft/block, blocking/hard/block) counts them. The figure is messages/s from the
@@ -130,13 +134,59 @@ def run_link(tmp, a, b, n, size):
         la.stop()
 
 
+def publish_only(nats_server, rounds, n, size):
+    import asyncio
+
+    import nats
+
+    from sbus.services.nats import _drive
+
+    port = free_port()
+    tmp = tempfile.mkdtemp(prefix="sbus-nats-pub-")
+    node = LoggedProcess([nats_server, "-a", "127.0.0.1", "-p", str(port)], os.path.join(tmp, "nats.log"))
+    node.wait_log("Server is ready")
+
+    async def run():
+        nc = await nats.connect(f"nats://127.0.0.1:{port}", pending_size=64 << 20)
+        headers = {"Sbus-Origin": "0" * 32}
+        payload = b"x" * size
+        res = {"drive": [], "task": []}
+        for _ in range(rounds):
+            for how in ("drive", "task"):
+                t = time.perf_counter()
+                for i in range(n):
+                    coro = nc.publish("sbus.bench.x", payload, headers=headers)
+                    if how == "drive":
+                        _drive(coro, print)
+                    else:
+                        asyncio.ensure_future(coro)
+                    if i % 1000 == 0:
+                        await asyncio.sleep(0)
+                await nc.flush()
+                res[how].append(n / (time.perf_counter() - t))
+        await nc.close()
+        return res
+
+    try:
+        res = asyncio.run(run())
+    finally:
+        node.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    for how, rates in res.items():
+        print(f"{how}: median {statistics.median(rates):,.0f} publishes/s over {rounds} rounds of {n} x {size} B")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--messages", type=int, default=50000)
     ap.add_argument("--size", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--publish-only", action="store_true", help="only the nats-py publish micro-benchmark")
     args = ap.parse_args()
     nats_server = shutil.which("nats-server") or os.path.join(os.path.dirname(sys.executable), "nats-server")
+    if args.publish_only:
+        publish_only(nats_server, args.rounds, args.messages, args.size)
+        return
     tmp = tempfile.mkdtemp(prefix="sbus-nats-bench-")
     a = SbusdProcess(["-f", "-a", os.path.join(tmp, "a.sock")], os.path.join(tmp, "a.log"),
                      address=os.path.join(tmp, "a.sock"))
