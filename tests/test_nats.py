@@ -517,6 +517,19 @@ def test_started_before_nats_and_whole_cluster_restart(tmp_path):
         node.wait_log("Server is ready")
         warm_up_pair(p, s, "after")
         y.wait_re("NATS: reconnected to ")
+        p.close()
+        # and the exporting side's bus is killed (-9) and restarted: the bridge reconnects to it
+        old_id = bus_id(buses[0])
+        buses[0].proc.kill()
+        buses[0].proc.wait()
+        x.wait_re("bus: lost the connection")
+        addr = buses[0].address
+        buses[0] = SbusdProcess(["-f", "-a", addr], tmp_path / "a2.log", address=addr)
+        procs.append(buses[0])
+        x.wait_re("bus: reconnected to ")
+        assert bus_id(buses[0]) != old_id and f"bus id {bus_id(buses[0])}" in x.log()
+        p = connect(addr)
+        warm_up_pair(p, s, "bus-restarted")
         s.close()
         p.close()
     finally:
