@@ -391,7 +391,7 @@ def test_y_slow_nats_pauses_the_bus_and_loses_nothing(mesh):
     warm_up_pair(p0, s1, "bp")
     victim = bridge_node(mesh, 0)
     paused_before = len(re.findall(r'"paused":[1-9]', bridges[0].log()))
-    n, size = 3000, 4000
+    n, size = 6000, 4000  # 24 MB: well beyond every buffer on the way (TCP, nats-py, the bus queue)
     victim.proc.send_signal(signal.SIGSTOP)
     try:
         pub = threading.Thread(target=lambda: send(p0, *[msg(b"t/bp/%d" % i, b"x" * size) for i in range(n)]))
