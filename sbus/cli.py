@@ -35,7 +35,7 @@ import tempfile
 import time
 import unicodedata
 
-from sbus.core.codec import Message, ProtocolError
+from sbus.core.codec import DropNotice, Message, ProtocolError
 
 from .client.address import ABSTRACT_PREFIX, AddressError, resolve
 from .client.blocking import Client, ConnectionClosed, PacketTooLarge
@@ -335,7 +335,7 @@ def _sub(args) -> int:
         if args.ready_file:
             _signal_ready(args.ready_file)
             args._ready = True
-        received = 0
+        received = dropped = 0
         while args.count is None or received < args.count:
             left = None
             if deadline is not None:
@@ -348,6 +348,13 @@ def _sub(args) -> int:
                 break
             except PacketTooLarge as e:
                 print(f"sbus: {_printable(str(e))}", file=sys.stderr)
+                continue
+            if type(m) is DropNotice:
+                # What the server dropped for us is said, not hidden (docs/protocol.md, notices).
+                dropped += m.count
+                print(f"sbus: the server dropped {m.count} message{'s' if m.count != 1 else ''} for us"
+                      f" (first {_printable(os.fsdecode(m.first))}, last {_printable(os.fsdecode(m.last))};"
+                      f" {dropped} in all)", file=sys.stderr, flush=True)
                 continue
             if type(m) is not Message:
                 continue

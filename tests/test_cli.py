@@ -182,6 +182,44 @@ def test_sub_timeout(bus):
     assert_one_error_line(r, "timed out", "0 of 1", status=124)
 
 
+def test_sub_reports_what_the_server_dropped(bus, subs):
+    """A stopped `sbus sub` overruns its queue (default hard/discard): the server's drop notices
+    reach stderr, and what arrived plus what was reported dropped is everything published."""
+    s = subs("flood/")
+    total = 20_000
+    os.kill(s.proc.pid, signal.SIGSTOP)
+    try:
+        with sbus.client.connect(bus.address) as publisher:
+            for i in range(total):
+                publisher.publish(b"flood/%d" % i, b"x" * 400)   # 8 MB: past the 4 MiB queue
+            publisher.whoami()                                   # all routed (and queued or dropped)
+    finally:
+        os.kill(s.proc.pid, signal.SIGCONT)
+    with sbus.client.connect(bus.address) as publisher:
+        publisher.publish(b"flood/end", b"")
+    lines, err = [], b""
+    deadline = time.monotonic() + TIMEOUT
+    out_buf = b""
+    while not out_buf.endswith(b"flood/end \n"):
+        assert time.monotonic() < deadline, "the end marker never arrived"
+        ready = select.select([s.proc.stdout, s.proc.stderr], [], [], deadline - time.monotonic())[0]
+        for f in ready:
+            chunk = os.read(f.fileno(), 1 << 16)
+            if f is s.proc.stdout:
+                out_buf += chunk
+            else:
+                err += chunk
+    s.proc.send_signal(signal.SIGINT)
+    _, rest = s.proc.communicate(timeout=TIMEOUT)
+    err += rest
+    received = out_buf.count(b"\n") - 1                        # without the end marker
+    counts = [int(c) for c in re.findall(rb"^sbus: the server dropped (\d+) messages? for us", err, re.M)]
+    assert counts, err
+    assert received + sum(counts) == total, (received, counts)
+    assert received < total
+    assert b"first flood/" in err and b"Traceback" not in err
+
+
 def test_stats(bus):
     r = sbus_run("--socket", bus.address, "stats")
     assert r.returncode == 0, r.stderr
