@@ -88,10 +88,11 @@ secret keys filtered.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from twisted.application import service
@@ -104,14 +105,21 @@ from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, ProtocolError
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key
 from sbus.core.patterns import matches
+from sbus.core.topology import RESERVED as TOPOLOGY
 from sbus.services.safeconnect import OwnerConnector, parse_user
 from sbus.services.shutdown import exit_zero_on_sigterm
+from sbus.services.spanning import Tree, default_name, hello_packet, send_urgent
+from sbus.services.svcstats import STATS_REQUEST, StatsResponder
+
+SERVER_ID = b"server/id"
 
 log = Logger(namespace="sbus.bridge")
 
 DIRECTIONS = ("a>b", "b>a", "both")
 SIDES = ("a", "b")
 OTHER = {"a": "b", "b": "a"}
+PORT = {"a": 1, "b": 2}
+SIDE_OF_PORT = {1: "a", 2: "b"}
 PROBE_SEGMENT = b"/sbus-bridge/echo-probe/"
 
 
@@ -236,12 +244,17 @@ class _Pauser:
 
     def pauseProducing(self):
         self.bridge._paused[self.source] = True
+        self.bridge._pausedCount[self.source] += 1
+        if self.bridge.tree is not None:
+            self.bridge.tree.paused(PORT[self.source], True)
         proto = self.bridge.clients[self.source].protocol
         if proto is not None and proto.transport is not None:
             proto.transport.pauseProducing()
 
     def resumeProducing(self):
         self.bridge._paused[self.source] = False
+        if self.bridge.tree is not None:
+            self.bridge.tree.paused(PORT[self.source], False)
         proto = self.bridge.clients[self.source].protocol
         if proto is not None and proto.transport is not None:
             proto.transport.resumeProducing()
@@ -255,7 +268,8 @@ class BridgeService(service.Service):
 
     def __init__(self, a, b, rules: list[Rule], *, stats_interval: float = 60.0,
                  initial_delay: float = 0.1, max_delay: float = 10.0,
-                 max_packet: int = MAX_PACKET, reactor=None, users: dict | None = None):
+                 max_packet: int = MAX_PACKET, reactor=None, users: dict | None = None,
+                 spanning_tree: bool = True):
         if not rules:
             raise ValueError("a bridge needs at least one rule")
         self.address = {"a": a, "b": b}
@@ -280,6 +294,15 @@ class BridgeService(service.Service):
         self.echoes_suppressed = 0
         self.connects = {"a": 0, "b": 0}
         self._paused = {"a": False, "b": False}
+        self._pausedCount = {"a": 0, "b": 0}
+        #: Why messages were not forwarded, by source side: side_down (the other side is not
+        #: connected), bad_key (the rewritten key is invalid or too long).
+        self.drop_reasons = {"a": Counter(), "b": Counter()}
+        #: Messages that arrived while this bridge stands by (another path carries them).
+        self.standby = {"a": 0, "b": 0}
+        self.spanning_tree = spanning_tree
+        self.tree = None
+        self.server_ids: dict[str, bytes] = {}
         self._loop = None
         self._last_stats = None
 
@@ -331,6 +354,11 @@ class BridgeService(service.Service):
             client = Client(side, self.reactor, self.address[side], protocol_factory(side),
                             initialDelay=self.initial_delay, maxDelay=self.max_delay,
                             max_packet=self.max_packet, connector=self.connectors[side])
+            # Lossless: when we stop reading this side (the other is slow), its server holds the
+            # publishers instead of discarding what waits for us.
+            client.flood(hard="block")
+            client.subscribe(TOPOLOGY)
+            client.subscribe(STATS_REQUEST)
             seen = set()
             for route in self.routes[side]:
                 if route.pattern not in seen:  # one SUB per distinct pattern
@@ -338,6 +366,10 @@ class BridgeService(service.Service):
                     client.subscribe(route.pattern)
             client.echo(False)
             self.clients[side] = client
+        self.tree = Tree(self.reactor, default_name("sbus-bridge", f"a={self.address['a']} b={self.address['b']}"),
+                         {1: "a", 2: "b"}, self._sendHello, log, enabled=self.spanning_tree)
+        self.tree.start()
+        self.responder = StatsResponder("sbus-bridge", self.tree.node.name, self.stats, self._publicStats)
         for rule in self.rules:
             log.info("rule: {rule}", rule=str(rule))
         for side in SIDES:
@@ -354,6 +386,8 @@ class BridgeService(service.Service):
         super().stopService()
         if self._loop is not None and self._loop.running:
             self._loop.stop()
+        if self.tree is not None:
+            self.tree.stop()
         ds = [c.stop() for c in self.clients.values()]
 
         def stopped(_):
@@ -365,9 +399,36 @@ class BridgeService(service.Service):
 
     # -- connections
 
+    def _sendHello(self, port: int, hello) -> None:
+        proto = self.clients[SIDE_OF_PORT[port]].protocol
+        if proto is not None and proto.connected:
+            send_urgent(proto.transport, hello_packet(hello))
+
+    def _serverId(self, side: str, proto, payload) -> None:
+        if not payload or proto is not self.clients[side].protocol:
+            return
+        self.server_ids[side] = payload
+        other = self.server_ids.get(OTHER[side])
+        if other == payload and self.clients[OTHER[side]].connected:
+            log.critical("refusing to bridge a bus to itself: side a ({a}) and side b ({b}) are the same "
+                         "bus (server/id {id}); stopping", a=self.address["a"], b=self.address["b"],
+                         id=payload.decode("ascii", "replace"))
+            self.refused = True
+            if self.reactor.running:
+                self.reactor.addSystemEventTrigger("after", "shutdown", os._exit, 1)
+                self.reactor.stop()
+
+    refused = False
+
     def _connected(self, side: str, proto) -> None:
         self.connects[side] += 1
         other = OTHER[side]
+        self.server_ids.pop(side, None)
+        try:
+            proto.request(SERVER_ID).addCallbacks(lambda p: self._serverId(side, proto, p), lambda f: None)
+        except Exception:
+            pass
+        self.tree.port_up(PORT[side])
         proto.echo_filter = RecentPackets()  # until the probe shows echo/off is honoured
         # back-pressure: when this side's queue is full, stop reading the other side
         proto.transport.registerProducer(_Pauser(self, other), True)
@@ -415,6 +476,9 @@ class BridgeService(service.Service):
 
     def _lost(self, side: str, reason) -> None:
         self.connectors[side].release()
+        self.server_ids.pop(side, None)
+        if self.tree is not None:
+            self.tree.port_down(PORT[side])
         if self.running:
             log.warn("side {side}: lost the connection to {addr} ({why}); reconnecting",
                      side=side, addr=self.address[side], why=reason)
@@ -422,8 +486,23 @@ class BridgeService(service.Service):
     # -- forwarding
 
     def _received(self, side: str, proto, key: bytes, payload: bytes, packet: bytes) -> None:
+        if key.startswith(TOPOLOGY):
+            self.tree.received(PORT[side], key, payload)
+            return  # never forwarded: each segment's hellos are its own
+        if key == STATS_REQUEST:
+            answer = self.responder.answer(payload)
+            if answer is not None and proto.connected:
+                proto.sendPacket(answer)
+            return
         if proto.probe_key is not None and key == proto.probe_key:
             proto.probe_seen = True
+            return
+        if not self.tree.forwarding:
+            if self.clients[OTHER[side]].connected:
+                self.standby[side] += 1
+            else:
+                self.dropped[side] += 1
+                self.drop_reasons[side]["side_down"] += 1
             return
         if proto.echo_filter is not None and proto.echo_filter.take(packet):
             self.echoes_suppressed += 1
@@ -458,11 +537,13 @@ class BridgeService(service.Service):
                     out = codec.encode_msg(target, payload, self.max_packet)
                 except (CredentialError, ProtocolError) as e:
                     self.dropped[side] += 1
+                    self.drop_reasons[side]["bad_key"] += 1
                     log.warn("side {side}: not forwarding {key!r} as {target!r}: {err}",
                              side=side, key=key, target=target, err=e)
                     continue
             if dest is None or not dest.connected:
                 self.dropped[side] += 1
+                self.drop_reasons[side]["side_down"] += 1
                 continue
             if dest.echo_filter is not None:
                 dest.echo_filter.add(out)
@@ -479,15 +560,32 @@ class BridgeService(service.Service):
             "secret_filtered": self.secret_filtered,
             "echoes_suppressed": self.echoes_suppressed,
             "connected": {s: bool(c.connected) for s, c in self.clients.items()},
+            "drop_reasons": {"a>b": dict(self.drop_reasons["a"]), "b>a": dict(self.drop_reasons["b"])},
+            "standby_not_forwarded": {"a>b": self.standby["a"], "b>a": self.standby["b"]},
+            "paused_reading": {s: self._pausedCount[s] for s in SIDES},
+            "server_id": {s: v.decode("ascii", "replace") for s, v in self.server_ids.items()},
+            "spanning_tree": self.tree.stats() if self.tree is not None else None,
         }
+
+    def _publicStats(self) -> dict:
+        tree = self.tree.stats() if self.tree is not None else {}
+        return {"connected": {s: bool(c.connected) for s, c in self.clients.items()},
+                "forwarding": self.tree.forwarding if self.tree is not None else None,
+                "spanning_tree_enabled": tree.get("enabled")}
 
     def _report(self, final: bool) -> None:
         st = self.stats()
-        if not final and st == self._last_stats:
+        seen = {k: st[k] for k in ("forwarded", "reconnects", "drops", "secret_filtered", "echoes_suppressed",
+                                    "connected", "standby_not_forwarded")}
+        seen["forwarding"] = self.tree is None or self.tree.forwarding
+        if not final and seen == self._last_stats:
             return
-        self._last_stats = st
+        self._last_stats = seen
         log.info("{what}: forwarded a>b={ab} b>a={ba}; reconnects a={ra} b={rb}; drops a>b={dab} "
-                 "b>a={dba}; secret filtered={sf}; echoes suppressed={es}; connected a={ca} b={cb}",
+                 "b>a={dba}; secret filtered={sf}; echoes suppressed={es}; connected a={ca} b={cb}; "
+                 "standby a>b={sab} b>a={sba}; drop reasons {why}",
+                 sab=st["standby_not_forwarded"]["a>b"], sba=st["standby_not_forwarded"]["b>a"],
+                 why=json.dumps(st["drop_reasons"], separators=(",", ":")),
                  what="stopped" if final else "stats",
                  ab=st["forwarded"]["a>b"], ba=st["forwarded"]["b>a"],
                  ra=st["reconnects"]["a"], rb=st["reconnects"]["b"],
@@ -547,6 +645,10 @@ class Options(usage.Options):
                                "default: the owner of the socket's directory."],
         ["b-user", None, None, "The same for bus B."],
     ]
+    optFlags = [
+        ["no-spanning-tree", None, "Forward always, taking no part in the spanning tree (only for a "
+                                   "bridge whose keys no other path carries; see docs/deploy.md)."],
+    ]
 
     def __init__(self):
         super().__init__()
@@ -589,6 +691,9 @@ class Options(usage.Options):
                     parse_user(self[f"{side}-user"])
                 except ValueError as e:
                     raise usage.UsageError(f"--{side}-user: {e}") from None
+        same = same_socket(self["a"], self["b"])
+        if same:
+            raise usage.UsageError(f"refusing to bridge a bus to itself: --a and --b {same}")
         for name in ("stats-interval", "max-delay"):
             try:
                 value = float(self[name])
@@ -599,7 +704,26 @@ class Options(usage.Options):
             self[name] = value
 
 
+def same_socket(a: str, b: str) -> str | None:
+    """Why addresses `a` and `b` name the same socket (same file, same abstract name), or None."""
+    from sbus.client.address import AddressError, resolve
+
+    try:
+        ra, rb = resolve(a), resolve(b)
+    except AddressError:
+        return None
+    if (ra.kind, ra.value) == (rb.kind, rb.value):
+        return f"are the same address ({ra})"
+    try:
+        if ra.kind == rb.kind == "path" and os.path.samefile(ra.value, rb.value):
+            return f"name the same socket file ({ra} and {rb})"
+    except OSError:
+        pass
+    return None
+
+
 def makeService(options) -> BridgeService:
     return BridgeService(options["a"], options["b"], options["rules"],
                          stats_interval=options["stats-interval"], max_delay=options["max-delay"],
-                         users={"a": options["a-user"], "b": options["b-user"]})
+                         users={"a": options["a-user"], "b": options["b-user"]},
+                         spanning_tree=not options["no-spanning-tree"])
