@@ -388,33 +388,60 @@ def test_relay_options(tmp_path):
         assert opt in out, opt
 
 
-def test_middle_relay_restart_translates_prefix(hierarchy, tmp_path, procs):
-    """The middle relay restarts with a new pid: the bottom relay's prefix on it changes.
+def test_middle_relay_restart_renames_clients_below(hierarchy, tmp_path, procs):
+    """Issue 11 item 3: the middle relay restarts with a new pid, so every name below it changes.
 
-    Local clients of the bottom relay keep the identity they were given; secret
-    subscriptions are translated upward (the middle relay would refuse the old
-    prefix) and secret keys downward."""
+    Old clients of the relays below are told their new name (``CMSG relay/whoami``) and
+    answered it by whoami; their secret subscriptions move with it; new clients get the new
+    name; secret messages sent from the master to the new names arrive, two levels down too."""
     master, r1, r2 = hierarchy
-    owner = Agent(r2.address)
+    r3 = Relay(r2.address, str(tmp_path / "r3.sock"), tmp_path)
+    procs.append(r3)
+    old2, old3 = Agent(r2.address), Agent(r3.address)
     try:
-        w_old = owner.call("whoami")[1]
-        owner.send(sub(w_old + b"/s/"))
-        owner.sync()
-        wait_subs(master.address, r1.pid, 1)
+        w2_old, w3_old = old2.call("whoami")[1], old3.call("whoami")[1]
+        old2.send(sub(w2_old + b"/s/"))
+        old3.send(sub(w3_old + b"/s/"))
+        old2.sync()
+        old3.sync()
+        wait_subs(master.address, r1.pid, 2)
         r1.stop()
         r2.wait_log("lost the master")
         r1b = Relay(master.address, r1.address, tmp_path)
         procs.append(r1b)
         wait_until(lambda: relay_stats(r2)["reconnects"] == 1, "the bottom relay reconnected")
-        st = relay_stats(r2)
-        assert st["translating"] and st["prefix"] != st["whoami"] + "/"
-        wait_subs(r1b.address, r2.pid, 1)  # accepted, not refused
-        wait_subs(master.address, r1b.pid, 1)
-        w_new = st["whoami"].encode() + b"/" + w_old[len(st["prefix"]):]  # the owner's name above now
-        with connect(master.address) as m:
-            send(m, msg(w_new + b"/s/1", b"new name"))
-        assert owner.recv(TIMEOUT) == msg(w_old + b"/s/1", b"new name")  # as the owner knows itself
-        assert owner.call("whoami")[1] == w_old
-        assert "translating secret keys" in r2.log()
+        wait_until(lambda: relay_stats(r3)["renamed"] == 1, "the lowest relay renamed")
+        wait_subs(master.address, r1b.pid, 2)
+        st2, st3 = relay_stats(r2), relay_stats(r3)
+        assert st2["prefix"] == st2["whoami"] + "/" and st3["prefix"] == st3["whoami"] + "/"
+        assert st3["whoami"].startswith(st2["prefix"])
+        w2_new = st2["prefix"].encode() + w2_old[w2_old.rindex(b"!/cred/"):]   # own link, new chain
+        w3_new = st3["prefix"].encode() + w3_old[w3_old.rindex(b"!/cred/"):]
+        assert w2_new != w2_old and w3_new != w3_old
+        # told, and whoami says so
+        assert old2.recv(TIMEOUT) == b"CMSG relay/whoami\0" + w2_new
+        assert old3.recv(TIMEOUT) == b"CMSG relay/whoami\0" + w3_new
+        assert old2.call("whoami")[1] == w2_new and old3.call("whoami")[1] == w3_new
+        # new clients get the new chain
+        new2, new3 = Agent(r2.address), Agent(r3.address)
+        try:
+            n2, n3 = new2.call("whoami")[1], new3.call("whoami")[1]
+            assert n2.startswith(st2["prefix"].encode()) and n3.startswith(st3["prefix"].encode())
+            new2.send(sub(n2 + b"/s/"))
+            new3.send(sub(n3 + b"/s/"))
+            new2.sync()
+            new3.sync()
+            wait_subs(master.address, r1b.pid, 4)
+            with connect(master.address) as m:
+                for w in (w2_new, w3_new, n2, n3):
+                    send(m, msg(w + b"/s/1", b"to " + w))
+            assert old2.recv(TIMEOUT) == msg(w2_new + b"/s/1", b"to " + w2_new)
+            assert old3.recv(TIMEOUT) == msg(w3_new + b"/s/1", b"to " + w3_new)
+            assert new2.recv(TIMEOUT) == msg(n2 + b"/s/1", b"to " + n2)
+            assert new3.recv(TIMEOUT) == msg(n3 + b"/s/1", b"to " + n3)
+        finally:
+            new2.kill()
+            new3.kill()
     finally:
-        owner.kill()
+        old2.kill()
+        old3.kill()

@@ -54,8 +54,9 @@ from zope.interface import implementer
 
 from sbus.client import address as client_address
 from sbus.client.twisted import ReconnectingClient, SbusProtocol, parse_whoami
-from sbus.core.credentials import SECRET_ROOT
+from sbus.core.credentials import SECRET_ROOT, secret_prefix, whoami
 from sbus.core.pausing import Holds, Pauses
+from sbus.core.topology import CHANGE_KEY
 from sbus.interfaces import IUpstream
 from sbus.server import tap
 from sbus.server.address import parse_address
@@ -64,6 +65,13 @@ from sbus.server.config import ServerConfig
 log = Logger(namespace="sbus.relay")
 
 _ECHO_OFF = b"CMSG echo/off"
+_WHOAMI_REPLY = b"CMSG !/cred/whoami\0"
+#: Sent by a relay to each local client whose name changed (its own name on the master changed).
+RELAY_WHOAMI = b"relay/whoami"
+_WHOAMI_NOTICE = b"CMSG " + RELAY_WHOAMI + b"\0"
+#: Lossless: when the relay stops reading the master (a local `block` subscriber is full), the
+#: master holds the publishers instead of discarding what waits for the relay.
+_HARD_BLOCK = b"CMSG blocking/hard/block"
 
 
 def _show(b: bytes) -> str:
@@ -131,6 +139,10 @@ class UpstreamProtocol(SbusProtocol):
     def outboxDrained(self) -> None:
         self.relay.upstreamDrained(self)
 
+    def unsolicitedControl(self, key: bytes, payload: bytes | None) -> None:
+        if key == RELAY_WHOAMI and payload:
+            self.relay.whoamiChanged(self, payload)
+
 
 class _MasterClient(ReconnectingClient):
     def __init__(self, relay: "Relay", *args, **kw):
@@ -169,8 +181,7 @@ class Relay(service.Service):
         self.local_prefix: bytes | None = None
         self.up_prefix: bytes | None = None
         self._local_secret = None
-        self._up_secret = None
-        self._translate = False
+        self.rekeys = 0
         self.up_limit = config.queue_bytes
         #: Local publishers paused while too much waits to go up to the master.
         self.blocked = Holds()
@@ -254,17 +265,18 @@ class Relay(service.Service):
             return
         self.connects += 1
         self.up_prefix = prefix
-        self._up_secret = prefix + SECRET_ROOT
-        if prefix != self.local_prefix and not self._translate:
-            log.warn("sbus-relay: our prefix on the master is now {new} (local clients keep {old}); "
-                     "translating secret keys between them", new=_show(prefix), old=_show(self.local_prefix))
-        self._translate = prefix != self.local_prefix
+        if prefix != self.local_prefix:
+            self._rekey(prefix)
         proto.sendPacket(_ECHO_OFF)
+        proto.sendPacket(_HARD_BLOCK)
         held = self.factory.router.held_patterns()
         for pattern in held:
             proto.sendPacket(b"SUB " + self._upPattern(pattern))
         self.subscribed_up = len(held)
         self.up = proto
+        if self.connects > 1:
+            # Our bus and the master's are one segment again: the spanning tree re-checks both sides.
+            self._topologyChange(f"relay pid {os.getpid()} rejoined its master")
         if self.connects > 1:
             log.info("sbus-relay: reconnected to the master at {up}; re-subscribed {n} patterns",
                      up=self.upstream, n=len(held))
@@ -279,14 +291,73 @@ class Relay(service.Service):
         if self.factory is None:
             return
         self.disconnects += 1
+        # Our bus is a segment of its own now: a standby bridge or link may have to take over.
+        self._topologyChange(f"relay pid {os.getpid()} lost its master")
         if self.running:
             log.warn("sbus-relay: lost the master at {up} ({why}); serving locally (publishes are not "
                      "sent upward meanwhile), reconnecting with back-off", up=self.upstream, why=reason)
 
+    def _topologyChange(self, why: str) -> None:
+        packet = b"MSG " + CHANGE_KEY + b"\0" + why.encode()
+        self.factory.deliverLocally(packet, CHANGE_KEY)
+        if self.up is not None:
+            self.up.sendPacket(packet)
+
     def _upPattern(self, pattern: bytes) -> bytes:
-        if self._translate and pattern.startswith(self._local_secret):
-            return self.up_prefix + pattern[len(self.local_prefix):]
         return pattern
+
+    def _rekey(self, prefix: bytes) -> None:
+        """Our name on the master changed (it is a relay that restarted): every local client's
+        identity is ``<our name>/!/cred/G/U/P``, so it changes with it. Move each client's
+        secret space and secret patterns to the new prefix, answer whoami with the new name,
+        and tell each client (``CMSG relay/whoami\0<new whoami>``; a relay below us does the
+        same for its own clients). Names learned before are dead anyway: nothing above routes
+        the old prefix any more."""
+        old = self.local_prefix
+        factory = self.factory
+        router = factory.router
+        self.config.cred_prefix = prefix
+        self.local_prefix = prefix
+        self._local_secret = prefix + SECRET_ROOT
+        self.rekeys += 1
+        moved = 0
+        delta = len(prefix) - len(old)
+        for client in list(factory.clients):
+            cred = client.cred
+            name = whoami(prefix, cred)
+            prefixes = getattr(router, "_prefix", {})
+            if prefixes.get(client, b"") is not None:  # None: its owner exited, it gets no secret key
+                router.add_client(client, secret_prefix(prefix, cred))
+            for pattern, n in list(router.patterns_of(client).items()):
+                if not pattern.startswith(old + SECRET_ROOT):
+                    continue
+                new = prefix + pattern[len(old):]
+                for _ in range(n):
+                    if router.unsubscribe(client, pattern) is None:
+                        break
+                    router.subscribe(client, new)
+                    moved += 1
+                    client.subscription_bytes += delta
+                    factory.uid_subscription_bytes[cred.uid] += delta
+            client.whoami_reply = _WHOAMI_REPLY + name
+            try:
+                client._prefix = prefix
+            except AttributeError:
+                pass
+            client.reply(_WHOAMI_NOTICE + name)
+        log.warn("sbus-relay: our name on the master is now {new} (was {old}); {n} local clients have "
+                 "new names under it ({m} secret subscriptions moved) and were told (CMSG relay/whoami)",
+                 new=_show(prefix[:-1]), old=_show(old[:-1]), n=len(factory.clients), m=moved)
+
+    def whoamiChanged(self, proto, whoami_: bytes) -> None:
+        """The master (a relay) says our name on it changed without a reconnection."""
+        if proto is not self.up or parse_whoami(whoami_) is None:
+            return
+        prefix = whoami_ + b"/"
+        proto.credentials = whoami_
+        self.up_prefix = prefix
+        if prefix != self.local_prefix:
+            self._rekey(prefix)  # the master moved our upward subscriptions already
 
     # -- IUpstream: what the local bus tells us
 
@@ -322,7 +393,7 @@ class Relay(service.Service):
             "connected": up is not None,
             "whoami": _show(self.up_prefix[:-1]) if self.up_prefix else None,
             "prefix": _show(self.local_prefix or b""),
-            "translating": self._translate,
+            "renamed": self.rekeys,
             "forwarded_up": self.forwarded_up,
             "forwarded_down": self.forwarded_down,
             "subscriptions_up": self.subscribed_up,
@@ -338,10 +409,6 @@ class Relay(service.Service):
     # -- from the master
 
     def fromMaster(self, proto: UpstreamProtocol, key: bytes, packet: bytes) -> None:
-        if self._translate and key.startswith(self._up_secret):
-            rest = packet[4 + len(self.up_prefix):]
-            packet = b"MSG " + self.local_prefix + rest
-            key = self.local_prefix + key[len(self.up_prefix):]
         self.forwarded_down += 1
         self.factory.deliverLocally(packet, key, proto)
 
