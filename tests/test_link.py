@@ -171,7 +171,8 @@ def wait_flow(pub_address: str, receiver: socket.socket, timeout: float = TIMEOU
 
 
 def without_probes(packets):
-    return [p for p in packets if not p.startswith(b"MSG probe/")]
+    """Without the probes, and without the links' spanning-tree hellos (sbus/topology/...)."""
+    return [p for p in packets if not p.startswith((b"MSG probe/", b"MSG sbus/topology/"))]
 
 
 def cross_identity(agent: Agent, trusted_uids=(os.getuid(), 0)) -> bytes:

@@ -90,6 +90,9 @@ class Hello:
     #: The sender's role on this segment: "designated", "root" or "alternate". Only a designated
     #: sender's offer is a path to the root; every hello replaces what its sender said before.
     role: str = "designated"
+    #: The root's sequence number: the root counts up every hello interval and every node passes
+    #: on the newest it has. A root whose number stops rising is dead (max age).
+    seq: int = 0
 
     @property
     def vector(self) -> tuple:
@@ -97,7 +100,8 @@ class Hello:
 
     def encode(self) -> bytes:
         body = {"v": VERSION, "root": self.root, "cost": self.cost, "node": self.node,
-                "port": self.port, "name": self.name, "root_name": self.root_name, "role": self.role}
+                "port": self.port, "name": self.name, "root_name": self.root_name, "role": self.role,
+                "seq": self.seq}
         if self.bye:
             body["bye"] = True
         return json.dumps(body, separators=(",", ":")).encode()
@@ -122,8 +126,11 @@ class Hello:
         role = body.get("role", "designated")
         if role not in _ROLES:
             raise ValueError("hello with an unknown role")
+        seq = body.get("seq", 0)
+        if type(seq) is not int or not 0 <= seq < 1 << 53:
+            raise ValueError("hello with a malformed sequence number")
         return cls(root, cost, node, port, name[:200], root_name[:200], body.get("bye") is True,
-                   _ROLES[role])
+                   _ROLES[role], seq)
 
 
 @dataclass(frozen=True)
@@ -172,6 +179,15 @@ class Node:
         self._out: list[tuple[int, Hello]] = []
         self._events: list[Event] = []
         self._block_reason = ""
+        #: Our sequence number as root; the root's newest known otherwise.
+        self.seq = 0
+        self._own_seq = 0
+        #: root -> [newest seq seen, when first seen]: a root whose seq stalls for max age is dead.
+        self._roots: dict[str, list] = {}
+        #: root -> (seq, cost): the best path to it we have used (feasibility, as in Babel: a path
+        #: is taken only if its seq is newer, or as new and no longer; no counting to infinity).
+        self._fd: dict[str, tuple[int, int]] = {}
+        self._now = 0.0
 
     # -- inputs
 
@@ -200,12 +216,21 @@ class Node:
         if p.paused and not paused:
             for entry in p.heard.values():
                 entry[1] = max(entry[1], now + self.max_age)
+            if port == self.root_port and self.root in self._roots:
+                self._roots[self.root][1] = max(self._roots[self.root][1], now)
         p.paused = paused
 
     def received(self, port: int, hello: Hello, now: float) -> None:
         p = self.ports[port]
         if not p.up:
             return
+        seen = self._roots.get(hello.root)
+        if seen is None:
+            if len(self._roots) >= 4096:
+                self._prune(now, force=True)
+            self._roots[hello.root] = [hello.seq, now]
+        elif hello.seq > seen[0]:
+            seen[0], seen[1] = hello.seq, now
         key = (hello.node, hello.port)
         if hello.bye:
             if p.heard.pop(key, None) is None:
@@ -227,7 +252,8 @@ class Node:
         self._update(now, announce=True)
 
     def tick(self, now: float) -> None:
-        changed = False
+        changed = self._root_died(now)
+        self._prune(now)
         for p in self.ports.values():
             if p.paused or not p.heard:
                 continue
@@ -278,12 +304,34 @@ class Node:
     def _hello(self, port: int, bye: bool = False) -> Hello:
         role = self.ports[port].role
         return Hello(self.root, self.cost, self.id, port, self.name, self.root_name, bye,
-                     role if role != "disabled" else "alternate")
+                     role if role != "disabled" else "alternate", self.seq)
+
+    def _alive(self, root: str) -> bool:
+        if root == self.id:
+            return True
+        if root == self.root and self.root_port is not None and self.ports[self.root_port].paused:
+            return True  # we are not reading: the silence is ours
+        seen = self._roots.get(root)
+        return seen is not None and self._now - seen[1] <= self.max_age
+
+    def _root_died(self, now: float) -> bool:
+        """Our root's sequence number stalled for max age: recompute without it."""
+        self._now = now
+        return self.root != self.id and not self._alive(self.root)
+
+    def _prune(self, now: float, force: bool = False) -> None:
+        if not force and len(self._roots) < 64:
+            return
+        for root in [r for r, (_, t) in self._roots.items() if now - t > 4 * self.max_age or force]:
+            if root != self.root:
+                del self._roots[root]
+                self._fd.pop(root, None)
 
     def _update(self, now: float, announce: bool) -> None:
-        before = (self.root, self.cost, self.root_port, tuple(p.role for p in self.ports.values()))
+        self._now = now
+        before = (self.root, self.cost, self.root_port, tuple(p.role for p in self.ports.values()), self.seq)
         self._compute()
-        after = (self.root, self.cost, self.root_port, tuple(p.role for p in self.ports.values()))
+        after = (self.root, self.cost, self.root_port, tuple(p.role for p in self.ports.values()), self.seq)
         if announce or after != before:
             self._announce(now)
         self._timers(now)
@@ -298,18 +346,28 @@ class Node:
             return
         best = None
         best_hello = None
+        fd = self._fd
         for p in ports:
             for hello, _ in p.heard.values():
-                if hello.node == self.id or hello.role != "designated" or hello.cost + 1 > MAX_COST:
+                if (hello.node == self.id or hello.role != "designated" or hello.cost + 1 > MAX_COST
+                        or hello.root >= self.id or not self._alive(hello.root)):
                     continue
+                have = fd.get(hello.root)
+                if have is not None and (hello.seq < have[0] or (hello.seq == have[0] and hello.cost + 1 > have[1])):
+                    continue  # not feasible: might lead back through us
                 vector = (hello.root, hello.cost + 1, hello.node, hello.port, p.number)
                 if best is None or vector < best:
                     best, best_hello = vector, hello
-        if best is not None and best[0] < self.id:
+        if best is not None:
             self.root, self.cost, self.root_port = best[0], best[1], best[4]
             self.root_name = best_hello.root_name
+            self.seq = best_hello.seq
+            have = fd.get(self.root)
+            if have is None or self.seq > have[0] or self.cost < have[1]:
+                fd[self.root] = (self.seq, self.cost)
         else:
             self.root, self.root_name, self.cost, self.root_port = self.id, self.name, 0, None
+            self.seq = self._own_seq
         reason = ""
         for p in ports:
             if p.number == self.root_port:
@@ -318,7 +376,8 @@ class Node:
             offer = (self.root, self.cost, self.id, p.number)
             better = None
             for hello, _ in p.heard.values():
-                if hello.vector < offer and (better is None or hello.vector < better.vector):
+                if (hello.vector < offer and (better is None or hello.vector < better.vector)
+                        and self._alive(hello.root)):
                     better = hello
             if better is None:
                 p.role = "designated"
@@ -366,5 +425,8 @@ class Node:
         self._next_hello = now + self.hello_interval
         if not self.active:
             return
+        if self.root == self.id:
+            self._own_seq += 1
+            self.seq = self._own_seq
         for p in self.ports.values():
             self._out.append((p.number, self._hello(p.number)))

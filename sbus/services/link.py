@@ -108,6 +108,9 @@ from sbus.core.patterns import matches
 from sbus.services import access as bus_access
 from sbus.services.linkauth import AUTH, PROOF, AuthError, Handshake, load_key
 from sbus.services.shutdown import exit_zero_on_sigterm
+from sbus.core.topology import HELLO_KEY, RESERVED as TOPOLOGY
+from sbus.services.spanning import Tree, default_name, hello_packet, send_urgent
+from sbus.services.svcstats import STATS_REQUEST, StatsResponder
 
 log = Logger(namespace="sbus.link")
 
@@ -116,6 +119,9 @@ VERSION = 1
 AUTH_TIMEOUT = 10.0
 HELLO = b"link/hello"
 PING = b"link/ping"
+#: Spanning-tree hellos on the link connection (the connection is a segment of its own).
+STP = b"link/stp"
+BUS_PORT, PEER_PORT = 1, 2
 #: The key clients publish their whoami on to learn their identity across the link.
 WHOAMI_REQUEST = b"sbus-link/whoami"
 _WHOAMI_REPLY_SUFFIX = b"/" + WHOAMI_REQUEST
@@ -301,6 +307,8 @@ class Options(usage.Options):
     )
     optFlags = [
         ["allow-plain-tcp", None, "Allow plain TCP (and TLS that authenticates nobody) on non-loopback addresses."],
+        ["no-spanning-tree", None, "Forward always, taking no part in the spanning tree (only if no other "
+                                   "path joins these buses; see docs/deploy.md)."],
     ]
     optParameters = [
         ["bus", "b", None, "The local bus: PATH, /dev/unix/abstract/HEX or /dev/fd/N (default: $SBUS_SOCKET)."],
@@ -482,7 +490,7 @@ class Link(service.MultiService):
     def __init__(self, bus: str, listen: str | None = None, connect: str | None = None,
                  patterns=(b"",), max_packet: int = MAX_PACKET, initialDelay: float = 0.2,
                  maxDelay: float = 30.0, keepalive: float = 30.0, statsInterval: float = 60.0,
-                 reactor=None, key_file: str | None = None):
+                 reactor=None, key_file: str | None = None, spanning_tree: bool = True):
         super().__init__()
         #: Who may reach the bus: a unix peer must be one of them (`sbus.services.access`).
         self.access = bus_access.BusAccess(bus)
@@ -515,7 +523,14 @@ class Link(service.MultiService):
         self.peer_connects = 0
         self.bus_connects = 0
         self.drops = Counter()
+        #: Messages not carried while this link stands by (another path carries them), by direction.
+        self.standby = Counter()
         self._warned = set()
+        where = (listen or connect or "").split(":privateKey=")[0].split(":caCertsDir=")[0][:80]
+        self.tree = Tree(reactor, default_name("sbus-link", f"bus={bus} {'listen' if listen else 'connect'}="
+                                                            f"{where}"),
+                         {BUS_PORT: "bus", PEER_PORT: "peer"}, self._sendHello, log, enabled=spanning_tree)
+        self.responder = StatsResponder("sbus-link", self.tree.node.name, self.stats, self._publicStats)
 
         def localFactory():
             p = LocalProtocol()
@@ -525,6 +540,10 @@ class Link(service.MultiService):
         self.bus = _BusClient(self, reactor, bus, localFactory, initialDelay=initialDelay,
                               maxDelay=maxDelay, max_packet=max_packet)
         self.bus.echo(False)
+        # Lossless: when we stop reading the bus (the peer is slow), the bus holds the publishers.
+        self.bus.flood(hard="block")
+        self.bus.subscribe(TOPOLOGY)
+        self.bus.subscribe(STATS_REQUEST)
         for pattern in self.patterns:
             self.bus.subscribe(pattern)
         self.bus.subscribe(WHOAMI_REQUEST)
@@ -559,10 +578,12 @@ class Link(service.MultiService):
             if d is not None:
                 d.addCallback(lambda port: log.info("sbus-link: listening on {host}", host=port.getHost()))
         self.bus.start()
+        self.tree.start()
         if self.statsInterval:
             self._stats.start(self.statsInterval, now=False)
 
     def stopService(self):
+        self.tree.stop()
         if self._stats.running:
             self._stats.stop()
         self.logStats()
@@ -583,7 +604,20 @@ class Link(service.MultiService):
             "peer_connects": self.peer_connects,
             "whoami_answers": self.whoami_answers,
             "drops": dict(self.drops),
+            "standby_not_forwarded": dict(self.standby),
+            "spanning_tree": self.tree.stats(),
         }
+
+    def _publicStats(self) -> dict:
+        return {"bus_connected": self.local is not None, "peer_connected": self.peer is not None,
+                "forwarding": self.tree.forwarding}
+
+    def _sendHello(self, port: int, hello) -> None:
+        if port == BUS_PORT:
+            if self.local is not None and self.local.connected:
+                send_urgent(self.local.transport, hello_packet(hello))
+        elif self.peer is not None:
+            self.peer.sendFrame(b"CMSG " + STP + b"\0" + hello.encode())
 
     def logStats(self):
         log.info("sbus-link stats: {stats}", stats=json.dumps(self.stats(), separators=(",", ":")))
@@ -614,12 +648,14 @@ class Link(service.MultiService):
         if self._local_paused:
             proto.transport.pauseProducing()
         log.info("sbus-link: connected to bus {bus} as {who}", bus=self.bus_address, who=_show(whoami))
+        self.tree.port_up(BUS_PORT)
         if changed:
             for conn in self.conns:
                 conn.sendFrame(self._hello())
 
     def busDown(self, reason):
         self.local = None
+        self.tree.port_down(BUS_PORT)
         if self._peer_paused:
             self._resumePeer()
         if self.running:
@@ -627,21 +663,25 @@ class Link(service.MultiService):
 
     def _pausePeer(self):
         self._peer_paused = True
+        self.tree.paused(PEER_PORT, True)
         if self.peer is not None:
             self.peer.transport.pauseProducing()
 
     def _resumePeer(self):
         self._peer_paused = False
+        self.tree.paused(PEER_PORT, False)
         if self.peer is not None:
             self.peer.transport.resumeProducing()
 
     def _pauseLocal(self):
         self._local_paused = True
+        self.tree.paused(BUS_PORT, True)
         if self.local is not None:
             self.local.transport.pauseProducing()
 
     def _resumeLocal(self):
         self._local_paused = False
+        self.tree.paused(BUS_PORT, False)
         if self.local is not None:
             self.local.transport.resumeProducing()
 
@@ -664,6 +704,14 @@ class Link(service.MultiService):
         elif key == WHOAMI_REQUEST:
             self._answerWhoami(packet[end + 1:])
             return
+        elif key.startswith(TOPOLOGY):
+            self.tree.received(BUS_PORT, key, packet[end + 1:])
+            return  # never carried across: each segment's hellos are its own
+        elif key == STATS_REQUEST:
+            answer = self.responder.answer(packet[end + 1:])
+            if answer is not None and self.local is not None:
+                self.local.sendPacket(answer)
+            return
         elif not self.export_all:
             for p in self.patterns:
                 if matches(p, key):
@@ -673,6 +721,9 @@ class Link(service.MultiService):
         peer = self.peer
         if peer is None:
             self.drops["peer_down"] += 1
+            return
+        if not self.tree.forwarding:
+            self.standby["to_remote"] += 1
             return
         if len(packet) > peer.remote_max:
             self.drops["too_large_for_peer"] += 1
@@ -781,6 +832,7 @@ class Link(service.MultiService):
         self.conns.discard(peer)
         if peer is self.peer:
             self.peer = None
+            self.tree.port_down(PEER_PORT)
             if self._local_paused:
                 self._resumeLocal()
             log.warn("sbus-link: link to {peer} down ({why}); local messages are dropped until it is back",
@@ -796,9 +848,12 @@ class Link(service.MultiService):
             log.warn("sbus-link: {new} replaces the link to {old}", new=peer.name, old=old.name)
             self.peer = None
             old.transport.abortConnection()
+        if old is not None:
+            self.tree.port_down(PEER_PORT)
         self.peer = peer
         self.peer_connects += 1
         peer.ready = True
+        self.tree.port_up(PEER_PORT)
         peer.transport.registerProducer(_Pauser(self._pauseLocal, self._resumeLocal), True)
         if self._peer_paused:
             peer.transport.pauseProducing()
@@ -827,6 +882,12 @@ class Link(service.MultiService):
             if local is None:
                 self.drops["bus_down"] += 1
                 return None
+            if not self.tree.forwarding:
+                self.standby["from_remote"] += 1
+                return None
+            if key.startswith(TOPOLOGY):
+                self.drops["reserved_key"] += 1
+                return None
             local.transport.write(frame)
             self.from_remote += 1
             return None
@@ -836,6 +897,9 @@ class Link(service.MultiService):
             except codec.ProtocolError as e:
                 return self._peerError(peer, str(e))
             if key == PING:
+                return None
+            if key == STP:
+                self.tree.received(PEER_PORT, HELLO_KEY, frame[len(b"CMSG " + STP) + 1:])
                 return None
             if key == HELLO:
                 return self._hello_received(peer, frame[len(b"CMSG " + HELLO) + 1:])
@@ -879,6 +943,7 @@ def makeService(options: Options) -> Link:
             initialDelay=options["initial-delay"], maxDelay=options["max-delay"],
             keepalive=options["keepalive"], statsInterval=options["stats-interval"],
             key_file=options["key-file"],
+            spanning_tree=not options["no-spanning-tree"],
         )
     except EndpointError as e:
         raise usage.UsageError(str(e)) from None
