@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from helpers import SbusdProcess, run_as, try_whoami, wait_until
+from helpers import SbusdProcess, run_as, served, try_whoami, wait_until
 
 TIMEOUT = 10.0
 WHOAMI = b"CMSG !/cred/whoami"
@@ -492,3 +492,64 @@ def test_one_definition_of_the_allowed_uid_set():
     o.parseOptions(["--user", "65534"])
     assert config_from_options(o).allowed_uids == frozenset({65534, me})
     assert ServerConfig(allowed_uids=frozenset({65534})).allowed_uids == frozenset({65534, me})
+
+
+_PAUSED_BEFORE_LISTEN = """
+import os, runpy, sys
+def hook(frame, event, arg):
+    if event == "c_call" and getattr(arg, "__name__", "") == "listen":
+        sys.setprofile(None)
+        os.write({w}, b"p")  # about to listen: tell the test, wait for its go
+        os.read({r}, 1)
+sys.setprofile(hook)
+sys.argv = ["sbusd", "-f", "-a", {path!r}]
+runpy.run_module("sbus.server.sbusd", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["empty", "stale"])
+def test_two_servers_starting_at_once_exactly_one_wins(tmp_path, stale):
+    """Server A is held between its bind and its listen (a profile hook in a
+    real sbusd, not a mock) while server B starts on the same path. B used
+    to probe A's bound socket, take it for stale (connect refused), remove
+    it and serve: both servers ran, A unreachable for good (seen 1 run in 30
+    of two plain `sbusd -f -a P` started together). Now a socket appears at
+    the path only once it listens, so exactly one server wins."""
+    path = str(tmp_path / "bus.socket")
+    if stale:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.bind(path)
+        s.close()
+    to_test_r, to_test_w = os.pipe()
+    go_r, go_w = os.pipe()
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    a = subprocess.Popen(
+        [sys.executable, "-c", _PAUSED_BEFORE_LISTEN.format(w=to_test_w, r=go_r, path=path)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        pass_fds=(to_test_w, go_r), env=env)
+    os.close(to_test_w)
+    os.close(go_r)
+    b = None
+    try:
+        import select
+        assert select.select([to_test_r], [], [], TIMEOUT)[0], "server A never reached listen"
+        assert os.read(to_test_r, 1) == b"p"
+        b = SbusdProcess(["-f", "-a", path], tmp_path / "b.log", address=path, env=env)
+        os.write(go_w, b"g")
+        try:
+            out, err = a.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("both servers run: A kept serving a socket nobody can reach") from None
+        assert a.returncode == 1
+        assert err.decode().strip() == f"sbusd: another server is listening on {path}"
+        served(path)
+        assert b.proc.poll() is None
+        assert sorted(os.listdir(tmp_path)) == ["b.log", "bus.socket"]  # no temporary name left behind
+    finally:
+        os.close(to_test_r)
+        os.close(go_w)
+        if a.poll() is None:
+            a.kill()
+            a.wait()
+        if b is not None:
+            b.stop()

@@ -230,14 +230,30 @@ def clear_path(path: str, reuse: bool, warn: Callable[[str], None] | None = None
         raise AddressError(f"{path}: exists and is not a socket nor an empty file, refusing to remove it")
     else:
         raise AddressError(f"bind {path}: Address already in use (file exists; -r removes an empty file)")
+    # Move it aside atomically, then look at what was moved: a server starting
+    # at the same moment may have put its live socket at `path` after our
+    # probe (checking the inode and then unlinking left that moment open).
+    directory, base = os.path.split(path)
+    trash = os.path.join(directory, f".{base}.stale.{os.urandom(6).hex()}")
     try:
-        now = os.lstat(path)
-        if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):  # not replaced while we looked
-            os.unlink(path)
+        os.rename(path, trash)
     except FileNotFoundError:
-        pass
+        return
     except OSError as e:
         raise AddressError(f"unlink {path}: {_strerror(e)}") from None
+    try:
+        now = os.lstat(trash)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):  # replaced while we looked: put it back
+            try:
+                os.link(trash, path)
+            except OSError:
+                pass
+            return
+    finally:
+        try:
+            os.unlink(trash)
+        except OSError:
+            pass
     if warn is not None:
         warn(f"removed the {what} at {path}")
 
@@ -271,7 +287,22 @@ def check_bindable(text: str, reuse: bool = False) -> None:
 
 def _bind_path(sock: socket.socket, path: str, mode: int, reuse: bool,
                warn: Callable[[str], None] | None = None) -> tuple[int, int]:
-    clear_path(path, reuse, warn)
+    """Bind and listen on `path` so that a socket file at `path` always has a listener.
+
+    The socket is bound under a temporary name in the same directory, made to
+    listen, then hard-linked to `path` (``link`` fails if `path` exists, so of
+    two servers starting at once exactly one gets it; the other then probes a
+    socket that already listens and refuses). Binding `path` itself left a
+    moment between ``bind`` and ``listen`` in which a second server's probe
+    saw a refused connect, took the fresh socket for stale and removed it:
+    both servers ran, one unreachable. When the temporary name would not fit
+    in ``sun_path`` the socket is bound at `path` directly (the old way).
+    """
+    directory, base = os.path.split(path)
+    tmp = os.path.join(directory, f".{base[:16]}.{os.urandom(6).hex()}")
+    if len(os.fsencode(tmp)) >= SUN_PATH_SIZE:
+        tmp = None
+        clear_path(path, reuse, warn)
     # The socket file's mode comes from the socket inode's mode and the umask
     # at bind time (as in the C server: fchmod then bind under umask 0). The
     # chmod afterwards makes sure on kernels/filesystems that differ.
@@ -279,9 +310,10 @@ def _bind_path(sock: socket.socket, path: str, mode: int, reuse: bool,
         os.fchmod(sock.fileno(), mode)
     except OSError:
         pass
+    where = tmp or path
     old = os.umask(0o777 & ~mode)
     try:
-        sock.bind(path)
+        sock.bind(where)
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
             # Someone bound it between our look and our bind.
@@ -290,12 +322,37 @@ def _bind_path(sock: socket.socket, path: str, mode: int, reuse: bool,
     finally:
         os.umask(old)
     try:
-        st = os.lstat(path)
-        if stat.S_IMODE(st.st_mode) != mode:
-            os.chmod(path, mode)
-    except OSError as e:
-        raise AddressError(f"chmod {path}: {_strerror(e)}") from None
-    return st.st_dev, st.st_ino
+        try:
+            st = os.lstat(where)
+            if stat.S_IMODE(st.st_mode) != mode:
+                os.chmod(where, mode)
+        except OSError as e:
+            raise AddressError(f"chmod {path}: {_strerror(e)}") from None
+        if tmp is None:
+            return st.st_dev, st.st_ino
+        _listen(sock, path)
+        for _ in range(8):
+            clear_path(path, reuse, warn)
+            try:
+                os.link(tmp, path)
+                return st.st_dev, st.st_ino
+            except FileExistsError:
+                continue  # another server linked first: probe what it put there
+            except OSError as e:
+                if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
+                    raise AddressError(f"bind {path}: {_strerror(e)}") from None
+            try:  # a filesystem without hard links: rename (not atomic against a racer)
+                os.rename(tmp, path)
+                return st.st_dev, st.st_ino
+            except OSError as e:
+                raise AddressError(f"bind {path}: {_strerror(e)}") from None
+        raise AddressError(f"bind {path}: Address already in use")
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
 
 
 def open_listener(
