@@ -435,9 +435,9 @@ import pytest  # noqa: E402
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "open (attacksrv): a miss visits every matching pattern; 40,000 patterns of one client that all "
-    "match (a{i}*/a{j}*/) cost 80,000 visits, ~120 ms, per distinct key; needs pruning of subtrees "
-    "whose clients are all found (depth-first walk) or charging the miss cost to the publisher"))
+    "open (attacksrv): a miss visits every pattern matching a prefix of the key; 40,000 patterns of one "
+    "client (a{i}*/a{j}*/) cost 80,000 visits, ~120 ms, per distinct key (as many with a{i}*/a{j}*/z, "
+    "which match nothing); the broker must charge misses to the publisher (docs/security.md, Open)"))
 def test_one_clients_many_matching_star_patterns_do_not_make_each_miss_expensive():
     """A client subscribes 40,000 distinct patterns that all match one family
     of keys (star pieces of 200 lengths in two segments), then publishes a
