@@ -74,20 +74,49 @@ def _permits(st: os.stat_result, uid: int, gids: set[int], bit: int) -> bool:
     return bool(mode & bit)
 
 
+def _walk(path: str, uid: int, gids: set[int], hops: int = 40) -> str | None:
+    """Resolve `path` as the kernel's path walk would for uid: the physical path, or None
+    where uid lacks search permission on a directory it must look a name up in.
+
+    Symlinks are followed one component at a time, so the directories of every
+    symlink's target are checked too (a path through a symlink into a 0700
+    directory is refused, as the kernel refuses it)."""
+    parts = [p for p in path.split("/") if p]
+    parts.reverse()                      # a stack: the next component last
+    cur = "/"
+    while parts:
+        name = parts.pop()
+        if name == ".":
+            continue
+        if not _permits(os.stat(cur), uid, gids, 1):
+            return None
+        if name == "..":
+            cur = os.path.dirname(cur)
+            continue
+        nxt = os.path.join(cur, name)
+        if stat.S_ISLNK(os.lstat(nxt).st_mode):
+            hops -= 1
+            if hops < 0:
+                return None
+            target = os.readlink(nxt)
+            if target.startswith("/"):
+                cur = "/"
+            parts.extend(reversed([p for p in target.split("/") if p]))
+            continue
+        cur = nxt
+    return cur
+
+
 def may_connect(uid: int, path: str) -> bool:
     """Could `uid` connect() to the unix socket at `path` (mode bits; ACLs are not read)?"""
     if uid == 0:
         return True
     gids = user_groups(uid)
-    path = os.path.abspath(path)
     try:
-        parts = path.split("/")[1:]
-        d = "/"
-        for name in parts[:-1]:
-            d = os.path.join(d, name)
-            if not _permits(os.stat(d), uid, gids, 1):
-                return False
-        st = os.stat(path)
+        real = _walk(os.path.abspath(path), uid, gids)
+        if real is None:
+            return False
+        st = os.stat(real)
     except OSError:
         return False
     return stat.S_ISSOCK(st.st_mode) and _permits(st, uid, gids, 2)

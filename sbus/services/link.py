@@ -117,6 +117,8 @@ log = Logger(namespace="sbus.link")
 VERSION = 1
 #: Seconds a connection has to prove it holds the shared key.
 AUTH_TIMEOUT = 10.0
+#: Largest frame before the peer proved the key (auth and proof frames are ~100 bytes).
+PREAUTH_MAX_LENGTH = 1024
 HELLO = b"link/hello"
 PING = b"link/ping"
 #: Spanning-tree hellos on the link connection (the connection is a segment of its own).
@@ -783,6 +785,8 @@ class Link(service.MultiService):
             return
         self.conns.add(peer)
         if self.key is not None:
+            # until it proves the key, a peer gets no more than the handshake's small frames
+            peer.MAX_LENGTH = PREAUTH_MAX_LENGTH
             peer.auth = Handshake(self.key, self.role)
             peer.sendFrame(peer.auth.opening())
             peer.auth_timer = self.reactor.callLater(AUTH_TIMEOUT, self._authTimeout, peer)
@@ -820,6 +824,7 @@ class Link(service.MultiService):
         for reply in replies:
             peer.sendFrame(reply)
         if peer.auth.done:
+            peer.MAX_LENGTH = self.max_packet
             if peer.auth_timer is not None and peer.auth_timer.active():
                 peer.auth_timer.cancel()
             peer.auth_timer = None

@@ -488,11 +488,14 @@ class MsgbusProtocol(protocol.Protocol):
             # where the message ends is unknown: its bytes must never be read as commands
             return self.error(f"send: bad length {size.decode('utf-8', 'replace')!r}; closing",
                               close=True)
-        n = int(size)
+        digits = size.lstrip(b"0")
+        # int() refuses over 4,300 digits (ValueError: a traceback); no limit has 19
+        n = int(digits) if 0 < len(digits) <= 18 else (0 if not digits else None)
         channels = self._channels("send", args[1:], quiet=True)
         limit = self.gateway.limit_for(channels or [b""])
-        if n > limit:
-            return self.error(f"send: message of {n} bytes is over the limit of {limit} bytes", close=True)
+        if n is None or n > limit:
+            shown = n if n is not None else f"{len(digits)} digits of"
+            return self.error(f"send: message of {shown} bytes is over the limit of {limit} bytes", close=True)
         if channels is None:
             # refused, but its X bytes are announced: discard them, never run them as commands
             self._skip = n

@@ -39,6 +39,7 @@ disconnect and reconnect.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import time
 from collections import deque
@@ -634,6 +635,13 @@ class Options(usage.Options):
             raise usage.UsageError(f"--out: {out} is not a directory")
         from sbus.pipeline.writer import private_dir
 
+        if os.path.isdir(out):  # one another user prepared could hold planted files, take ours away
+            st = os.stat(out)
+            if st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o002:
+                who = f"belongs to uid {st.st_uid}" if st.st_uid not in (os.geteuid(), 0) \
+                    else f"is writable by everyone (mode {stat.S_IMODE(st.st_mode):04o})"
+                raise usage.UsageError(f"--out: {out} {who}: refusing to record into a directory "
+                                       f"another user controls")
         tmp = os.path.join(out, "_tmp")
         try:  # created 0700; a _tmp that is a symlink or someone else's is refused
             os.close(private_dir(tmp))

@@ -30,6 +30,13 @@ component that is a symlink not owned by that user, and connects to the
 name relative to it. The connect is non-blocking: a full backlog comes back
 as `BlockingIOError` and the client retries, as for a plain connect.
 
+The helper lives as long as the connection (the bus checks, before each
+secret delivery, that the process that connected is alive). If it dies
+(``kill -9`` by the side's user, whose uid it runs as, or the OOM killer),
+the bridge sees the end of its keeper socket, logs it, shuts the connection
+down and reconnects with a new helper, rather than keep a connection that
+would silently get no secret key.
+
 Without root nothing of this is needed (the process has only its own
 rights) and a plain connect is made. An abstract address or ``/dev/fd/N`` has
 no directory: with an explicit user the child drops to it, else the
@@ -47,10 +54,13 @@ import stat
 from typing import NamedTuple
 
 from twisted.internet import defer
+from twisted.logger import Logger
 
 from sbus.address import size_buffers
 from sbus.client.address import resolve
 from sbus.core.codec import MAX_PACKET
+
+log = Logger(namespace="sbus.bridge")
 
 
 class SideError(OSError):
@@ -242,6 +252,51 @@ def connect_as(side: Side, text: str, max_packet: int = MAX_PACKET,
         child.close()
 
 
+class _HelperWatch:
+    """Ends the connection when its helper exits (`kill -9`, OOM): the bus sees the helper as
+    the connecting process and gives the connection no secret key once it is gone, so a
+    connection outliving it would lose every secret message silently. The connection is
+    shut down (through a duplicate descriptor) and the client reconnects with a new helper."""
+
+    def __init__(self, reactor, keeper: socket.socket, sock: socket.socket, what: str):
+        self.reactor = reactor
+        self.keeper = keeper
+        self.what = what
+        self.conn = socket.socket(fileno=os.dup(sock.fileno()))
+        reactor.addReader(self)
+
+    def fileno(self) -> int:
+        return self.keeper.fileno()
+
+    def logPrefix(self) -> str:
+        return "sbus-helper-watch"
+
+    def doRead(self):
+        try:
+            if self.keeper.recv(1):
+                return
+        except BlockingIOError:
+            return
+        except OSError:
+            pass
+        log.warn("the helper process that connected {what} exited; reconnecting (the bus gives no "
+                 "secret key to a connection whose connecting process is gone)", what=self.what)
+        try:
+            self.conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.stop()
+
+    def connectionLost(self, reason):
+        pass
+
+    def stop(self) -> None:
+        if self.conn is not None:
+            self.reactor.removeReader(self)
+            self.conn.close()
+            self.conn = None
+
+
 class OwnerConnector:
     """A `ReconnectingClient` connector for one side: as the side's user when we are root."""
 
@@ -249,9 +304,13 @@ class OwnerConnector:
         self.user = user
         self.last_why = None
         self._keeper = None
+        self._watch = None
 
     def release(self) -> None:
         """The connection is gone: let its helper process exit."""
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.stop()
         keeper, self._keeper = self._keeper, None
         if keeper is not None:
             keeper.close()
@@ -285,6 +344,7 @@ class OwnerConnector:
             self.release()
             self._keeper = keeper
             self.last_why = f"as uid {side.uid} ({side.why})"
+            self._watch = _HelperWatch(reactor, keeper, sock, f"{text} as uid {side.uid}")
             d.callback(sock)
 
         attempt()

@@ -1,0 +1,292 @@
+"""Attacks on the services beside the server (issues 11, 15, 16), as an operator or attacker would.
+
+Each test runs real processes (a real bus, a real twistd service), as uid
+65534 where the attacker is another local user, and failed on the code
+before its fix (docs/security.md, "Attacks on the services").
+"""
+
+from __future__ import annotations
+
+import encodings.idna  # noqa: F401  (uid 65534 cannot import it from the venv after the fork)
+import os
+import re
+import shutil
+import socket
+import struct
+import tempfile
+
+import pytest
+
+from helpers import connect, msg, recv, run_as, send, sub, sync
+from test_bridge import TIMEOUT, TwistdProcess
+from test_msgbus import MsgbusClient, gateway  # noqa: F401  (fixture)
+
+
+@pytest.fixture
+def open_dir():
+    """A fresh directory under /tmp that uid 65534 may traverse (tmp_path's parents are 0700)."""
+    d = tempfile.mkdtemp(prefix="sbus-attack-")
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- who could open the bus
+
+
+def test_gateway_judges_a_symlinked_bus_path_as_the_kernel_does(start_bus, open_dir, tmp_path):
+    """The bus path goes through a symlink into a 0700 directory: the kernel refuses
+    another uid (no search permission on the symlink's target's parent); the gateway,
+    judging the path as written (the symlink's target only), admitted it as the owner."""
+    private = os.path.join(open_dir, "private")
+    os.mkdir(private, 0o700)
+    pub = os.path.join(private, "pub")
+    os.mkdir(pub, 0o755)
+    real = os.path.join(pub, "bus.socket")
+    bus = start_bus("-o", address=real)
+    os.chmod(real, 0o777)
+    link = os.path.join(open_dir, "link")
+    os.symlink(pub, link)
+    via_link = os.path.join(link, "bus.socket")
+
+    def kernel_says():
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            s.connect(via_link)
+        except PermissionError:
+            return "EACCES"
+        finally:
+            s.close()
+        return "connected"
+
+    assert run_as(65534, 65534, kernel_says) == "EACCES"
+
+    p = TwistdProcess(["sbus-msgbus", "--bus", via_link, "--port", "tcp:0:interface=127.0.0.1"], tmp_path)
+    try:
+        text = p.wait_log(r"msgbus gateway listening on 127\.0\.0\.1:\d+")
+        p.wait_log(r"connected to the bus")
+        port = int(re.search(r"listening on 127\.0\.0\.1:(\d+)", text).group(1))
+        observer = connect(bus.address)
+        send(observer, sub(b"msgbus/"))
+        sync(observer)
+
+        def attacker():
+            s = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+            s.sendall(b"send 4 cmd\nboom")
+            got = b""
+            try:
+                while chunk := s.recv(4096):
+                    got += chunk
+            except OSError as e:
+                got += f" ({e})".encode()
+            return repr(got)
+
+        got = run_as(65534, 65534, attacker)
+        assert got.startswith("b'error uid 65534") and "may not open the bus" in got, got
+        # the owner is still served, and nothing of the attacker's reached the bus before it
+        owner = MsgbusClient(port)
+        owner.send(b"send 2 cmd\nok")
+        assert recv(observer) == msg(b"msgbus/cmd", b"ok")
+        owner.close()
+        observer.close()
+    finally:
+        p.stop()
+
+
+# ---------------------------------------------------------------- msgbus: hostile lines
+
+
+def test_msgbus_send_with_a_huge_length_is_one_error_line_not_a_traceback(gateway):  # noqa: F811
+    """`send 000…0005 ch` (5,000 digits): Python refuses int() of over 4,300 digits
+    (ValueError inside dataReceived: a logged traceback and a dropped connection)."""
+    gw = gateway()
+    c = MsgbusClient(gw.port)
+    c.send(b"send " + b"9" * 5000 + b" chan\nping\n")
+    rest = c.closed()
+    assert rest.startswith(b"error send: message of 5000 digits of bytes is over the limit"), rest[:200]
+    assert b"pong" not in rest
+    c.close()
+    # leading zeros are still the number they spell: 5 bytes, then commands again
+    c = MsgbusClient(gw.port)
+    c.send(b"send " + b"0" * 5000 + b"5 chan\nhello")
+    assert c.command(b"ping") == b"pong"
+    c.close()
+    assert "Traceback" not in gw.log() and "Unhandled" not in gw.log(), gw.log()[-3000:]
+
+
+def test_msgbus_hostile_lines_each_get_one_answer(gateway):  # noqa: F811
+    """NUL, non-ASCII, CRLF, tabs, negative and signed lengths, many pipelined commands."""
+    gw = gateway()
+    c = MsgbusClient(gw.port)
+    c.send(b"sub a\0b\r\nsub \xff\xfe\r\n\tping\t\r\n")
+    assert c.line().startswith(b"error sub: a channel may not contain a NUL")
+    assert c.line() == b"ack sub"
+    assert c.line() == b"pong"
+    c.send(b"ping\n" * 5000)
+    for _ in range(5000):
+        assert c.line() == b"pong"
+    for bad in (b"send -1 ch", b"send +1 ch", b"send \xd9\xa3 ch", b"send 1_0 ch"):
+        c2 = MsgbusClient(gw.port)
+        c2.send(bad + b"\nping\n")
+        rest = c2.closed()
+        assert rest.startswith(b"error send: bad length") and b"pong" not in rest, (bad, rest)
+        c2.close()
+    assert c.command(b"ping") == b"pong"
+    c.close()
+    assert "Traceback" not in gw.log(), gw.log()[-3000:]
+
+
+# ---------------------------------------------------------------- link: before authentication
+
+
+def test_an_unauthenticated_link_peer_cannot_make_the_link_buffer_a_big_frame(start_bus, tmp_path, open_dir):
+    """Before it proves the key, a peer (any local uid on loopback) may announce a frame
+    of up to --max-packet (400 KB) and trickle it: the link held it for 10 s per connection,
+    with no limit on connections. Before authentication only small frames are accepted."""
+    bus = start_bus()
+    key = tmp_path / "key"
+    key.write_bytes(os.urandom(32).hex().encode())
+    os.chmod(key, 0o600)
+    p = TwistdProcess(["sbus-link", "--bus", bus.address, "--listen", "tcp:0:interface=127.0.0.1",
+                       "--key-file", str(key)], tmp_path)
+    try:
+        text = p.wait_log(r"sbus-link: listening on .*port=\d+")
+        port = int(re.search(r"sbus-link: listening on .*port=(\d+)", text).group(1))
+
+        def attacker():
+            s = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+            s.sendall(struct.pack("!I", 300_000) + b"x" * 1000)
+            s.settimeout(5.0)   # the auth timeout is 10 s: closing sooner is the length check
+            try:
+                while s.recv(65536):
+                    pass
+            except socket.timeout:
+                return "held"
+            except ConnectionResetError:
+                pass
+            return "closed"
+
+        assert run_as(65534, 65534, attacker) == "closed"
+        p.wait_log(r"before authentication|over the .*limit")
+    finally:
+        p.stop()
+
+
+# ---------------------------------------------------------------- recorder: an --out another user prepared
+
+
+def test_recorder_refuses_an_out_directory_another_user_prepared(open_dir, tmp_path):
+    """`--out /tmp/rec` that another user created first (world-writable, theirs) with a planted
+    'published' file: the recorder adopted it, continued its numbering from the planted name,
+    published the owner's traffic into a directory the other user controls (rename, delete,
+    plant rows that the report and replay read as recorded). Now refused in one line."""
+    import subprocess
+    import sys
+
+    from pipeline_conftest import ROOT
+
+    os.chmod(open_dir, 0o1777)            # like /tmp
+    out = os.path.join(open_dir, "rec")
+
+    def prepare():
+        os.mkdir(out, 0o777)
+        os.chmod(out, 0o777)
+        with open(os.path.join(out, "rec-0000000000000001-9000000000000000.parquet"), "wb") as f:
+            f.write(b"planted")
+        return "ok"
+
+    assert run_as(65534, 65534, prepare) == "ok"
+    twistd = os.path.join(os.path.dirname(sys.executable), "twistd")
+    p = subprocess.Popen([twistd, "-n", "--pidfile=", "sbus-record", "--bus", str(tmp_path / "nobus.socket"),
+                          "--out", out], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        text, _ = p.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        text, _ = p.communicate()
+        pytest.fail(f"the recorder started in a directory uid 65534 controls:\n{text[-2000:]}")
+    assert p.returncode != 0
+    last = text.strip().splitlines()[-1]
+    assert "uid 65534" in last and out in last, text
+    assert sorted(os.listdir(out)) == ["rec-0000000000000001-9000000000000000.parquet"]
+
+
+# ---------------------------------------------------------------- bridge: its connecting helper dies
+
+
+def test_root_bridge_reconnects_when_its_connecting_helper_is_killed(start_bus, tmp_path):
+    """Run as root, the bridge connects each side through a helper process that the bus
+    sees as the connecting process: the bus delivers secret keys to that connection only
+    while the helper lives. `kill -9` of the helper (by the side's user, whose uid it runs
+    as, or the OOM killer) left the bridge holding a connection that silently received no
+    secret key any more (the `!/cred////` rules of docs/deploy.md lost everything, no log
+    line). Now the bridge notices the helper's end, says so, and reconnects."""
+    from test_bridge import recv_until
+
+    bus_a, bus_b = start_bus(), start_bus()
+    bridge = TwistdProcess(["sbus-bridge", "--a", bus_a.address, "--b", bus_b.address, "--max-delay", "0.2",
+                            "--rule", "'' a>b", "--rule", "'' a>b !/cred//// to-bridge/"], tmp_path)
+    try:
+        text = bridge.wait_log(r"side a: connected to .* as !/cred/\d+/\d+/\d+; ")
+        who = re.search(r"side a: connected to .* as (!/cred/\d+/\d+/(\d+)); ", text)
+        helper = int(who.group(2))
+        bridge.wait_log(r"side b: connected to .*; ")
+        sb, pa = connect(bus_b.address), connect(bus_a.address)
+        send(sb, sub(b""))
+        sync(sb)
+        send(pa, msg(who.group(1).encode() + b"/one", b"before"), msg(b"plain/1"))
+        assert recv_until(sb, msg(b"plain/1")) == [msg(b"to-bridge/one", b"before"), msg(b"plain/1")]
+
+        os.kill(helper, 9)
+        text = bridge.wait_log(r"side a: reconnected .* as !/cred/\d+/\d+/\d+; ")
+        assert re.search(r"helper process that connected .* exited", text), text[-2000:]
+        who2 = re.findall(r"side a: reconnected .* as (!/cred/\d+/\d+/(\d+)); ", text)[-1]
+        assert int(who2[1]) != helper
+        send(pa, msg(who2[0].encode() + b"/two", b"after"), msg(b"plain/2"))
+        got = recv_until(sb, msg(b"plain/2"))
+        assert msg(b"to-bridge/two", b"after") in got, got
+        sb.close()
+        pa.close()
+    finally:
+        bridge.stop()
+
+
+# ---------------------------------------------------------------- msgbus: another uid over IPv6 and mapped IPv4
+
+
+@pytest.mark.parametrize("listen, target, family", [
+    ("tcp6:0:interface=\\:\\:1", "::1", socket.AF_INET6),                 # IPv6 loopback
+    ("tcp6:0:interface=\\:\\:", "127.0.0.1", socket.AF_INET),              # dual stack, IPv4 peer
+    ("tcp:0:interface=127.0.0.1", "::ffff:127.0.0.1", socket.AF_INET6),   # IPv6 socket, mapped address
+], ids=["ipv6-loopback", "dual-stack-ipv4-peer", "ipv4-mapped-peer"])
+def test_gateway_finds_another_uid_over_every_loopback_family(bus, tmp_path, listen, target, family):
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    p = TwistdProcess(["sbus-msgbus", "--bus", bus.address, "--port", listen], tmp_path)
+    try:
+        text = p.wait_log(r"msgbus gateway listening on \S+:\d+")
+        port = int(re.search(r"msgbus gateway listening on \S+:(\d+)", text).group(1))
+        p.wait_log(r"connected to the bus")
+
+        def attacker():
+            s = socket.socket(family, socket.SOCK_STREAM)
+            s.settimeout(TIMEOUT)
+            s.connect((target, port))
+            s.sendall(b"ping\n")
+            got = b""
+            try:
+                while chunk := s.recv(4096):
+                    got += chunk
+            except OSError as e:
+                got += f" ({e})".encode()
+            return repr(got)
+
+        got = run_as(65534, 65534, attacker)
+        assert got.startswith("b'error uid 65534") and "pong" not in got, got
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.settimeout(TIMEOUT)
+            s.connect((target, port))
+            s.sendall(b"ping\n")
+            assert s.recv(100) == b"pong\n"
+    finally:
+        p.stop()
