@@ -820,7 +820,12 @@ class Link(service.MultiService):
             replies = peer.auth.receive(key, payload)
         except (AuthError, codec.ProtocolError) as e:
             self.drops["peer_auth_failed"] += 1
-            return self._peerError(peer, f"authentication failed: {e}")
+            # closed, not aborted: the peer still reads our proof and can tell its operator
+            # "wrong key" (an abort's RST could discard it first: "connection lost" only)
+            log.warn("sbus-link: protocol error from peer {peer}: authentication failed: {detail}; closing",
+                     peer=peer.name, detail=e)
+            peer.transport.loseConnection()
+            return None
         for reply in replies:
             peer.sendFrame(reply)
         if peer.auth.done:
@@ -867,6 +872,8 @@ class Link(service.MultiService):
                  theirs=_show(peer.remote_whoami))
 
     def fromPeer(self, peer: PeerProtocol, frame: bytes) -> None:
+        if getattr(peer.transport, "disconnecting", False):
+            return None  # frames after the one we closed for, in the same read
         if peer.auth is not None and not peer.auth.done:
             return self._authFrame(peer, frame)
         if frame[:4] == b"MSG " and peer.ready:
