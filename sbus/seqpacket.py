@@ -1085,6 +1085,10 @@ class BatchSeqPacketTransport(SeqPacketTransport):
         self._flushPending()
         SeqPacketTransport.loseConnection(self, _reason)
 
+    def sendLast(self, packet: bytes) -> None:
+        self._flushPending()  # the last word comes after what was routed to this client before
+        SeqPacketTransport.sendLast(self, packet)
+
     def abortConnection(self):
         self._flushPending()
         self._stash = self._held = None
