@@ -231,6 +231,7 @@ def test_root_bridge_reconnects_when_its_connecting_helper_is_killed(start_bus, 
         who = re.search(r"side a: connected to .* as (!/cred/\d+/\d+/(\d+)); ", text)
         helper = int(who.group(2))
         bridge.wait_log(r"side b: connected to .*; ")
+        bridge.wait_log(r"spanning tree: .*: forwarding between a and b")
         sb, pa = connect(bus_b.address), connect(bus_a.address)
         send(sb, sub(b""))
         sync(sb)
@@ -242,6 +243,7 @@ def test_root_bridge_reconnects_when_its_connecting_helper_is_killed(start_bus, 
         assert re.search(r"helper process that connected .* exited", text), text[-2000:]
         who2 = re.findall(r"side a: reconnected .* as (!/cred/\d+/\d+/(\d+)); ", text)[-1]
         assert int(who2[1]) != helper
+        bridge.wait_log(r"spanning tree: .*: forwarding between a and b", count=2)
         send(pa, msg(who2[0].encode() + b"/two", b"after"), msg(b"plain/2"))
         got = recv_until(sb, msg(b"plain/2"))
         assert msg(b"to-bridge/two", b"after") in got, got
