@@ -20,6 +20,7 @@ import pytest
 from helpers import connect, msg, recv, run_as, send, sub, sync
 from test_bridge import TIMEOUT, TwistdProcess
 from test_msgbus import MsgbusClient, gateway  # noqa: F401  (fixture)
+from pipeline_conftest import start_recorder  # noqa: F401  (fixture)
 
 
 @pytest.fixture
@@ -292,3 +293,58 @@ def test_gateway_finds_another_uid_over_every_loopback_family(bus, tmp_path, lis
             assert s.recv(100) == b"pong\n"
     finally:
         p.stop()
+
+
+# ---------------------------------------------------------------- recorder: the disk fills up
+
+
+@pytest.fixture
+def small_disk():
+    import subprocess
+
+    d = tempfile.mkdtemp(prefix="sbus-tmpfs-")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", d], capture_output=True)
+    if r.returncode != 0:
+        os.rmdir(d)
+        pytest.skip(f"cannot mount a small tmpfs: {r.stderr.decode().strip()}")
+    yield d
+    subprocess.run(["umount", "-l", d])
+    os.rmdir(d)
+
+
+def test_recorder_on_a_full_disk_marks_every_lost_message(bus, start_recorder, small_disk):
+    """A 2 MB tmpfs fills up under the recorder: every message sent is either recorded or
+    counted by a drop row once space is back (nothing lost silently), the recorder lives on."""
+    from pipeline_conftest import read_recording, wait_rows
+    from test_record import publish_all
+
+    filler = os.path.join(small_disk, "filler")
+    out = os.path.join(small_disk, "rec")
+    rec = start_recorder(bus.address, out, "--roll-age", "200ms", "--row-group-bytes", "64K")
+    sent = 0
+    publish_all(bus.address, [(b"a/%d" % i, b"x" * 100) for i in range(50)])
+    sent += 50
+    wait_rows(out, 50)
+    with open(filler, "wb", buffering=0) as f:  # leave the recorder about 100 KB
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+        except OSError:
+            pass
+    os.truncate(filler, os.path.getsize(filler) - 100_000)
+    publish_all(bus.address, [(b"b/%d" % i, os.urandom(10_000)) for i in range(200)])   # 2 MB: cannot fit
+    sent += 200
+    rec.wait_log("write failed")
+    publish_all(bus.address, [(b"c/%d" % i, os.urandom(10_000)) for i in range(50)])
+    sent += 50
+    os.unlink(filler)                          # space again
+    publish_all(bus.address, [(b"d/%d" % i, b"w" * 100) for i in range(30)])
+    sent += 30
+    wait_rows(out, 1)
+    rec.stop()
+    rows = read_recording(out)
+    recorded = [r for r in rows if not r["dropped"]]
+    dropped = sum(r["dropped"] for r in rows)
+    assert recorded[-1]["key"] == b"d/29", recorded[-1]["key"]
+    assert len(recorded) + dropped == sent, (len(recorded), dropped, sent,
+                                             [(r["seq"], r["key"][:6], r["dropped"]) for r in rows[50:]])

@@ -186,6 +186,10 @@ class RecordingWriter:
         """Rows accepted but not yet in a published file (lost if we crash now)."""
         return self._file_rows + len(self._seqs)
 
+    def last_taken_seq(self) -> int | None:
+        """The seq of the last row `extend` took (buffered or in the file), None if none."""
+        return self._seqs[-1] if self._seqs else self._last_seq
+
     def add_drop(self, recv_us: int, seq: int, count: int, first: bytes = b"", last: bytes = b"") -> None:
         """A drop row: `count` messages were lost at this point (first and last key if known)."""
         self._drops.append((len(self._seqs), count))
@@ -260,8 +264,8 @@ class RecordingWriter:
             self._file = open(fd, "wb", buffering=0, closefd=True)
             self._writer = pq.ParquetWriter(self._file, schema, compression=self.compression)
         self._last_seq = self._seqs[-1]
-        self._file_rows += n
         self._writer.write_table(table, row_group_size=n)
+        self._file_rows += n  # after the write: if it fails, abandon() counts these rows once (buffered)
         self._file_drop_rows += len(self._drops)
         self._file_dropped += sum(c for _, c in self._drops)
         self._reset_buffer()
@@ -344,8 +348,10 @@ class RecordingWriter:
         Returns (first seq, messages lost): the rows of the file and the
         buffer, plus what the drop rows among them counted."""
         first = self._first_seq
-        lost = (self._file_rows - self._file_drop_rows + self._file_dropped
-                + len(self._seqs) - len(self._drops) + sum(c for _, c in self._drops))
+        messages = self._file_rows - self._file_drop_rows + len(self._seqs) - len(self._drops)
+        lost = messages + self._file_dropped + sum(c for _, c in self._drops)
+        #: Of `lost`, the messages themselves (the rest was counted by the drop rows discarded with them).
+        self.abandoned_messages = messages
         for closer in (self._writer, self._file):
             if closer is not None:
                 try:

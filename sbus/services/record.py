@@ -220,14 +220,21 @@ class BoundedWriter:
             try:
                 self.writer.extend(batch)
             except Exception as e:  # disk full, permissions, ...
-                self._write_failed(e)
+                # the rows of the batch after the one that failed were never taken: lost too
+                last = self.writer.last_taken_seq()
+                untaken = [r[1] for r in batch if last is None or r[1] > last]
+                self._write_failed(e, len(untaken), untaken[0] if untaken else None)
 
-    def _write_failed(self, e: Exception) -> None:
+    def _write_failed(self, e: Exception, untaken: int = 0, first_untaken: int | None = None) -> None:
         first, lost = self.writer.abandon()
+        messages = self.writer.abandoned_messages + untaken
+        lost += untaken
+        if first is None:
+            first = first_untaken
         self.write_errors += 1
-        self.lost_rows += lost
+        self.lost_rows += messages  # the carried drop rows' counts are counted where they began
         self.report(f"write failed ({type(e).__name__}: {e}); discarded the unpublished file "
-                    f"({lost} messages); continuing")
+                    f"({messages} messages; the drop row marks {lost}); continuing")
         if lost and first is not None:
             try:  # mark the loss where the file began (its other seqs stay unused)
                 self.writer.add_drop(time.time_ns() // 1000, first, lost)
