@@ -348,3 +348,43 @@ def test_recorder_on_a_full_disk_marks_every_lost_message(bus, start_recorder, s
     assert recorded[-1]["key"] == b"d/29", recorded[-1]["key"]
     assert len(recorded) + dropped == sent, (len(recorded), dropped, sent,
                                              [(r["seq"], r["key"][:6], r["dropped"]) for r in rows[50:]])
+
+
+# ---------------------------------------------------------------- relay: a local client of another uid
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16.8 open: a relay sends every local pattern upward on its one "
+                   "connection, so one local uid can push it over the master's per-client limit and get it "
+                   "cut off for everyone (relay.py, being reworked by 'topo'); the quota must be divided "
+                   "among the relay's local uids")
+def test_another_uid_on_a_relay_cannot_get_the_relay_cut_off(start_twistd_bus, open_dir, tmp_path):
+    from test_relay import Relay
+
+    master = start_twistd_bus("--max-subscriptions", "300")
+    relay = Relay(master.address, os.path.join(open_dir, "relay.socket"), tmp_path, "--mode", "0777")
+    try:
+        victim = connect(relay.address)
+        send(victim, sub(b"news/"))
+        sync(victim)
+
+        def attacker():
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.settimeout(TIMEOUT)
+            s.connect(relay.address)
+            for i in range(400):            # distinct patterns: each one goes upward
+                s.send(b"SUB a/%d/" % i)
+            s.send(b"CMSG !/cred/whoami")
+            while not s.recv(65536).startswith(b"CMSG !/cred/whoami\0"):
+                pass
+            return "ok"
+
+        assert run_as(65534, 65534, attacker) == "ok"
+        with connect(master.address) as pub:
+            send(pub, msg(b"news/1", b"still here"))
+            sync(pub)
+        assert recv(victim, TIMEOUT) == msg(b"news/1", b"still here")
+        assert "too_many_subscriptions" not in master.log() and "reconnecting" not in relay.log(), \
+            relay.log()[-2000:]
+        victim.close()
+    finally:
+        relay.stop()
