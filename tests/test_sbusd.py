@@ -245,6 +245,24 @@ def test_c_exits_when_the_last_client_leaves(start_bus):
     assert not os.path.exists(bus.address)
 
 
+def test_c_is_not_stopped_by_a_probe_of_its_path(start_bus):
+    """A second sbusd started on the path of a fresh -c bus probes it (connect,
+    close) and exits "another server is listening"; a bare connect-and-close
+    (a health check) does the same. Either used to be the -c bus's first and
+    last client: it exited before any real client came. A connection that
+    sent nothing does not count now; a real client still ends it."""
+    bus = start_bus("-c")
+    res = run("-f", "-a", bus.address)
+    assert res.returncode == 1 and error_line(res) == f"sbusd: another server is listening on {bus.address}"
+    connect(bus.address).close()
+    bus.wait_log("client disconnected", count=2)
+    assert bus.proc.poll() is None
+    a = connect(bus.address)
+    assert whoami(a).startswith(WHOAMI)
+    a.close()
+    assert bus.proc.wait(TIMEOUT) == 0
+
+
 # ------------------------------------------------------------------ -u
 
 

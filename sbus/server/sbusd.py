@@ -17,7 +17,9 @@
 -u USER     only this user (name or uid; repeatable) and our own uid may connect
 -l LOGFILE  log to this file (appended to) instead of standard error / syslog
             (an extension)
--c          exit when the last client has gone (after at least one came)
+-c          exit when the last client has gone (after at least one came and
+            sent a packet: a connection that sends nothing, like another
+            server's probe of the path, does not count)
 -g, -o      socket file mode 0700 plus 0070, plus 0007
 -r          also remove an empty regular file at the path (the reference's test
             touches it); a stale socket file (nobody listening) is removed with
@@ -62,7 +64,8 @@ The sbus message bus server (a drop-in for the reference C sbusd).
               repeatable
   -l LOGFILE  log to this file (appended to); default standard error with -f,
               syslog (facility daemon) for the daemon
-  -c          exit once the last client has gone (after at least one came)
+  -c          exit once the last client has gone (after at least one came and sent
+              a packet: a connection that sends nothing does not count)
   -g          socket file mode also 0070 (group)
   -o          socket file mode also 0007 (others)
   -r          also remove an empty file at the socket path first (a stale socket
@@ -303,13 +306,20 @@ def serve(args: Args, listener: Listener, ready, log_observer=None) -> int:
     def on_signal(signo, frame) -> None:
         reactor.callFromThread(stop)
 
+    def on_empty() -> None:
+        # -c: a connection that sent nothing is not a client. Another server
+        # starting on this path (its probe), or a health check, connects and
+        # closes at once: that stopped a fresh -c bus before its first client.
+        if bus.factory is not None and bus.factory.stats()["packets_in"]:
+            stop()
+
     config = ServerConfig(allowed_uids=args.allowed_uids())
     bus = BusService(
         args.address,
         config,
         mode=args.mode,
         reuse=args.reuse,
-        on_empty=stop if args.auto_close else None,
+        on_empty=on_empty if args.auto_close else None,
         listener=listener,
         warn=_eprint,
     )
