@@ -181,6 +181,56 @@ def _systemd_fd() -> int:
     raise AddressError(f"systemd: none of the {count_n} passed fds is a unix SOCK_SEQPACKET socket")
 
 
+def _bound_by_a_socket(path: str) -> bool:
+    """Does any socket (of this network namespace) hold `path`'s inode as its bound name?
+
+    Asked of the kernel with a ``sock_diag`` dump of unix sockets showing their file's
+    inode (``UDIAG_SHOW_VFS``, what ``ss -x`` uses). A server between its ``bind`` and its
+    ``listen`` refuses connections like a dead one's file; this tells them apart (two
+    servers starting at once both ran, one unreachable). False if the kernel cannot say."""
+    import struct
+
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    req = struct.pack("=BBHIIIII", socket.AF_UNIX, 0, 0, 0xFFFFFFFF, 0, 0x2, 0xFFFFFFFF, 0xFFFFFFFF)
+    hdr = struct.pack("=IHHII", 16 + len(req), 20, 0x301, 1, 0)  # SOCK_DIAG_BY_FAMILY, REQUEST|DUMP
+    try:
+        nl = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 4)  # NETLINK_SOCK_DIAG
+    except OSError:
+        return False
+    with nl:
+        try:
+            nl.settimeout(2.0)
+            nl.sendto(hdr + req, (0, 0))
+            while True:
+                data = nl.recv(1 << 16)
+                off = 0
+                while off + 16 <= len(data):
+                    length, kind = struct.unpack_from("=IH", data, off)
+                    if length < 16:
+                        return False
+                    if kind in (2, 3):  # NLMSG_ERROR, NLMSG_DONE
+                        return False
+                    at, end = off + 16 + 16, off + length  # after nlmsghdr and unix_diag_msg
+                    while at + 4 <= end:
+                        alen, atype = struct.unpack_from("=HH", data, at)
+                        if alen < 4:
+                            break
+                        if atype == 1 and alen >= 12:  # UNIX_DIAG_VFS: inode, device
+                            ino, dev = struct.unpack_from("=II", data, at + 4)
+                            if ino == st.st_ino and (dev >> 20, dev & 0xFFFFF) == (
+                                    os.major(st.st_dev), os.minor(st.st_dev)):
+                                return True
+                        at += (alen + 3) & ~3
+                    off += (length + 3) & ~3
+                if not data:
+                    return False
+        except OSError:
+            return False
+
+
 def probe_socket(path: str) -> str:
     """Is a server listening on the socket file at `path`? ``"live"``, ``"stale"`` (connect
     refused: nobody is bound to it any more), ``"gone"`` (no file) or ``"unknown: <why>"``.
@@ -192,6 +242,10 @@ def probe_socket(path: str) -> str:
         probe.setblocking(False)
         probe.connect(path)
     except ConnectionRefusedError:
+        # Refused: nobody listens. But a server that has bound the file and not yet called
+        # listen() (it is starting) is refused too: it still holds a socket bound to this inode.
+        if _bound_by_a_socket(path):
+            return "live"
         return "stale"
     except BlockingIOError:  # EAGAIN: its backlog is full, so it is very much alive
         return "live"
@@ -287,22 +341,7 @@ def check_bindable(text: str, reuse: bool = False) -> None:
 
 def _bind_path(sock: socket.socket, path: str, mode: int, reuse: bool,
                warn: Callable[[str], None] | None = None) -> tuple[int, int]:
-    """Bind and listen on `path` so that a socket file at `path` always has a listener.
-
-    The socket is bound under a temporary name in the same directory, made to
-    listen, then hard-linked to `path` (``link`` fails if `path` exists, so of
-    two servers starting at once exactly one gets it; the other then probes a
-    socket that already listens and refuses). Binding `path` itself left a
-    moment between ``bind`` and ``listen`` in which a second server's probe
-    saw a refused connect, took the fresh socket for stale and removed it:
-    both servers ran, one unreachable. When the temporary name would not fit
-    in ``sun_path`` the socket is bound at `path` directly (the old way).
-    """
-    directory, base = os.path.split(path)
-    tmp = os.path.join(directory, f".{base[:16]}.{os.urandom(6).hex()}")
-    if len(os.fsencode(tmp)) >= SUN_PATH_SIZE:
-        tmp = None
-        clear_path(path, reuse, warn)
+    clear_path(path, reuse, warn)
     # The socket file's mode comes from the socket inode's mode and the umask
     # at bind time (as in the C server: fchmod then bind under umask 0). The
     # chmod afterwards makes sure on kernels/filesystems that differ.
@@ -310,10 +349,9 @@ def _bind_path(sock: socket.socket, path: str, mode: int, reuse: bool,
         os.fchmod(sock.fileno(), mode)
     except OSError:
         pass
-    where = tmp or path
     old = os.umask(0o777 & ~mode)
     try:
-        sock.bind(where)
+        sock.bind(path)
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
             # Someone bound it between our look and our bind.
@@ -322,37 +360,12 @@ def _bind_path(sock: socket.socket, path: str, mode: int, reuse: bool,
     finally:
         os.umask(old)
     try:
-        try:
-            st = os.lstat(where)
-            if stat.S_IMODE(st.st_mode) != mode:
-                os.chmod(where, mode)
-        except OSError as e:
-            raise AddressError(f"chmod {path}: {_strerror(e)}") from None
-        if tmp is None:
-            return st.st_dev, st.st_ino
-        _listen(sock, path)
-        for _ in range(8):
-            clear_path(path, reuse, warn)
-            try:
-                os.link(tmp, path)
-                return st.st_dev, st.st_ino
-            except FileExistsError:
-                continue  # another server linked first: probe what it put there
-            except OSError as e:
-                if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
-                    raise AddressError(f"bind {path}: {_strerror(e)}") from None
-            try:  # a filesystem without hard links: rename (not atomic against a racer)
-                os.rename(tmp, path)
-                return st.st_dev, st.st_ino
-            except OSError as e:
-                raise AddressError(f"bind {path}: {_strerror(e)}") from None
-        raise AddressError(f"bind {path}: Address already in use")
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+        st = os.lstat(path)
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.chmod(path, mode)
+    except OSError as e:
+        raise AddressError(f"chmod {path}: {_strerror(e)}") from None
+    return st.st_dev, st.st_ino
 
 
 def open_listener(
