@@ -262,7 +262,13 @@ class BrokerProtocol(protocol.Protocol):
         if transport.disconnecting:
             return
         if self.dropped:
-            self._tellDrops(now=True)
+            # The notice goes before the reply, whatever the room (the reply is queued regardless
+            # too): a client that syncs must hear of every drop that happened before its request.
+            notice = self._dropNotice()
+            if not transport.trySend(notice):
+                transport.write(notice)
+            self._queuedSinceNotice = False
+            self._dropsTold()
         if transport.trySend(packet):
             return
         transport.write(packet)
