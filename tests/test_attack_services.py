@@ -471,3 +471,75 @@ def test_a_captured_link_session_cannot_be_replayed(start_bus, tmp_path):
         proxy.close()
         for p in reversed(procs):
             p.stop()
+
+
+def _same_cmdline(pid: int) -> list[int]:
+    """Other processes running exactly the command line of `pid` (a root bridge's helpers are forks)."""
+    def cmd(p):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                return f.read()
+        except OSError:
+            return None
+    mine = cmd(pid)
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != pid and cmd(name) == mine:
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        continue
+            except OSError:
+                continue
+            out.append(int(name))
+    return out
+
+
+def test_root_bridge_leaves_no_helper_behind_across_bus_restarts(start_bus, tmp_path):
+    """Each connection of a root bridge has a helper process; across restarts of a bus (and
+    a helper killed), exactly one helper per connected side remains."""
+    from helpers import wait_until
+
+    bus_a, bus_b = start_bus(), start_bus()
+    bridge = TwistdProcess(["sbus-bridge", "--a", bus_a.address, "--b", bus_b.address, "--max-delay", "0.2",
+                            "--rule", "'' both"], tmp_path)
+    try:
+        bridge.wait_log(r"side a: connected to .*; ")
+        bridge.wait_log(r"side b: connected to .*; ")
+        wait_until(lambda: len(_same_cmdline(bridge.proc.pid)) == 2, "two helpers")
+        for i in range(3):
+            bus_a.stop()
+            bus_a = start_bus("-r", address=bus_a.address)
+            bridge.wait_log(r"side a: reconnected .*; ", count=i + 1)
+        os.kill(_same_cmdline(bridge.proc.pid)[0], 9)
+        bridge.wait_log(r"helper process that connected .* exited")
+        wait_until(lambda: len(_same_cmdline(bridge.proc.pid)) == 2, "two helpers after restarts",
+                   timeout=TIMEOUT)
+    finally:
+        bridge.stop()
+
+
+def test_msgbus_half_close_mid_payload_publishes_nothing(bus, gateway):  # noqa: F811
+    """`send 10 chan` + 5 of its 10 bytes, then SHUT_WR: the replies so far come back, the
+    partial message is never published nor delivered, the connection ends."""
+    gw = gateway()
+    listener = MsgbusClient(gw.port)
+    assert listener.command(b"sub chan") == b"ack sub"
+    assert listener.command(b"listen") == b"ack listen"
+    observer = connect(bus.address)
+    send(observer, sub(b"msgbus/"))
+    sync(observer)
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=TIMEOUT) as s:
+        s.sendall(b"ping\nsend 10 chan\nhello")
+        s.shutdown(socket.SHUT_WR)
+        got = b""
+        while chunk := s.recv(4096):
+            got += chunk
+    assert got == b"pong\n", got
+    marker = MsgbusClient(gw.port)
+    marker.send(b"send 4 chan\nmark")
+    assert listener.message() == b"mark"
+    assert recv(observer) == msg(b"msgbus/chan", b"mark")
+    for c in (listener, marker):
+        c.close()
+    observer.close()
