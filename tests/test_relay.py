@@ -445,3 +445,33 @@ def test_middle_relay_restart_renames_clients_below(hierarchy, tmp_path, procs):
     finally:
         old2.kill()
         old3.kill()
+
+
+def test_local_clients_cannot_get_the_relay_cut_off_from_its_master(start_twistd_bus, tmp_path, procs):
+    """Issue 16 item 8: the master allows the relay (one client there) 200 patterns. A local
+    client that asks for more than its uid's share is refused with a reason; the relay stays
+    connected, and its other clients keep getting messages from the master."""
+    master = start_twistd_bus("--max-subscriptions", "200")
+    r = Relay(master.address, str(tmp_path / "q.sock"), tmp_path)
+    procs.append(r)
+    wait_until(lambda: relay_stats(r)["master_limits"], "the relay learned the master's limits")
+    quiet = connect(r.address)
+    send(quiet, sub(b"keep/"))
+    sync(quiet)
+    greedy = connect(r.address)
+    try:
+        for i in range(250):
+            send(greedy, sub(b"greedy/%d/" % i))
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    from helpers import wait_closed
+    wait_closed(greedy)
+    assert "over this relay's quota on its master" in r.wait_log("over this relay's quota")
+    st = relay_stats(r)
+    assert st["connected"] and st["disconnects"] == 0 and st["reconnects"] == 0, st
+    assert st["quota_refusals"] == 1 and st["held_up_patterns"] == 1, st   # keep/ only
+    with connect(master.address) as m:
+        send(m, msg(b"keep/1", b"still here"))
+    assert recv(quiet, TIMEOUT) == msg(b"keep/1", b"still here")
+    quiet.close()
+    greedy.close()

@@ -351,6 +351,11 @@ class BrokerProtocol(protocol.Protocol):
         ):
             if have > limit:
                 return self.misbehaved(TOO_MANY_SUBSCRIPTIONS, f"over the limit of {limit} {what}")
+        admit = getattr(factory.upstream, "admitPattern", None)  # a relay: its quota on the master
+        if admit is not None:
+            refusal = admit(self, pattern, cost, segments)
+            if refusal is not None:
+                return self.misbehaved(TOO_MANY_SUBSCRIPTIONS, refusal)
         self.subscriptions += 1
         self.subscription_bytes += cost
         factory.uid_subscriptions[uid] += 1

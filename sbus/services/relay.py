@@ -64,6 +64,12 @@ from sbus.server.config import ServerConfig
 
 log = Logger(namespace="sbus.relay")
 
+
+def _cost(pattern: bytes) -> int:
+    """What the master charges for a pattern (as `BrokerProtocol.subscribe` computes it)."""
+    from sbus.server.config import SEGMENT_COST
+    return len(pattern) + SEGMENT_COST * (pattern.count(b"/") + pattern.count(b"*") + 1)
+
 _ECHO_OFF = b"CMSG echo/off"
 _WHOAMI_REPLY = b"CMSG !/cred/whoami\0"
 #: Sent by a relay to each local client whose name changed (its own name on the master changed).
@@ -142,6 +148,8 @@ class UpstreamProtocol(SbusProtocol):
     def unsolicitedControl(self, key: bytes, payload: bytes | None) -> None:
         if key == RELAY_WHOAMI and payload:
             self.relay.whoamiChanged(self, payload)
+        elif key == b"server/disconnect" and payload:
+            self.relay.disconnect_reason = payload.replace(b"\0", b": ", 1).decode("utf-8", "replace")[:300]
 
 
 class _MasterClient(ReconnectingClient):
@@ -182,6 +190,14 @@ class Relay(service.Service):
         self.up_prefix: bytes | None = None
         self._local_secret = None
         self.rekeys = 0
+        #: The master's limits for one client (from its server/stats), and what we hold upward.
+        self.master_limits: dict | None = None
+        self.held_up = 0
+        self.held_up_bytes = 0
+        self.quota_refusals = 0
+        self.disconnect_reason: str | None = None
+        self._last_reason_logged: str | None = None
+        self._up_since = 0.0
         self.up_limit = config.queue_bytes
         #: Local publishers paused while too much waits to go up to the master.
         self.blocked = Holds()
@@ -273,7 +289,12 @@ class Relay(service.Service):
         for pattern in held:
             proto.sendPacket(b"SUB " + self._upPattern(pattern))
         self.subscribed_up = len(held)
+        self.held_up = len(held)
+        self.held_up_bytes = sum(_cost(p) for p in held)
         self.up = proto
+        self._up_since = self.reactor.seconds()
+        self.disconnect_reason = None
+        proto.stats().addCallbacks(self._masterStats, lambda f: None)
         if self.connects > 1:
             # Our bus and the master's are one segment again: the spanning tree re-checks both sides.
             self._topologyChange(f"relay pid {os.getpid()} rejoined its master")
@@ -287,6 +308,18 @@ class Relay(service.Service):
     def masterDown(self, reason):
         self.up = None
         self.subscribed_up = 0
+        if self.factory is not None and self.client is not None and self.running:
+            lived = self.reactor.seconds() - self._up_since
+            if lived < 5.0:
+                # Cut off right after connecting: do not hot-loop; back off as if it had failed.
+                self._backoff = min(max(2 * getattr(self, "_backoff", 0.0), 1.0), self.maxDelay)
+                self.client._delay = max(getattr(self.client, "_delay", 0.0), self._backoff)
+            else:
+                self._backoff = 0.0
+            why = self.disconnect_reason
+            if why and why != self._last_reason_logged:
+                self._last_reason_logged = why
+                log.error("sbus-relay: the master closed our connection: {why}", why=why)
         self._releasePublishers()
         if self.factory is None:
             return
@@ -296,6 +329,45 @@ class Relay(service.Service):
         if self.running:
             log.warn("sbus-relay: lost the master at {up} ({why}); serving locally (publishes are not "
                      "sent upward meanwhile), reconnecting with back-off", up=self.upstream, why=reason)
+
+    def _masterStats(self, stats: dict) -> None:
+        limits = stats.get("limits") if isinstance(stats, dict) else None
+        if isinstance(limits, dict):
+            self.master_limits = limits
+
+    def admitPattern(self, client, pattern: bytes, cost: int, segments: int) -> str | None:
+        """Issue 16 item 8: the master allows this relay (one client there) so many patterns; each
+        local uid gets a share, and the total never goes over, so no local user can get the relay
+        cut off. None: admitted; else the reason the local client is disconnected."""
+        limits = self.master_limits
+        if not limits:
+            return None
+        try:
+            n_limit = min(int(limits["max_subscriptions"]), int(limits["max_uid_subscriptions"]))
+            b_limit = min(int(limits["max_subscription_bytes"]), int(limits["max_uid_subscription_bytes"]))
+            seg_limit = int(limits.get("max_pattern_segments", segments))
+        except (KeyError, TypeError, ValueError):
+            return None
+        n_budget, b_budget = max(1, n_limit - 16), max(1, b_limit - 16 * 256)
+        if segments > seg_limit:
+            return f"pattern of {segments} segments: the master takes at most {seg_limit}"
+        factory = self.factory
+        uid = client.cred.uid
+        users = len(factory.uid_subscriptions) + (0 if factory.uid_subscriptions.get(uid) else 1)
+        share_n, share_b = n_budget // max(2, users), b_budget // max(2, users)
+        have_n, have_b = factory.uid_subscriptions.get(uid, 0), factory.uid_subscription_bytes.get(uid, 0)
+        why = None
+        if self.held_up + 1 > n_budget or self.held_up_bytes + cost > b_budget:
+            why = (f"the relay holds {self.held_up} of the {n_budget} patterns its master allows it "
+                   f"({self.held_up_bytes} of {b_budget} bytes)")
+        elif have_n + 1 > share_n or have_b + cost > share_b:
+            why = (f"uid {uid} holds {have_n} patterns ({have_b} bytes) here, its share of the "
+                   f"{n_budget} patterns ({b_budget} bytes) the master allows this relay is "
+                   f"{share_n} ({share_b} bytes) among {max(2, users)} users")
+        if why is None:
+            return None
+        self.quota_refusals += 1
+        return f"over this relay's quota on its master: {why}"
 
     def _topologyChange(self, why: str) -> None:
         packet = b"MSG " + CHANGE_KEY + b"\0" + why.encode()
@@ -375,12 +447,16 @@ class Relay(service.Service):
             self.blocked.add(client.pauses)
 
     def patternHeld(self, pattern: bytes) -> None:
+        self.held_up += 1
+        self.held_up_bytes += _cost(pattern)
         up = self.up
         if up is not None:
             up.sendPacket(b"SUB " + self._upPattern(pattern))
             self.subscribed_up += 1
 
     def patternReleased(self, pattern: bytes) -> None:
+        self.held_up -= 1
+        self.held_up_bytes -= _cost(pattern)
         up = self.up
         if up is not None:
             up.sendPacket(b"UNSUB " + self._upPattern(pattern))
@@ -394,6 +470,9 @@ class Relay(service.Service):
             "whoami": _show(self.up_prefix[:-1]) if self.up_prefix else None,
             "prefix": _show(self.local_prefix or b""),
             "renamed": self.rekeys,
+            "held_up_patterns": self.held_up,
+            "quota_refusals": self.quota_refusals,
+            "master_limits": self.master_limits,
             "forwarded_up": self.forwarded_up,
             "forwarded_down": self.forwarded_down,
             "subscriptions_up": self.subscribed_up,
