@@ -429,7 +429,39 @@ def format_stats(stats: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _service_stats(args) -> int:
+    """Ask every bridge and link on the bus (``sbus/services/stats``, docs/deploy.md); print their answers."""
+    import os as _os
+    import time as _time
+
+    from sbus.services.svcstats import STATS_REQUEST
+
+    answers = []
+    with _connect(args) as bus:
+        me = _request(bus.whoami, "whoami")
+        reply = me + b"/sbus-stats/" + _os.urandom(4).hex().encode()
+        bus.subscribe(reply)
+        bus.sync()
+        bus.publish(STATS_REQUEST, reply)
+        deadline = _time.monotonic() + args.wait
+        while (left := deadline - _time.monotonic()) > 0:
+            try:
+                m = bus.receive(timeout=left)
+            except TimeoutError:
+                break
+            if getattr(m, "key", None) == reply:
+                try:
+                    answers.append(json.loads(m.payload))
+                except ValueError:
+                    continue
+    sys.stdout.write(json.dumps(answers, indent=2) + "\n")
+    sys.stdout.flush()
+    return 0 if answers else 1
+
+
 def cmd_stats(args) -> int:
+    if getattr(args, "services", False):
+        return _service_stats(args)
     with _connect(args) as bus:
         try:
             stats = _request(bus.stats, "server/stats")
@@ -547,6 +579,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("stats", parents=[common], help="print the server's statistics")
     p.add_argument("--json", action="store_true", help="as JSON")
+    p.add_argument("--services", action="store_true",
+                   help="ask the bridges and links on the bus instead (JSON, one object each)")
+    p.add_argument("--wait", type=float, default=1.0, help="with --services: seconds to collect answers")
     p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("ping", parents=[common], help="measure round trips through the bus")

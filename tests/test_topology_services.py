@@ -234,3 +234,19 @@ def test_bridge_between_two_relays_of_one_master(start_bus, services, tmp_path):
     print(f"takeover after kill -9 of the master: {took:.2f} s")
     assert took < TAKEOVER, took
     exactly_once(r1.address, {"r1": s1, "r2": s2}, "bridged")
+
+
+def test_sbus_stats_services_asks_the_bridges(start_bus, services):
+    import json as _json
+    a, b = start_bus(), start_bus()
+    br = bridge(services, a.address, b.address)
+    settled([br], forwarding=1)
+    res = subprocess.run([sys.executable, "-c", "import sys; from sbus.cli import main; sys.exit(main())",
+                          "-s", a.address, "stats", "--services"],
+                         capture_output=True, timeout=SERVICE_TIMEOUT, env=child_env())
+    assert res.returncode == 0, res
+    (answer,) = _json.loads(res.stdout)
+    assert answer["service"] == "sbus-bridge" and answer["pid"] == br.pid
+    st = answer["stats"]
+    assert st["spanning_tree"]["forwarding"] and st["connected"] == {"a": True, "b": True}
+    assert "drop_reasons" in st and "standby_not_forwarded" in st
