@@ -543,3 +543,51 @@ def test_msgbus_half_close_mid_payload_publishes_nothing(bus, gateway):  # noqa:
     for c in (listener, marker):
         c.close()
     observer.close()
+
+
+def test_mode_check_agrees_with_the_kernel_on_symlinks_and_dotdot(open_dir):
+    """`may_connect` against the kernel's own answer (a connect as uid 65534) over paths with
+    absolute, relative and chained symlinks and `..`, into and out of a 0700 directory."""
+    from sbus.services.access import may_connect
+
+    private = os.path.join(open_dir, "private")
+    os.mkdir(private, 0o700)
+    pub = os.path.join(private, "pub")
+    os.mkdir(pub, 0o755)
+    opened = os.path.join(open_dir, "open")
+    os.mkdir(opened, 0o755)
+    socks = []
+    for d in (pub, opened):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.bind(os.path.join(d, "s"))
+        os.chmod(os.path.join(d, "s"), 0o777)
+        s.listen(8)
+        socks.append(s)
+    os.symlink(pub, os.path.join(open_dir, "abs"))
+    os.symlink("private/pub", os.path.join(open_dir, "rel"))
+    os.symlink("abs", os.path.join(open_dir, "chain"))
+    os.symlink(opened, os.path.join(pub, "back"))          # a link inside the private dir, out again
+    paths = [os.path.join(opened, "s"), os.path.join(pub, "s"), os.path.join(open_dir, "abs", "s"),
+             os.path.join(open_dir, "rel", "s"), os.path.join(open_dir, "chain", "s"),
+             os.path.join(opened, "..", "open", "s"), os.path.join(opened, "..", "private", "pub", "s"),
+             os.path.join(open_dir, "abs", "back", "s"), os.path.join(open_dir, "abs", "..", "..", "open", "s")]
+
+    def kernel():
+        out = []
+        for p in paths:
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                c.connect(p)
+                out.append("1")
+            except OSError:
+                out.append("0")
+            finally:
+                c.close()
+        return "".join(out)
+
+    truth = run_as(65534, 65534, kernel)
+    ours = "".join("1" if may_connect(65534, p) else "0" for p in paths)
+    assert ours == truth, list(zip(paths, ours, truth))
+    assert truth[0] == "1" and truth[1] == "0"
+    for s in socks:
+        s.close()
