@@ -163,9 +163,13 @@ class SbusServiceMaker(ServiceMaker):
         return one_line_options(cls, self.prog)
 
     def makeService(self, options):
+        from sbus.logfiles import LogFileError, take_bus_mode, take_pidfile
+
         _quiet_startup_errors()
         try:
+            take_bus_mode(options)  # log files take the bus's mode (sbus.logfiles, issue 16)
             service = super().makeService(options)
+            take_pidfile(options)
         except usage.UsageError as e:
             _say(self.prog, f"{e} (see --help)")
             raise SystemExit(2) from None
@@ -174,6 +178,9 @@ class SbusServiceMaker(ServiceMaker):
                 _say(self.prog, e.code)
                 raise SystemExit(1) from None
             raise
+        except LogFileError as e:
+            _say(self.prog, str(e))
+            raise SystemExit(1) from None
         except Exception as e:
             _say(self.prog, _one_line(e))
             raise SystemExit(1) from None

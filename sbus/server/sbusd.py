@@ -97,12 +97,14 @@ def _eprint(text: str) -> None:
         pass
 
 
-def _open_logfile(path: str):
+def _open_logfile(path: str, mode: int):
+    """The log names every client: it takes the bus's mode (sbus.logfiles, issue 16)."""
+    from sbus.logfiles import LogFileError, open_append
+
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
-    except OSError as e:
-        raise Fatal(f"open {path}: {e.strerror}") from None
-    return os.fdopen(fd, "a", buffering=1, encoding="utf-8", errors="backslashreplace")
+        return open_append(path, mode)
+    except LogFileError as e:
+        raise Fatal(str(e)) from None
 
 
 def _file_observer(logfile):
@@ -464,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         problem = packet_limit_problem(MAX_PACKET)
         if problem:
             raise Fatal(problem)
-        logfile = _open_logfile(args.logfile) if args.logfile else None
+        logfile = _open_logfile(args.logfile, args.mode) if args.logfile else None
         try:
             listener = open_listener(args.address, args.mode, args.reuse, warn=_eprint)
         except AddressError as e:

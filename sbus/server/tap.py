@@ -149,34 +149,9 @@ def config_from_options(options: Options) -> ServerConfig:
     return ServerConfig(allowed_uids=allowed_uid_set(users or None), **settings)
 
 
-def private_logs(options, mode: int) -> None:
-    """twistd opens its log file after makeService: give it the bus's mode (0700 -> 0600), not
-    0644, since it names every client's pid and uid (issue 16). An existing log file too."""
-    file_mode = mode & 0o666
-    os.umask(0o777 & ~file_mode)
-    parent = getattr(options, "parent", None)
-    logfile = parent.get("logfile") if parent is not None else None
-    if logfile and logfile != "-" and os.path.isfile(logfile):
-        try:
-            os.chmod(logfile, file_mode)
-        except OSError:
-            pass
-    # `twist` (python -m twisted) has opened its --log-file already: the open file itself.
-    opened = parent.get("logFile") if parent is not None else None
-    if opened is not None and hasattr(opened, "fileno"):
-        try:
-            import stat
-
-            if stat.S_ISREG(os.fstat(opened.fileno()).st_mode):
-                os.fchmod(opened.fileno(), file_mode)
-        except (OSError, ValueError):
-            pass
-
-
 def makeService(options: Options):
     from sbus.server.service import BusService
 
-    private_logs(options, options["mode"])
     bus = BusService(
         options["socket"],
         config_from_options(options),

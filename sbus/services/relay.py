@@ -507,7 +507,6 @@ def makeService(options: Options) -> Relay:
         check_bindable(options["socket"], bool(options["reuse"]))
     except AddressError as e:
         raise StartupError(str(e)) from None
-    tap.private_logs(options, options["mode"])  # its log names every client too
     return Relay(
         options["upstream"],
         options["socket"],
