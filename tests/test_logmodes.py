@@ -20,14 +20,22 @@ TWIST = [sys.executable, "-m", "twisted"]
 
 
 @pytest.fixture(scope="module")
-def bus(tmp_path_factory):
-    """One private (0700) bus, shared: the services only need its socket's mode."""
+def buses(tmp_path_factory):
+    """Two private (0700) buses, shared: the services only need their sockets' mode."""
     d = tmp_path_factory.mktemp("logmodes")
-    address = str(d / "bus.socket")
-    p = SbusdProcess(["-f", "-a", address], d / "sbusd.log", address=address)
-    assert stat.S_IMODE(os.stat(address).st_mode) == 0o700
-    yield address
-    p.stop()
+    procs = []
+    for name in ("bus", "other"):
+        address = str(d / f"{name}.socket")
+        procs.append(SbusdProcess(["-f", "-a", address], d / f"{name}.log", address=address))
+        assert stat.S_IMODE(os.stat(address).st_mode) == 0o700
+    yield [p.address for p in procs]
+    for p in procs:
+        p.stop()
+
+
+@pytest.fixture
+def bus(buses):
+    return buses[0]
 
 
 def plugin_args(name: str, address: str, tmp_path) -> list[str]:
@@ -39,7 +47,8 @@ def plugin_args(name: str, address: str, tmp_path) -> list[str]:
     if name == "sbus-msgbus":
         return ["sbus-msgbus", "--bus", address, "--port", "tcp:0:interface=127.0.0.1"]
     if name == "sbus-bridge":
-        return ["sbus-bridge", "--a", address, "--b", address, "--rule", "x/ a>b"]
+        other = address.replace("bus.socket", "other.socket")
+        return ["sbus-bridge", "--a", address, "--b", other, "--rule", "x/ a>b"]
     if name == "sbus-nats":
         pytest.importorskip("nats")
         return ["sbus-nats", "--bus", address, "--server", "nats://127.0.0.1:1", "--reconnect-wait", "5", "--export", "x/*"]
