@@ -168,6 +168,7 @@ def test_relay_withdraws_aliasing_patterns_upward(start_bus, tmp_path, procs):  
     wait_until(lambda: held() == 3, "the relay withdrew x**/ upward")
     local.close()
     wait_until(lambda: held() == 0, "the relay withdrew everything upward")
+    assert held() == 0
 
 
 def test_sub_unsub_loop_against_long_cached_keys_does_not_stall_the_server(bus):

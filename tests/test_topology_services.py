@@ -204,6 +204,7 @@ def test_ring_of_three_bridges_delivers_once(start_bus, services):
     buses = [start_bus() for _ in range(3)]
     bridges = [bridge(services, buses[i].address, buses[(i + 1) % 3].address) for i in range(3)]
     settled(bridges, forwarding=2)
+    assert [b.state() for b in bridges].count("standby") == 1  # one edge of the ring stands by
     subs = {f"bus{i}": subscriber(bus.address) for i, bus in enumerate(buses)}
     for i, bus in enumerate(buses):
         exactly_once(bus.address, subs, f"from{i}")
