@@ -581,7 +581,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="as JSON")
     p.add_argument("--services", action="store_true",
                    help="ask the bridges and links on the bus instead (JSON, one object each)")
-    p.add_argument("--wait", type=float, default=1.0, help="with --services: seconds to collect answers")
+    p.add_argument("--wait", type=SECONDS, default=1.0, metavar="S",
+                   help="with --services: seconds to collect answers (default 1)")
     p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("ping", parents=[common], help="measure round trips through the bus")

@@ -399,6 +399,7 @@ def test_error_not_a_socket(tmp_path, kind):
     (["pub", "k", "v", "--count", "0"], "--count"), (["pub", "k", "v", "--count", "1.5"], "--count"),
     (["pub", "k", "v", "--rate", "0"], "--rate"), (["pub", "k", "v", "--rate", "inf"], "--rate"),
     (["top", "--interval", "0"], "--interval"), (["top", "-n", "0"], "--iterations"),
+    (["stats", "--services", "--wait", "0"], "--wait"),
 ])
 def test_numbers_checked_when_parsing(tmp_path, argv, option):
     # a usage error (status 2) before anything connects: the socket does not even exist
