@@ -87,8 +87,8 @@ class Options(usage.Options):
         ["max-queue-bytes", None, str(DEFAULT_MAX_QUEUE_BYTES),
          "Queued bytes all clients together may pin (then their hard mode applies)."],
         ["stall-timeout", None, str(DEFAULT_STALL_TIMEOUT),
-         "Hold budget, per uid: seconds a user's clients in a block mode may hold publishers paused "
-         "beyond the time they let them run; past it, the holder is disconnected (stalled)."],
+         "Hold budget: seconds a client in a block mode may hold publishers paused beyond the time "
+         "it lets them run; past it, it is disconnected (stalled)."],
         ["max-subscriptions", None, str(DEFAULT_MAX_SUBSCRIPTIONS), "Subscriptions one client may hold."],
         ["max-uid-subscriptions", None, str(DEFAULT_MAX_UID_SUBSCRIPTIONS),
          "Subscriptions all clients of one uid may hold together."],
