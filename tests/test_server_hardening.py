@@ -301,46 +301,6 @@ def test_a_block_mode_client_draining_now_and_then_cannot_hold_publishers(start_
     assert stats(watcher)["disconnects"].get("stalled") == 1
 
 
-@pytest.mark.timeout(90)
-def test_a_second_connection_of_the_same_uid_gets_no_fresh_hold_budget(start_twistd_bus):
-    """The hold budget is the uid's, not the connection's: connection A holds the publisher until
-    it is cut off (`stalled`), then connection B of the same user, connected all along, starts
-    holding. Old code: B had a full budget of its own (another 4 s of a held publisher, and so on
-    for every connection the user opens). Now B has only what the uid earned back meanwhile."""
-    import select as _select
-
-    budget = 4.0
-    bus = start_twistd_bus("--stall-timeout", f"{budget:g}")
-    a, b = connect(bus.address, big=True), connect(bus.address, big=True)
-    send(a, b"CMSG blocking/soft/block", sub(b"a/"))
-    send(b, b"CMSG blocking/soft/block", sub(b"b/"))
-    sync(a)
-    sync(b)
-    pub = connect(bus.address)
-    pub.setblocking(False)
-    payload = b"p" * 1000
-
-    def hold_until_cut(victim, key, limit):
-        """Publish to `key` (only `victim` gets it, and never reads) until the server cuts it off."""
-        poller = _select.poll()
-        poller.register(victim, _select.POLLRDHUP | _select.POLLHUP)
-        start = time.monotonic()
-        while time.monotonic() - start < limit:
-            try:
-                pub.send(msg(key, payload))
-            except BlockingIOError:
-                if poller.poll(10):
-                    return time.monotonic() - start
-        raise AssertionError(f"{key!r}: not cut off within {limit} s")
-
-    held_a = hold_until_cut(a, b"a/x", 30)
-    assert held_a >= budget * 0.5, held_a            # A had the full budget
-    held_b = hold_until_cut(b, b"b/x", 30)
-    assert held_b < budget / 2, (held_a, held_b)     # B only what was earned back since A's end
-    watcher = connect(bus.address)
-    assert stats(watcher)["disconnects"].get("stalled") == 2
-
-
 # ------------------------------------------------------------------ issue 16 item 7
 
 

@@ -81,34 +81,3 @@ class Holds:
 
     def __contains__(self, pauses) -> bool:
         return bool(self._held) and pauses in self._held
-
-
-class HoldBudget:
-    """Seconds one uid's clients may hold publishers paused beyond the time they let them run.
-
-    Shared by every connection of the uid (and kept after they go), so that holding from
-    several connections, or reconnecting, earns nothing: while any of them holds, the budget
-    is spent at one second per second; while none holds, it is earned back, up to `limit`."""
-
-    __slots__ = ("limit", "credit", "since", "holders")
-
-    def __init__(self, limit: float, now: float):
-        self.limit = limit
-        self.credit = limit
-        self.since = now
-        self.holders: set = set()
-
-    def start(self, holder, now: float) -> float:
-        """`holder` starts holding: the seconds left before the budget is spent."""
-        if not self.holders:
-            self.credit = min(self.limit, self.credit + (now - self.since))
-            self.since = now
-        self.holders.add(holder)
-        return self.credit - (now - self.since)
-
-    def stop(self, holder, now: float) -> None:
-        if holder in self.holders:
-            self.holders.discard(holder)
-            if not self.holders:
-                self.credit -= now - self.since
-                self.since = now

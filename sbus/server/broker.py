@@ -24,7 +24,7 @@ from zope.interface import implementer
 
 from sbus.core import codec, flood
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key, check_pattern, secret_prefix, whoami
-from sbus.core.pausing import HoldBudget, Holds, Pauses
+from sbus.core.pausing import Holds, Pauses
 from sbus.core.router import Router
 from sbus.interfaces import IPacketProtocol
 from sbus.server.config import SEGMENT_COST, ServerConfig, allowed_uid_set
@@ -82,7 +82,7 @@ class BrokerProtocol(protocol.Protocol):
     __slots__ = (
         "factory", "cred", "label", "echo", "packets_in", "bytes_in", "drops",
         "pauses", "holds", "whoami_reply", "reason", "subscriptions", "subscription_bytes",
-        "_stall",
+        "_stall", "_credit", "_since",
         "owner", "_match", "_prefix", "_secret_root",
         "dropped", "_dropFirst", "_dropLast", "_dropWait", "_queuedSinceNotice",
         "_replyHeld", "_statsWanted",
@@ -105,8 +105,10 @@ class BrokerProtocol(protocol.Protocol):
         self.subscriptions = 0
         #: Estimated memory its patterns pin (see `pattern_cost`).
         self.subscription_bytes = 0
-        #: While this client holds publishers: the call that ends its uid's hold budget (`_block`).
+        #: The hold budget (see `_block`): seconds of holding publishers left, as of `_since`.
         self._stall = None
+        self._credit = factory.config.stall_timeout
+        self._since = 0.0
         #: The process that connected; None if it could not be proven alive at connect.
         self.owner: Owner | None = None
         self._match = factory.router.match
@@ -289,26 +291,25 @@ class BrokerProtocol(protocol.Protocol):
     def _block(self, feeder: "BrokerProtocol"):
         """Hold `feeder` paused until our queue drains.
 
-        The hold budget: a uid's clients may hold publishers `stall_timeout` seconds more than
-        they let them run. Holding spends the budget, not holding earns it back (up to
-        `stall_timeout`); when it is spent the client is disconnected as `stalled`. The budget is
-        the uid's (`HoldBudget`), not the connection's, so that neither draining now and then, nor
-        several connections, nor reconnecting lets one user hold publishers indefinitely."""
+        The hold budget: a client may hold publishers `stall_timeout` seconds more than it lets
+        them run. Holding spends the budget, not holding earns it back (up to `stall_timeout`); when
+        it is spent the client is disconnected as `stalled`. A client that drains now and then but
+        keeps publishers held most of the time cannot hold them indefinitely."""
         pauses = feeder.pauses
         if pauses is None:
             return
         if not self.holds and self._stall is None:
-            reactor = self.factory.reactor
-            left = self.factory.holdBudget(self.cred.uid).start(self, reactor.seconds())
-            self._stall = reactor.callLater(max(left, 0.0), self._stalled)
+            now = self.factory.reactor.seconds()
+            self._credit = min(self.factory.config.stall_timeout, self._credit + (now - self._since))
+            self._since = now
+            self._stall = self.factory.reactor.callLater(max(self._credit, 0.0), self._stalled)
         self.holds.add(pauses)
 
     def _stalled(self):
         self._stall = None
-        self.factory.holdBudget(self.cred.uid).stop(self, self.factory.reactor.seconds())
         timeout = self.factory.config.stall_timeout
-        self.misbehaved(STALLED, f"its uid's clients held publishers paused for {timeout:g} s more than "
-                                 f"they let them run ({self.transport.queued()} packets queued)")
+        self.misbehaved(STALLED, f"held publishers paused for {timeout:g} s more than it let them run "
+                                 f"({self.transport.queued()} packets queued)")
 
     def _releaseFeeders(self):
         stall = self._stall
@@ -316,7 +317,9 @@ class BrokerProtocol(protocol.Protocol):
             self._stall = None
             if stall.active():
                 stall.cancel()
-            self.factory.holdBudget(self.cred.uid).stop(self, self.factory.reactor.seconds())
+            now = self.factory.reactor.seconds()
+            self._credit -= now - self._since
+            self._since = now
         self.holds.release()
 
     # -- requests
@@ -623,8 +626,6 @@ class BrokerFactory(protocol.Factory):
         # Memory bounds on queued bytes: one budget per uid, all under the server's.
         self.queue_budget = flood.Budget(self.config.max_queue_bytes)
         self.uid_queue_budgets: dict[int, flood.Budget] = {}
-        # Per uid: how long its clients may still hold publishers (block modes), kept while spent.
-        self.uid_hold_budgets: dict[int, HoldBudget] = {}
         # `server/stats`: when the next rendering may start, and who waits for it.
         self._stats_next = 0.0
         self._stats_waiting: list[BrokerProtocol] = []
@@ -652,17 +653,6 @@ class BrokerFactory(protocol.Factory):
                      pid=cred.pid, uid=cred.uid, n=limit)
             return None
         return self.protocol(self, cred)
-
-    def holdBudget(self, uid: int) -> HoldBudget:
-        budget = self.uid_hold_budgets.get(uid)
-        if budget is None:
-            if len(self.uid_hold_budgets) > 4096:  # forget fully earned-back budgets of idle uids
-                now = self.reactor.seconds()
-                for u, b in list(self.uid_hold_budgets.items()):
-                    if not b.holders and b.credit + (now - b.since) >= b.limit:
-                        del self.uid_hold_budgets[u]
-            budget = self.uid_hold_budgets[uid] = HoldBudget(self.config.stall_timeout, self.reactor.seconds())
-        return budget
 
     def clientConnected(self, client: BrokerProtocol):
         uid = client.cred.uid
