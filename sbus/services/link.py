@@ -653,7 +653,8 @@ class Link(service.MultiService):
         self.tree.port_up(BUS_PORT)
         if changed:
             for conn in self.conns:
-                conn.sendFrame(self._hello())
+                if conn.auth is None or conn.auth.done:  # mid-handshake: its hello follows the proof
+                    conn.sendFrame(self._hello())
 
     def busDown(self, reason):
         self.local = None
