@@ -521,7 +521,6 @@ def test_root_bridge_leaves_no_helper_behind_across_bus_restarts(start_bus, tmp_
         bridge.wait_log(r"helper process that connected .* exited")
         wait_until(lambda: len(_same_cmdline(bridge.proc.pid)) == 2, "two helpers after restarts",
                    timeout=TIMEOUT)
-        assert len(_same_cmdline(bridge.proc.pid)) == 2
     finally:
         bridge.stop()
 
