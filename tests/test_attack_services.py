@@ -517,10 +517,16 @@ def test_root_bridge_leaves_no_helper_behind_across_bus_restarts(start_bus, tmp_
             bus_a.stop()
             bus_a = start_bus("-r", address=bus_a.address)
             bridge.wait_log(r"side a: reconnected .*; ", count=i + 1)
-        os.kill(_same_cmdline(bridge.proc.pid)[0], 9)
+        killed = _same_cmdline(bridge.proc.pid)[0]
+        os.kill(killed, 9)
         bridge.wait_log(r"helper process that connected .* exited")
-        wait_until(lambda: len(_same_cmdline(bridge.proc.pid)) == 2, "two helpers after restarts",
-                   timeout=TIMEOUT)
+
+        def two_helpers():
+            helpers = _same_cmdline(bridge.proc.pid)
+            return helpers if len(helpers) == 2 else None
+
+        helpers = wait_until(two_helpers, "two helpers after restarts", timeout=TIMEOUT)
+        assert killed not in helpers  # the killed one was replaced, not counted
     finally:
         bridge.stop()
 
