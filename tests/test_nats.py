@@ -50,12 +50,23 @@ def free_ports(n: int) -> list[int]:
 class NatsNode(LoggedProcess):
     stop_signal = signal.SIGTERM
 
-    def __init__(self, name, port, cport, routes, tmp):
+    def __init__(self, name, port, cport, routes, tmp, mport=None):
         self.port = port
         self.url = f"nats://127.0.0.1:{port}"
+        self.monitor = f"http://127.0.0.1:{mport}" if mport else None
         super().__init__([NATS_SERVER, "-a", "127.0.0.1", "-p", str(port), "-n", name,
                           "--cluster_name", "sbus-test", "--cluster", f"nats://127.0.0.1:{cport}",
-                          "--routes", ",".join(routes)], Path(tmp) / f"{name}.log")
+                          "--routes", ",".join(routes), *(["-m", str(mport)] if mport else [])],
+                         Path(tmp) / f"{name}.log")
+
+    def subscriptions(self, client_name="sbus-nats") -> list[set]:
+        """The subjects each client connection named `client_name` subscribes to (the server's
+        own monitoring endpoint: what NATS has, not what the service says)."""
+        import json
+        import urllib.request
+        with urllib.request.urlopen(self.monitor + "/connz?subs=1", timeout=5) as r:
+            conns = json.load(r).get("connections") or []
+        return [set(c.get("subscriptions_list") or ()) for c in conns if c.get("name") == client_name]
 
 
 class Twistd(LoggedProcess):
@@ -110,14 +121,15 @@ class Watcher:
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("nats")
-    ports = free_ports(6)
-    cports = ports[3:]
+    ports = free_ports(9)
+    cports = ports[3:6]
+    mports = ports[6:]
     nodes = []
     procs = []
     try:
         for i in range(3):
             routes = [f"nats://127.0.0.1:{c}" for j, c in enumerate(cports) if j != i]
-            nodes.append(NatsNode(f"n{i}", ports[i], cports[i], routes, tmp))
+            nodes.append(NatsNode(f"n{i}", ports[i], cports[i], routes, tmp, mports[i]))
         for n in nodes:
             n.wait_log("Server is ready")
         for n in nodes:
@@ -248,8 +260,8 @@ def test_hostile_keys_round_trip_through_the_cluster(mesh):
     p.close()
 
 
-def warm_up_pair(p, s, tag):
-    key = f"t/probe/{tag}".encode()
+def warm_up_pair(p, s, tag, key=None):
+    key = key or f"t/probe/{tag}".encode()
     deadline = time.monotonic() + TIMEOUT
     while True:
         send(p, msg(key))
@@ -370,8 +382,46 @@ def test_stats_answer_on_the_bus(mesh):
     body = json.loads([v for k, v in got if k == reply][0])
     assert body["service"] == "sbus-nats"
     assert body["stats"]["exported"] > 0 and body["stats"]["imported"] > 0
-    assert body["stats"]["duplicates_suppressed"] >= 0
+    assert body["stats"]["interest"]["mode"] == "live"
     s.close()
+
+
+def test_nats_subscriptions_follow_local_interest(mesh):
+    """Bus 1's bridge imports everything, yet asks NATS only for what bus 1's clients hold, as
+    the common part of the two (`iq/lamp/` under `''` is sbus.iq.lamp.>), and withdraws it with
+    the last holder; its own export subscription ('') is not interest. Two overlapping local
+    patterns make two overlapping NATS subscriptions: still each message arrives once."""
+    buses = mesh["buses"]
+    node = bridge_node(mesh, 1)
+
+    def ours():
+        subs = node.subscriptions()
+        assert len(subs) == 1, subs
+        return {s for s in subs[0] if s.startswith("sbus.iq.") or s == "sbus.>"}
+
+    wait_until(lambda: ours() == set(), "no interest in iq/ on bus 1")
+    lamp = subscriber(buses[1], b"iq/lamp/")
+    wait_until(lambda: ours() == {"sbus.iq.lamp.>"}, "sbus.iq.lamp.> subscribed")
+    lamp2 = subscriber(buses[1], b"iq/lamp/")
+    door = subscriber(buses[1], b"iq/*/open")
+    wait_until(lambda: ours() == {"sbus.iq.lamp.>", "sbus.iq.*.open"}, "both subscribed")
+    # iq/lamp/open matches both subjects: NATS gives it to one of our queue group
+    p0 = connect(buses[0].address, big=True)
+    warm_up_pair(p0, lamp, "", key=b"iq/lamp/probe")
+    warm_up_pair(p0, door, "", key=b"iq/probe/open")
+    n = 40
+    send(p0, *[msg(b"iq/lamp/open", b"%d" % i) for i in range(n)], msg(b"iq/lamp/end"))
+    got = drain(lamp, lambda g: any(k == b"iq/lamp/end" for k, _ in g))
+    assert [v for k, v in got if k == b"iq/lamp/open"] == [b"%d" % i for i in range(n)]
+    got = drain(door, lambda g: sum(k == b"iq/lamp/open" for k, _ in g) >= n)
+    assert [p for p in sync(door) if p.startswith(b"MSG iq/lamp/open")] == []
+    assert len([k for k, _ in got if k == b"iq/lamp/open"]) == n
+    lamp.close()
+    door.close()
+    wait_until(lambda: ours() == {"sbus.iq.lamp.>"}, "door withdrawn; lamp still held by one")
+    lamp2.close()
+    wait_until(lambda: ours() == set(), "everything withdrawn with the last holder")
+    p0.close()
 
 
 def bridge_node(mesh, i):
@@ -537,6 +587,73 @@ def test_started_before_nats_and_whole_cluster_restart(tmp_path):
             pr.stop()
         if node is not None:
             node.stop()
+
+
+def _publish_on_nats(url, subject, data=b"in"):
+    async def go():
+        nc = await nats.connect(url)
+        await nc.publish(subject, data)
+        await nc.flush()
+        await nc.close()
+    asyncio.run(go())
+
+
+def test_static_imports_subscribe_without_local_interest(tmp_path):
+    """--static-imports: every --import pattern is subscribed on NATS with no local holder."""
+    port, cport, mport = free_ports(3)
+    url = f"nats://127.0.0.1:{port}"
+    procs = []
+    node = NatsNode("solo3", port, cport, [], tmp_path, mport)
+    try:
+        node.wait_log("Server is ready")
+        bus = SbusdProcess(["-f", "-a", str(tmp_path / "ours.socket")], tmp_path / "ours.log",
+                           address=str(tmp_path / "ours.socket"))
+        procs.append(bus)
+        z = Twistd(["sbus-nats", "--bus", bus.address, "--server", url, "--import", "u/",
+                    "--import", "u/v/", "--static-imports"], tmp_path)
+        procs.append(z)
+        z.wait_re(r"NATS: connected to .*; ready")
+        wait_until(lambda: node.subscriptions() == [{"sbus.u.>"}],  # u/v/ is inside u/
+                   "sbus.u.> subscribed with no local subscriber")
+    finally:
+        for pr in reversed(procs):
+            pr.stop()
+        node.stop()
+
+
+@pytest.mark.skipif(not os.environ.get("SBUS_REFERENCE"),
+                    reason="needs the reference C sbusd (SBUS_REFERENCE=path), a server without server/interest")
+def test_a_server_without_the_interest_feed_gets_every_import(tmp_path):
+    """The reference C server ignores server/interest: the service sees no end of listing
+    before its sync reply, says so in one line, and imports every --import pattern."""
+    port, cport, mport = free_ports(3)
+    url = f"nats://127.0.0.1:{port}"
+    procs = []
+    node = NatsNode("solo4", port, cport, [], tmp_path, mport)
+    try:
+        node.wait_log("Server is ready")
+        addr = str(tmp_path / "ref.socket")
+        ref = LoggedProcess([os.environ["SBUS_REFERENCE"], "-f", "-a", addr], tmp_path / "ref.log")
+        procs.append(ref)
+        wait_until(lambda: os.path.exists(addr), "the reference server's socket")
+        y = Twistd(["sbus-nats", "--bus", addr, "--server", url, "--import", "t/"], tmp_path)
+        procs.append(y)
+        y.wait_re(r"does not report local interest")
+        wait_until(lambda: node.subscriptions() == [{"sbus.t.>"}], "sbus.t.> subscribed")
+        s = subscriber(type("Bus", (), {"address": addr}))
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            _publish_on_nats(url, "sbus.t.from-nats")
+            try:
+                assert drain(s, lambda g: g, timeout=0.5)[0] == (b"t/from-nats", b"in")
+                break
+            except AssertionError:
+                assert time.monotonic() < deadline, "nothing imported onto the reference's bus"
+        s.close()
+    finally:
+        for pr in reversed(procs):
+            pr.stop()
+        node.stop()
 
 
 def test_tls_with_client_certificates_and_a_token(tmp_path):

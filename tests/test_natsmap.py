@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from sbus.core.natsmap import (MappingError, check_prefix, key_to_subject, pattern_to_subject,
-                               subject_matches, subject_to_key, subjects_overlap)
+                               subject_covers, subject_matches, subject_meet, subject_to_key,
+                               subjects_overlap)
 from sbus.core.patterns import matches
 
 keys = st.binary(max_size=60).map(lambda b: b.replace(b"\0", b""))
@@ -47,6 +48,43 @@ def test_overlap_is_true_when_a_subject_matches_both(p1, p2, key):
     subject = key_to_subject(key)
     if subject_matches(s1, subject) and subject_matches(s2, subject):
         assert subjects_overlap(s1, s2) and subjects_overlap(s2, s1)
+
+
+@given(small, small, small)
+@settings(max_examples=400)
+def test_the_meet_matches_exactly_what_both_match(p1, p2, key):
+    """sbus-nats subscribes to the meet of a held pattern and an import: never narrower than
+    what both select (nothing wanted is missed), never broader (nothing unwanted is asked for)."""
+    s1, _ = pattern_to_subject(p1)
+    s2, _ = pattern_to_subject(p2)
+    subject = key_to_subject(key)
+    meet = subject_meet(s1, s2)
+    both = subject_matches(s1, subject) and subject_matches(s2, subject)
+    assert (meet is not None and subject_matches(meet, subject)) == both
+    assert subject_meet(s2, s1) == meet
+    if meet is None:
+        assert not subjects_overlap(s1, s2)
+
+
+@given(small, small, small)
+@settings(max_examples=400)
+def test_cover_means_every_subject_of_the_one_matches_the_other(p1, p2, key):
+    s1, _ = pattern_to_subject(p1)
+    s2, _ = pattern_to_subject(p2)
+    subject = key_to_subject(key)
+    if subject_covers(s1, s2) and subject_matches(s2, subject):
+        assert subject_matches(s1, subject)
+    assert subject_covers(s1, s1)
+    if subject_covers(s1, s2) and subject_covers(s2, s1):
+        assert s1 == s2
+
+
+@pytest.mark.parametrize("a, b, covers", [
+    ("s.>", "s.x", True), ("s.>", "s.*.>", True), ("s.*.>", "s.>", False), ("s.*", "s.x", True),
+    ("s.x", "s.*", False), ("s.*", "s.>", False), ("s.a.>", "s.a", False), ("s.a", "s.a", True),
+])
+def test_cover_examples(a, b, covers):
+    assert subject_covers(a, b) is covers
 
 
 @pytest.mark.parametrize("key, subject", [

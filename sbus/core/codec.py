@@ -147,6 +147,8 @@ ORDERS = (b"queue", b"stack", b"random")
 SERVER_ID = b"server/id"
 DROPPED = b"server/dropped"
 DISCONNECT = b"server/disconnect"
+#: Asked for by a watcher; then sent by the server as patterns become held and released.
+INTEREST = b"server/interest"
 
 
 class DropNotice(NamedTuple):

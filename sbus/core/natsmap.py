@@ -40,7 +40,7 @@ exact, so the caller filters what arrives with the reference matcher
 from __future__ import annotations
 
 __all__ = ["MappingError", "key_to_subject", "subject_to_key", "pattern_to_subject",
-           "check_prefix", "subject_matches", "subjects_overlap", "EMPTY_TOKEN"]
+           "check_prefix", "subject_matches", "subjects_overlap", "subject_meet", "subject_covers", "EMPTY_TOKEN"]
 
 #: The token of an empty segment, and the escape character.
 EMPTY_TOKEN = "_"
@@ -191,3 +191,45 @@ def subjects_overlap(a: str, b: str) -> bool:
         if x != "*" and y != "*" and x != y:
             return False
     return True
+
+
+def subject_meet(a: str, b: str) -> str | None:
+    """The subscription subject matching exactly the literal subjects that match both `a` and
+    `b`, or None if none does: token by token, a literal beats ``*``, ``>`` takes the rest of
+    the other. (The meet of two NATS filters is always one filter.)"""
+    at = a.split(".")
+    bt = b.split(".")
+    out = []
+    for i in range(max(len(at), len(bt))):
+        x = at[i] if i < len(at) else None
+        y = bt[i] if i < len(bt) else None
+        if x == ">" and y is not None:
+            return ".".join(out + bt[i:])
+        if y == ">" and x is not None:
+            return ".".join(out + at[i:])
+        if x is None or y is None:
+            return None
+        if x == "*":
+            out.append(y)
+        elif y == "*" or x == y:
+            out.append(x)
+        else:
+            return None
+    return ".".join(out)
+
+
+def subject_covers(a: str, b: str) -> bool:
+    """Does every literal subject that matches filter `b` also match filter `a`?"""
+    at = a.split(".")
+    bt = b.split(".")
+    for i, x in enumerate(at):
+        if x == ">":
+            return len(bt) > i
+        if i >= len(bt):
+            return False
+        y = bt[i]
+        if y == ">":
+            return False
+        if x != "*" and x != y:
+            return False
+    return len(at) == len(bt)

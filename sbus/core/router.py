@@ -230,6 +230,11 @@ class Router:
         del self._holders[pattern]
         return True
 
+    def holds(self, client, pattern: bytes) -> bool:
+        """Whether `client` holds at least one instance of exactly `pattern`."""
+        mine = self._client_patterns.get(client)
+        return bool(mine) and pattern in mine
+
     def patterns_of(self, client) -> dict[bytes, int]:
         return dict(self._client_patterns.get(client, {}))
 

@@ -24,6 +24,7 @@ from zope.interface import implementer
 
 from sbus.core import codec, flood
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key, check_pattern, secret_prefix, whoami
+from sbus.core.interest import InterestTable
 from sbus.core.pausing import Holds, Pauses
 from sbus.core.router import Router
 from sbus.interfaces import IPacketProtocol
@@ -36,6 +37,7 @@ _STATS_REPLY = b"CMSG " + codec.STATS + b"\0"
 _ID_REPLY = b"CMSG " + codec.SERVER_ID + b"\0"
 _DROPPED = b"CMSG " + codec.DROPPED + b"\0"
 _DISCONNECT = b"CMSG " + codec.DISCONNECT + b"\0"
+_INTEREST = b"CMSG " + codec.INTEREST + b"\0"
 
 # Disconnect reasons, as they appear in statistics.
 PROTOCOL_ERROR = "protocol_error"
@@ -85,7 +87,7 @@ class BrokerProtocol(protocol.Protocol):
         "_stall", "_credit", "_since",
         "owner", "_match", "_prefix", "_secret_root",
         "dropped", "_dropFirst", "_dropLast", "_dropWait", "_queuedSinceNotice",
-        "_replyHeld", "_statsWanted",
+        "_replyHeld", "_statsWanted", "_watching",
     )
 
     def __init__(self, factory: "BrokerFactory", cred):
@@ -122,6 +124,8 @@ class BrokerProtocol(protocol.Protocol):
         #: Whether this client's reading is paused until its replies drain.
         self._replyHeld = False
         self._statsWanted = 0
+        #: Whether it asked for `server/interest` (see `_interest`).
+        self._watching = False
 
     def __repr__(self):
         return f"<client {self.label}>"
@@ -261,6 +265,8 @@ class BrokerProtocol(protocol.Protocol):
         transport = self.transport
         if transport.disconnecting:
             return
+        if self._watching:
+            self.tellInterest(everything=True)
         if self.dropped:
             # The notice goes before the reply, whatever the room (the reply is queued regardless
             # too): a client that syncs must hear of every drop that happened before its request.
@@ -285,6 +291,8 @@ class BrokerProtocol(protocol.Protocol):
         self._queuedSinceNotice = True
         if self.dropped:
             self._tellDrops()
+        if self._watching:
+            self.tellInterest()
 
     # -- block modes and their hold budget
 
@@ -360,10 +368,12 @@ class BrokerProtocol(protocol.Protocol):
         self.subscription_bytes += cost
         factory.uid_subscriptions[uid] += 1
         factory.uid_subscription_bytes[uid] += cost
-        if self.factory.router.subscribe(self, pattern):
-            upstream = self.factory.upstream
+        if factory.router.subscribe(self, pattern):
+            upstream = factory.upstream
             if upstream is not None:
                 upstream.patternHeld(pattern)
+        if factory.interest is not None:
+            factory.tellInterest(factory.interest.held(self, uid, factory.interestForm(pattern)))
         return None
 
     def unsubscribe(self, pattern: bytes):
@@ -384,6 +394,11 @@ class BrokerProtocol(protocol.Protocol):
             upstream = self.factory.upstream
             if upstream is not None:
                 upstream.patternReleased(pattern)
+        factory = self.factory
+        if factory.interest is not None and not factory.router.holds(self, pattern):
+            form = factory.interestForm(pattern)
+            if form or not any(not factory.interestForm(p) for p in factory.router.patterns_of(self)):
+                factory.tellInterest(factory.interest.released(self, form))
 
     # -- the process that connected (secrets are not inherited)
 
@@ -475,6 +490,33 @@ class BrokerProtocol(protocol.Protocol):
 
     def _id(self):
         self.reply(_ID_REPLY + self.factory.bus_id)
+
+    def _interest(self):
+        """Start telling this client which patterns are held (`sbus.core.interest`); asking again
+        changes nothing. The first listing is queued whole: its end comes before any reply."""
+        if not self._watching:
+            self._watching = True
+            self.factory.watchInterest(self)
+            self.tellInterest(everything=True)
+
+    def tellInterest(self, everything: bool = False) -> None:
+        """Send the interest changes this client has not been told, while its socket takes them
+        without queueing; one more is queued when it does not, and the rest wait for the queue to
+        drain (`outboxDrained`), so a watcher that does not read pins no growing queue.
+
+        `everything`: queue them all (at most one per distinct pattern), for the first listing and
+        ahead of a reply, so that the answer to a request (a sync) comes after every change made
+        before it."""
+        table = self.factory.interest
+        transport = self.transport
+        if table is None or transport.disconnecting or (transport.queued() and not everything):
+            return
+        for payload in table.changes(self):
+            packet = _INTEREST + payload
+            if not transport.trySend(packet):
+                transport.write(packet)
+                if not everything:
+                    return
 
     def _echo_on(self):
         self.echo = True
@@ -574,6 +616,7 @@ def _control_table():
         codec.WHOAMI: BrokerProtocol._whoami,
         codec.STATS: BrokerProtocol._stats,
         codec.SERVER_ID: BrokerProtocol._id,
+        codec.INTEREST: BrokerProtocol._interest,
         codec.ECHO_ON: BrokerProtocol._echo_on,
         codec.ECHO_OFF: BrokerProtocol._echo_off,
     }
@@ -630,6 +673,9 @@ class BrokerFactory(protocol.Factory):
         self._stats_next = 0.0
         self._stats_waiting: list[BrokerProtocol] = []
         self._stats_call = None
+        #: `server/interest`: who holds which pattern, kept only while someone watches.
+        self.interest: InterestTable | None = None
+        self._interest_room = self.config.max_packet - len(_INTEREST) - 2
 
     def stopFactory(self):
         """The server is stopping: tell every client why before the process closes them."""
@@ -670,6 +716,12 @@ class BrokerFactory(protocol.Factory):
         log.info("client connected: {client}", client=client.label)
 
     def clientGone(self, client: BrokerProtocol):
+        if self.interest is not None:
+            touched = self.interest.forget(client)
+            if not self.interest:
+                self.interest = None
+            else:
+                self.tellInterest(touched)
         released = self.router.remove_client(client)
         if released and self.upstream is not None:
             for pattern in released:
@@ -702,6 +754,29 @@ class BrokerFactory(protocol.Factory):
         log.info("client disconnected: {client} ({reason})", client=client.label, reason=client.reason)
         if not self.clients and self.on_empty is not None:
             self.on_empty()
+
+    # -- server/interest
+
+    def interestForm(self, pattern: bytes) -> bytes:
+        """The pattern as a notice carries it: a pattern too long for one notice packet is told as
+        the empty pattern, which matches every key (more interest, never less)."""
+        return pattern if len(pattern) <= self._interest_room else b""
+
+    def watchInterest(self, client: BrokerProtocol) -> None:
+        table = self.interest
+        if table is None:
+            table = self.interest = InterestTable()
+            form = self.interestForm
+            for c in self.clients:
+                uid = c.cred.uid
+                for pattern in self.router.patterns_of(c):
+                    table.held(c, uid, form(pattern))
+        uid = client.cred.uid
+        table.watch(client, uid, self.privileged(uid))
+
+    def tellInterest(self, watchers) -> None:
+        for client in watchers:
+            client.tellInterest()
 
     def deliverLocally(self, packet: bytes, key: bytes, feeder=None) -> None:
         """Deliver a MSG packet that came from outside this bus (a relay's master).

@@ -22,18 +22,26 @@ publishes on the bus never comes back to it; the NATS connection has
 ``no_echo``, so what it publishes on NATS never comes back either; a
 message whose ``Sbus-Origin`` is this bus's own id (``CMSG server/id``; a
 random id of this process if the server does not answer it) is dropped, so
-two sbus-nats on one bus do not feed each other. Overlapping imports
-(``a/`` and ``a/b/``) are two NATS subscriptions, which NATS delivers a
-message to once each: only the first subscription (in order) whose subject
-matches takes it, the others skip it, so each message is published on the
-bus once.
+two sbus-nats on one bus do not feed each other.
 
-Interest. NATS is subscribed to every ``--import`` pattern for the life of
-the service, whether or not a local client holds a matching subscription:
-a client of the bus cannot see other clients' subscriptions (only the
-server, or a relay, which is a server, can), so "subscribe only what local
-clients hold" would need sbus-nats to be a relay that the clients connect
-to. Imported messages nobody local wants cost one routing step on the bus.
+Interest. Like a relay upward, the service subscribes on NATS only to what
+local clients want: it asks the bus to be told which patterns other clients
+hold (``CMSG server/interest``, docs/protocol.md "Interest") and, for each
+held pattern and each ``--import`` pattern that can select a common key,
+subscribes to the NATS subject of their common part (`subject_meet`: a client
+holding ``cmd/lamp/`` under ``--import cmd/`` makes ``sbus.cmd.lamp.>``); the
+subscription goes when the last local holder leaves. Its own subscriptions
+(its exports) do not count. A server that does not answer (the reference C
+server, older ones) is detected (no end-of-listing before the sync reply) and
+every ``--import`` pattern is subscribed for the life of the service, as does
+``--static-imports`` (for a bus whose wanted messages are not all held on it:
+a relay's master above it, for example). A subject inside another one needs
+no subscription. Two overlapping subscriptions (``sbus.a.>`` and
+``sbus.*.b``) each get a copy of what both match: the earlier one takes it,
+the other skips it, so each message is published on the bus once and a key
+always comes through the same subscription, in order. A subscription no
+longer wanted is drained (what it received is still handed over) after the
+ones that replace it are in place.
 
 Reserved keys. ``sbus/topology/...`` (the spanning tree's announcements) and
 ``sbus/services/...`` (service requests such as stats) belong to one bus:
@@ -81,7 +89,8 @@ from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, ProtocolError
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key
 from sbus.core.natsmap import (MappingError, check_prefix, key_to_subject, pattern_to_subject,
-                               subject_matches, subject_to_key, subjects_overlap)
+                               subject_covers, subject_matches, subject_meet, subject_to_key,
+                               subjects_overlap)
 from sbus.core.patterns import matches
 from sbus.services.shutdown import exit_zero_on_sigterm
 
@@ -95,6 +104,8 @@ RESERVED = (b"sbus/topology/", b"sbus/services/")
 #: NATS's default max_control_line is 4096 bytes: PUB/HPUB, subject and sizes must fit.
 MAX_SUBJECT = 4000
 EXTRA = "pip install 'sbus[nats]'"
+#: Seconds to wait for the bus's interest listing (or any answer) before importing everything.
+INTEREST_WAIT = 5.0
 
 
 def _b(text) -> bytes:
@@ -151,18 +162,18 @@ def _drive(coro, failed):
     fut.add_done_callback(resume)
 
 
-class _Import:
-    """One NATS subscription: its subject, the patterns it serves, and the earlier
-    subscriptions that may see the same message (which take it instead)."""
+class _Sub:
+    """One NATS subscription: its subject, and the earlier subscriptions that overlap it (they
+    take the messages both see)."""
 
-    __slots__ = ("subject", "patterns", "exact", "earlier", "sub")
+    __slots__ = ("subject", "seq", "sub", "earlier", "active")
 
-    def __init__(self, subject: str, patterns: list[bytes], exact: bool):
+    def __init__(self, subject: str, seq: int):
         self.subject = subject
-        self.patterns = patterns
-        self.exact = exact
-        self.earlier: list[str] = []
+        self.seq = seq
         self.sub = None
+        self.earlier: list[_Sub] = []
+        self.active = True
 
 
 class NatsService(service.Service):
@@ -172,7 +183,7 @@ class NatsService(service.Service):
                  connect_options: dict | None = None, max_pending: int = 1 << 20,
                  import_buffer: int = 64 << 20,
                  stats_interval: float = 60.0, reconnect_wait: float = 1.0,
-                 max_packet: int = MAX_PACKET, reactor=None):
+                 max_packet: int = MAX_PACKET, static_imports: bool = False, reactor=None):
         self.bus = bus
         self.servers = list(servers)
         self.exports = [_b(p) for p in exports]
@@ -187,18 +198,24 @@ class NatsService(service.Service):
         self._reactor = reactor
         self.secret_exports = [p for p in self.exports if p.startswith(SECRET_ROOT)]
         self.secret_imports = [p for p in self.imports if p.startswith(SECRET_ROOT)]
-        # imports: one NATS subscription per distinct subject
-        by_subject: dict[str, _Import] = {}
-        for p in self.imports:
-            subject, exact = pattern_to_subject(p, self.prefix)
-            imp = by_subject.get(subject)
-            if imp is None:
-                imp = by_subject[subject] = _Import(subject, [], exact)
-            imp.patterns.append(p)
-            imp.exact = imp.exact or exact
-        self.subs = list(by_subject.values())
-        for i, imp in enumerate(self.subs):
-            imp.earlier = [s.subject for s in self.subs[:i] if subjects_overlap(s.subject, imp.subject)]
+        #: Each import pattern: (pattern, its subject, whether the subject selects exactly it).
+        self.import_subjects = [(p, *pattern_to_subject(p, self.prefix)) for p in dict.fromkeys(self.imports)]
+        self.static_imports = static_imports
+        #: Local interest (`server/interest`): "waiting" for the first listing, "live", or
+        #: "static" (every import subscribed: asked for, or the server does not tell).
+        self.interest_mode = "static" if static_imports else "waiting"
+        self.interest: set[bytes] = set()
+        self._listing: set[bytes] | None = None
+        #: NATS subject -> whether each message on it needs no filtering (what we want), and
+        #: subject -> nats-py subscription (what we have).
+        self._wanted: dict[str, bool] = {}
+        self._nats_subs: dict[str, object] = {}
+        self._reconcile_due = False
+        self._reconciling = self._reconcile_again = False
+        self._sub_seq = 0
+        self.duplicates = 0
+        self.nats_subscribes = 0
+        self.nats_unsubscribes = 0
         #: Random per process; replaced by the bus's `server/id` when the server answers it.
         self.bus_id = os.urandom(16).hex()
         self.bus_id_from_server = False
@@ -210,7 +227,6 @@ class NatsService(service.Service):
         self.drops: dict[str, int] = {}
         self.secret_filtered = 0
         self.secret_refused = 0
-        self.duplicates = 0
         self.filtered = 0
         self.own_origin = 0
         self.reserved = 0
@@ -254,6 +270,10 @@ class NatsService(service.Service):
             def messageReceived(self, key, payload, packet):
                 svc._from_bus(self, key, payload)
 
+            def unsolicitedControl(self, key, payload):
+                if key == codec.INTEREST and self is svc.client.protocol:
+                    svc._interest_notice(payload or b"")
+
         class Client(ReconnectingClient):
             def connectionMade(self, protocol):
                 svc._bus_connected(protocol)
@@ -277,10 +297,14 @@ class NatsService(service.Service):
         # lossless toward NATS: when we stop reading, the server holds the publishers
         self.client.flood(hard="block")
         self.client.start()
-        log.info("exporting {e}; importing {i}; subject prefix {p!r}",
+        log.info("exporting {e}; importing {i}; subject prefix {p!r}; {how}",
                  e=", ".join(repr(p) for p in self.exports) or "nothing",
-                 i=", ".join(f"{p!r} as {s.subject}{'' if s.exact else ' (filtered)'}"
-                             for s in self.subs for p in s.patterns) or "nothing", p=self.prefix)
+                 i=", ".join(f"{p!r} as {subj}{'' if exact else ' (filtered)'}"
+                             for p, subj, exact in self.import_subjects) or "nothing", p=self.prefix,
+                 how="NATS subscriptions: every import (--static-imports)" if self.static_imports
+                 else "NATS subscriptions follow local interest")
+        if self.static_imports:
+            self._want_everything()
         import asyncio
         self._nats_task = asyncio.ensure_future(self._run_nats())
         self._loop = LoopingCall(self._report, False)
@@ -316,6 +340,12 @@ class NatsService(service.Service):
         self.bus_connects += 1
         if self._paused:
             proto.transport.pauseProducing()
+        if self.import_subjects and not self.static_imports:
+            # a fresh listing; until it is complete the subscriptions of before stay
+            self._listing = set()
+            proto.sendControl(codec.INTEREST)
+            # a server that answers nothing at all (not even the sync below) is no feed either
+            self.reactor.callLater(INTEREST_WAIT, self._no_interest_feed, proto)
         answer: list = []
         proto.request(codec.SERVER_ID).addCallbacks(answer.append, lambda f: None)
 
@@ -328,12 +358,159 @@ class NatsService(service.Service):
                 log.warn("bus: the server did not answer server/id; origin id {id} is this "
                          "process's own", id=self.bus_id)
             self._headers = {ORIGIN_HEADER: self.bus_id}
+            # The listing ends before the answer to anything asked after it: no end, no feed.
+            self._no_interest_feed(proto)
             log.info("bus: {what} to {addr} as {who}; bus id {id}",
                      what="connected" if self.bus_connects == 1 else "reconnected",
                      addr=self.bus or "(default address)",
                      who=(proto.credentials or b"").decode("utf-8", "replace"), id=self.bus_id)
 
         proto.sync().addCallbacks(synced, lambda f: None)
+
+    # -- local interest
+
+    def _no_interest_feed(self, proto) -> None:
+        if self._listing is None or self.client is None or proto is not self.client.protocol:
+            return
+        self._listing = None
+        if self.interest_mode != "static":
+            self.interest_mode = "static"
+            log.warn("bus: the server does not report local interest (server/interest); "
+                     "subscribing to every --import pattern on NATS")
+            self._want_everything()
+
+    def _interest_notice(self, payload: bytes) -> None:
+        """`CMSG server/interest\0+\0P`, `-\0P` or `=` (the first listing is complete)."""
+        listing = self._listing
+        if payload == b"=":
+            if listing is None:
+                return
+            self._listing = None
+            if self.interest_mode == "static":
+                return
+            if self.interest_mode == "waiting":
+                log.info("bus: the server reports local interest; NATS subscriptions follow it")
+            self.interest_mode = "live"
+            self.interest = listing
+            self._want_interest()
+            return
+        sign, _, pattern = payload.partition(b"\0")
+        target = self.interest if listing is None else listing
+        if sign == b"+":
+            target.add(pattern)
+        elif sign == b"-":
+            target.discard(pattern)
+        else:
+            return
+        if listing is None and self.interest_mode == "live":
+            self._want_interest()
+
+    def _subjects_for(self, held: bytes):
+        """(subject, exact) of each import's common part with held pattern `held`."""
+        secret = held.startswith(SECRET_ROOT)
+        try:
+            hsubj, hexact = pattern_to_subject(held, self.prefix)
+        except MappingError:
+            hsubj, hexact = pattern_to_subject(b"", self.prefix)[0], False
+        for pattern, subj, exact in self.import_subjects:
+            if secret and not pattern.startswith(SECRET_ROOT):
+                continue  # a secret key is imported only if an import names !/cred/
+            meet = subject_meet(hsubj, subj)
+            if meet is not None:
+                yield meet, exact
+
+    def _want_interest(self) -> None:
+        wanted: dict[str, bool] = {}
+        for held in self.interest:
+            for subj, exact in self._subjects_for(held):
+                wanted[subj] = wanted.get(subj, False) or exact
+        self._set_wanted(wanted)
+
+    def _want_everything(self) -> None:
+        wanted: dict[str, bool] = {}
+        for _, subj, exact in self.import_subjects:
+            wanted[subj] = wanted.get(subj, False) or exact
+        self._set_wanted(wanted)
+
+    def _set_wanted(self, wanted: dict[str, bool]) -> None:
+        self._wanted = wanted
+        if not self._reconcile_due:
+            self._reconcile_due = True
+            import asyncio
+            asyncio.get_event_loop().call_soon(lambda: asyncio.ensure_future(self._reconcile()))
+
+    async def _reconcile(self) -> None:
+        """Bring NATS's subscriptions to `_wanted`: one pass at a time (a change during a pass
+        makes one more), coalesced (one pass for a burst of changes)."""
+        self._reconcile_due = False
+        if self._reconciling:
+            self._reconcile_again = True
+            return
+        self._reconciling = True
+        try:
+            while True:
+                self._reconcile_again = False
+                await self._reconcile_once()
+                if not self._reconcile_again:
+                    return
+        finally:
+            self._reconciling = False
+
+    async def _reconcile_once(self) -> None:
+        nc = self.nc
+        if nc is None or nc.is_closed:
+            return  # `_run_nats` subscribes what is wanted once connected
+        wanted = self._wanted
+        # A subject inside another wanted one needs no subscription of its own.
+        subjects = sorted(wanted, key=lambda x: (x.count("."), x))
+        cover = [x for x in subjects
+                 if not any(y != x and subject_covers(y, x) for y in subjects)]
+        keep = set(cover)
+        added = []
+        for subj in cover:
+            if subj in self._nats_subs:
+                continue
+            if nc.is_closed:
+                return
+            entry = _Sub(subj, self._sub_seq)
+            self._sub_seq += 1
+            try:
+                entry.sub = await nc.subscribe(subj, cb=self._make_cb(entry),
+                                               pending_msgs_limit=1 << 20,
+                                               pending_bytes_limit=256 << 20)
+            except Exception as e:
+                self._once("sub:" + type(e).__name__, "NATS: subscribing to {s} failed: {err!r}",
+                           s=subj, err=e)
+                continue
+            # earlier overlapping subscriptions take what both see (each message once, and a
+            # key always through the same subscription: its order kept)
+            entry.earlier = [o for o in self._nats_subs.values() if subjects_overlap(o.subject, subj)]
+            self._nats_subs[subj] = entry
+            added.append(entry)
+        gone = [e for subj, e in self._nats_subs.items() if subj not in keep]
+        for entry in gone:
+            # Make before break: what only it took, later overlapping subscriptions take from
+            # now on; what it already has it still hands over (drain), so nothing in flight is lost.
+            del self._nats_subs[entry.subject]
+            entry.active = False
+            for other in self._nats_subs.values():
+                if entry in other.earlier:
+                    other.earlier.remove(entry)
+        if added:
+            try:
+                await nc.flush(timeout=5)
+            except Exception:
+                pass
+        for entry in gone:
+            try:
+                await entry.sub.drain()
+            except Exception as e:  # closed meanwhile: nothing to withdraw
+                self._once("unsub:" + type(e).__name__, "NATS: unsubscribing failed: {err!r}", err=e)
+        self.nats_subscribes += len(added)
+        self.nats_unsubscribes += len(gone)
+        if added or gone:
+            log.debug("NATS: {n} subscription(s) (+{a} -{r}) for {h} locally held pattern(s)",
+                      n=len(self._nats_subs), a=len(added), r=len(gone), h=len(self.interest))
 
     def _from_bus(self, proto, key: bytes, payload: bytes) -> None:
         if key == STATS_REQUEST:
@@ -428,12 +605,11 @@ class NatsService(service.Service):
                 continue
             self.nc = nc
             self.nats_connects += 1
-            for i, imp in enumerate(self.subs):
-                imp.sub = await nc.subscribe(imp.subject, cb=self._make_cb(imp),
-                                             pending_msgs_limit=1 << 20, pending_bytes_limit=256 << 20)
+            self._nats_subs = {}
+            await self._reconcile()
             await nc.flush()
             log.info("NATS: connected to {url}; {n} subscription(s); ready",
-                     url=self._url(), n=len(self.subs))
+                     url=self._url(), n=len(self._nats_subs))
             return
 
     def _url(self) -> str:
@@ -465,15 +641,15 @@ class NatsService(service.Service):
             self.nc = None
             self._nats_task = asyncio.ensure_future(self._run_nats())
 
-    def _make_cb(self, imp: _Import):
+    def _make_cb(self, entry: "_Sub"):
         async def cb(msg):
-            self._from_nats(imp, msg)
+            self._from_nats(entry, msg)
         return cb
 
-    def _from_nats(self, imp: _Import, msg) -> None:
+    def _from_nats(self, entry: "_Sub", msg) -> None:
         subject = msg.subject
-        for earlier in imp.earlier:
-            if subject_matches(earlier, subject):
+        for earlier in entry.earlier:
+            if subject_matches(earlier.subject, subject):
                 self.duplicates += 1      # an earlier subscription takes this one
                 return
         hdr = msg.headers
@@ -490,7 +666,7 @@ class NatsService(service.Service):
         if key.startswith(RESERVED):
             self.reserved += 1
             return
-        if not imp.exact and not any(matches(p, key) for p in self.imports):
+        if not self._wanted.get(entry.subject, False) and not any(matches(p, key) for p in self.imports):
             self.filtered += 1
             return
         if key.startswith(SECRET_ROOT):
@@ -530,6 +706,9 @@ class NatsService(service.Service):
             "secret_refused": self.secret_refused,
             "own_origin_dropped": self.own_origin,
             "duplicates_suppressed": self.duplicates,
+            "interest": {"mode": self.interest_mode, "held_patterns": len(self.interest),
+                         "nats_subscriptions": sorted(self._nats_subs),
+                         "subscribed": self.nats_subscribes, "unsubscribed": self.nats_unsubscribes},
             "filtered": self.filtered,
             "reserved_skipped": self.reserved,
             "paused": self.pauses,
@@ -613,7 +792,8 @@ class Options(usage.Options):
         "Carry an sbus bus over a NATS server or cluster (several --server URLs: one cluster, "
         "failed over between). Nothing is exported or imported unless asked: --export PATTERN "
         "publishes the bus's matching messages on NATS, --import PATTERN publishes NATS's "
-        "matching messages on the bus (both repeatable; '' is everything). Keys map to "
+        "matching messages on the bus (both repeatable; '' is everything), subscribing on NATS "
+        "only to what clients of the bus hold (--static-imports: to every import). Keys map to "
         "subjects PREFIX.seg1.seg2 with bytes other than [A-Za-z0-9-] escaped as _XX "
         "(docs/deploy.md). !/cred/ keys cross only if a pattern names !/cred/. A plain "
         "connection to a host that is not loopback needs --allow-plain. Needs nats-py: "
@@ -639,6 +819,9 @@ class Options(usage.Options):
     ]
     optFlags = [
         ["allow-plain", None, "Allow an unencrypted connection to a NATS server that is not loopback."],
+        ["static-imports", None, "Subscribe on NATS to every --import pattern for the life of the "
+                                 "service. Default: only to what clients of the bus hold (as the "
+                                 "server reports it), withdrawn when the last holder leaves."],
     ]
 
     def __init__(self):
@@ -724,4 +907,5 @@ def makeService(options) -> NatsService:
                        connect_options=_connect_options(options), max_pending=options["max-pending"],
                        import_buffer=options["import-buffer"],
                        stats_interval=options["stats-interval"],
-                       reconnect_wait=options["reconnect-wait"])
+                       reconnect_wait=options["reconnect-wait"],
+                       static_imports=bool(options["static-imports"]))

@@ -411,6 +411,10 @@ class Relay(service.Service):
                     moved += 1
                     client.subscription_bytes += delta
                     factory.uid_subscription_bytes[cred.uid] += delta
+                interest = factory.interest
+                if interest is not None:  # watchers of server/interest see the move
+                    factory.tellInterest(interest.released(client, factory.interestForm(pattern)))
+                    factory.tellInterest(interest.held(client, cred.uid, factory.interestForm(new)))
             client.whoami_reply = _WHOAMI_REPLY + name
             try:
                 client._prefix = prefix

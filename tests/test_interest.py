@@ -1,0 +1,210 @@
+"""`CMSG server/interest`: a watcher is told which patterns other clients hold.
+
+The table (`sbus.core.interest`) against a plain model with hypothesis, then the
+real server (`sbusd`) through its socket: the first listing, changes, its own
+subscriptions not counting, uid scope, and a watcher that does not read while
+another client churns SUB/UNSUB.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import Agent, cmsg, connect, recv, send, sub, sync, unsub
+from sbus.core.interest import LISTED, InterestTable
+from test_server_secrets import NOBODY, world_bus  # noqa: F401  (fixture)
+
+INTEREST = b"CMSG server/interest\0"
+WATCH = cmsg(b"server/interest")
+
+
+# -- the table
+
+
+def _apply(told: set, payloads) -> bool:
+    listed = False
+    for p in payloads:
+        if p == LISTED:
+            listed = True
+        elif p[:2] == b"+\0":
+            assert p[2:] not in told, f"told twice: {p!r}"
+            told.add(p[2:])
+        else:
+            assert p[:2] == b"-\0" and p[2:] in told, f"released what was not told: {p!r}"
+            told.discard(p[2:])
+    return listed
+
+
+CLIENTS = ["w1", "w2", "a", "b", "c"]
+UIDS = {"w1": 0, "w2": 7, "a": 7, "b": 8, "c": 0}
+PRIVILEGED = {"w1": True, "w2": False}
+ops = st.lists(st.tuples(st.sampled_from(["hold", "release", "forget", "drain", "watch"]),
+                         st.sampled_from(CLIENTS), st.sampled_from([b"x", b"y/", b"", b"*/z"])),
+               max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops)
+def test_what_a_watcher_is_told_is_what_others_in_its_scope_hold(script):
+    table = InterestTable()
+    holds = {c: set() for c in CLIENTS}
+    told = {"w1": set(), "w2": set()}
+    watching = set()
+
+    def expected(w):
+        return {p for c, ps in holds.items() if c != w and (PRIVILEGED[w] or UIDS[c] == UIDS[w])
+                for p in ps}
+
+    for op, client, pattern in script:
+        if op == "hold":
+            table.held(client, UIDS[client], pattern)
+            holds[client].add(pattern)
+        elif op == "release":
+            table.released(client, pattern)
+            holds[client].discard(pattern)
+        elif op == "forget":
+            table.forget(client)
+            holds[client].clear()
+            watching.discard(client)
+            told.get(client, set()).clear()
+        elif op == "watch" and client in told and client not in watching:
+            table.watch(client, UIDS[client], PRIVILEGED[client])
+            watching.add(client)
+            told[client] = set()
+            assert _apply(told[client], table.changes(client)), "no end of the first listing"
+        for w in watching:
+            if op == "drain" or client == w:
+                _apply(told[w], table.changes(w))
+    for w in watching:
+        _apply(told[w], table.changes(w))
+        assert told[w] == expected(w)
+        assert not table.pending(w)
+
+
+def test_churn_while_not_drained_pins_one_entry():
+    table = InterestTable()
+    table.watch("w", 0, True)
+    assert list(table.changes("w")) == [LISTED]
+    for _ in range(10_000):
+        table.held("a", 0, b"k")
+        table.released("a", b"k")
+    table.held("a", 0, b"k")
+    assert list(table.changes("w")) == [b"+\0k"]   # one notice, not 20,001
+
+
+# -- through the server
+
+
+def notices(packets):
+    return [p[len(INTEREST):] for p in packets if p.startswith(INTEREST)]
+
+
+def watcher(address):
+    w = connect(address, big=True)
+    send(w, WATCH)
+    return w
+
+
+def test_listing_then_changes(bus):
+    a = connect(bus.address)
+    send(a, sub(b"early/"), sub(b"early/"))   # two instances: one pattern
+    sync(a)
+    w = watcher(bus.address)
+    assert notices(sync(w)) == [b"+\0early/", b"="]
+    send(a, sub(b"late"))
+    sync(a)
+    assert notices(sync(w)) == [b"+\0late"]
+    send(a, unsub(b"early/"))                 # one instance left: still held
+    sync(a)
+    assert notices(sync(w)) == []
+    send(a, unsub(b"early/"), unsub(b"late"))
+    sync(a)
+    assert sorted(notices(sync(w))) == [b"-\0early/", b"-\0late"]
+    send(w, WATCH)                            # asking again changes nothing
+    assert notices(sync(w)) == []
+
+
+def test_own_subscriptions_do_not_count_and_the_last_holder_leaving_is_told(bus):
+    w = watcher(bus.address)
+    assert notices(sync(w)) == [b"="]
+    send(w, sub(b"mine/"))
+    assert notices(sync(w)) == []             # its own: not interest
+    a, b = connect(bus.address), connect(bus.address)
+    for c in (a, b):
+        send(c, sub(b"mine/"), sub(b"shared"))
+        sync(c)
+    assert sorted(notices(sync(w))) == [b"+\0mine/", b"+\0shared"]
+    a.close()
+    sync(b)
+    assert notices(sync(w)) == []             # b still holds both
+    b.close()
+    # the server sees b's close before w's next request only if it read it: ask until told
+    seen = []
+    for _ in range(50):
+        seen += notices(sync(w))
+        if len(seen) == 2:
+            break
+    assert sorted(seen) == [b"-\0mine/", b"-\0shared"]   # mine/ is still w's own: not interest
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to switch to another uid")
+def test_another_uid_sees_only_its_own_uids_patterns(world_bus):  # noqa: F811
+    bus = world_bus
+    root = connect(bus.address)
+    send(root, sub(b"roots/secret/plan"))
+    sync(root)
+    with Agent(bus.address, uid=NOBODY, gid=NOBODY) as other, \
+            Agent(bus.address, uid=NOBODY, gid=NOBODY) as peer:
+        peer.send(sub(b"nobodys/"))
+        peer.sync()
+        other.send(WATCH)
+        assert notices(other.sync()) == [b"+\0nobodys/", b"="]
+        send(root, sub(b"roots/more"))
+        sync(root)
+        peer.send(sub(b"nobodys/more"))
+        peer.sync()
+        assert notices(other.sync()) == [b"+\0nobodys/more"]
+    # root, the server's own user, sees every uid's
+    w = watcher(bus.address)
+    listed = notices(sync(w))
+    assert listed[-1] == b"=" and set(listed[:-1]) == {b"+\0roots/secret/plan", b"+\0roots/more"}
+
+
+def test_a_watcher_that_does_not_read_is_told_the_outcome_not_every_change(bus):
+    w = connect(bus.address, big=False)
+    w.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    send(w, WATCH)
+    churn = connect(bus.address, big=True)
+    # fill w's socket first with a publish it subscribed to, so that notices must wait
+    send(w, sub(b"fill"))
+    sync(w)
+    for _ in range(200):
+        send(churn, b"MSG fill\0" + b"x" * 1000)
+    for i in range(5_000):
+        send(churn, sub(b"k%d" % (i % 10)), unsub(b"k%d" % (i % 10)))
+    send(churn, sub(b"k3"))
+    sync(churn, timeout=30)
+    got = []
+    while True:
+        p = recv(w, timeout=5)
+        if p.startswith(b"MSG fill"):
+            continue
+        got.append(p)
+        if p == INTEREST + b"+\0k3":
+            break
+    got += sync(w)
+    told = notices(got)
+    state = set()
+    for n in told:
+        if n[:2] == b"+\0":
+            state.add(n[2:])
+        elif n[:2] == b"-\0":
+            state.discard(n[2:])
+    assert state == {b"k3"}
+    # what the kernel's socket buffer takes (a few hundred small packets), then one per pattern
+    assert len(told) < 2_000, f"{len(told)} notices for 10,001 changes: not coalesced"
