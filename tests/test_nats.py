@@ -615,6 +615,59 @@ def test_static_imports_subscribe_without_local_interest(tmp_path):
         z.wait_re(r"NATS: connected to .*; ready")
         wait_until(lambda: node.subscriptions() == [{"sbus.u.>"}],  # u/v/ is inside u/
                    "sbus.u.> subscribed with no local subscriber")
+        # past --max-subscriptions held patterns, the import itself (a superset) is subscribed
+        w = Twistd(["sbus-nats", "--bus", bus.address, "--server", url, "--import", "v/",
+                    "--max-subscriptions", "2"], tmp_path)
+        procs.append(w)
+        w.wait_re(r"NATS: connected to .*; ready")
+
+        def vs():
+            return [x for x in node.subscriptions() if x != {"sbus.u.>"}]
+
+        a, b = subscriber(bus, b"v/a"), subscriber(bus, b"v/b")
+        wait_until(lambda: vs() == [{"sbus.v.a", "sbus.v.b"}], "two narrow subscriptions")
+        c = subscriber(bus, b"v/c")
+        wait_until(lambda: vs() == [{"sbus.v.>"}], "the import itself, past the limit")
+        assert "more than --max-subscriptions 2 patterns" in w.log()
+        c.close()
+        wait_until(lambda: vs() == [{"sbus.v.a", "sbus.v.b"}], "narrow again under the limit")
+        a.close()
+        b.close()
+    finally:
+        for pr in reversed(procs):
+            pr.stop()
+        node.stop()
+
+
+def test_interest_after_the_bus_is_killed_and_restarted(tmp_path):
+    """kill -9 of the bus: the service reconnects, takes the new bus's listing as the truth
+    (what the dead bus's clients held is withdrawn) and follows the new clients."""
+    port, cport, mport = free_ports(3)
+    url = f"nats://127.0.0.1:{port}"
+    procs = []
+    node = NatsNode("solo5", port, cport, [], tmp_path, mport)
+    try:
+        node.wait_log("Server is ready")
+        addr = str(tmp_path / "bus.socket")
+        bus = SbusdProcess(["-f", "-a", addr], tmp_path / "bus1.log", address=addr)
+        procs.append(bus)
+        y = Twistd(["sbus-nats", "--bus", addr, "--server", url, "--import", "t/",
+                    "--reconnect-wait", "0.2"], tmp_path)
+        procs.append(y)
+        y.wait_re(r"NATS: connected to .*; ready")
+        s = subscriber(bus, b"t/x")
+        wait_until(lambda: node.subscriptions() == [{"sbus.t.x"}], "sbus.t.x subscribed")
+        bus.proc.kill()
+        bus.proc.wait()
+        y.wait_re("bus: lost the connection")
+        s.close()
+        bus = SbusdProcess(["-f", "-a", addr], tmp_path / "bus2.log", address=addr)
+        procs.append(bus)
+        y.wait_re("bus: reconnected to ")
+        wait_until(lambda: node.subscriptions() == [set()], "the dead bus's interest withdrawn")
+        s = subscriber(bus, b"t/y/")
+        wait_until(lambda: node.subscriptions() == [{"sbus.t.y.>"}], "the new bus's interest")
+        s.close()
     finally:
         for pr in reversed(procs):
             pr.stop()

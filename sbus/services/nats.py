@@ -183,7 +183,8 @@ class NatsService(service.Service):
                  connect_options: dict | None = None, max_pending: int = 1 << 20,
                  import_buffer: int = 64 << 20,
                  stats_interval: float = 60.0, reconnect_wait: float = 1.0,
-                 max_packet: int = MAX_PACKET, static_imports: bool = False, reactor=None):
+                 max_packet: int = MAX_PACKET, static_imports: bool = False,
+                 max_subscriptions: int = 1000, reactor=None):
         self.bus = bus
         self.servers = list(servers)
         self.exports = [_b(p) for p in exports]
@@ -201,6 +202,7 @@ class NatsService(service.Service):
         #: Each import pattern: (pattern, its subject, whether the subject selects exactly it).
         self.import_subjects = [(p, *pattern_to_subject(p, self.prefix)) for p in dict.fromkeys(self.imports)]
         self.static_imports = static_imports
+        self.max_subscriptions = max_subscriptions
         #: Local interest (`server/interest`): "waiting" for the first listing, "live", or
         #: "static" (every import subscribed: asked for, or the server does not tell).
         self.interest_mode = "static" if static_imports else "waiting"
@@ -420,10 +422,22 @@ class NatsService(service.Service):
                 yield meet, exact
 
     def _want_interest(self) -> None:
+        cap = self.max_subscriptions
         wanted: dict[str, bool] = {}
-        for held in self.interest:
-            for subj, exact in self._subjects_for(held):
-                wanted[subj] = wanted.get(subj, False) or exact
+        if len(self.interest) <= 50 * cap:  # beyond, not even worth computing
+            for held in self.interest:
+                for subj, exact in self._subjects_for(held):
+                    wanted[subj] = wanted.get(subj, False) or exact
+                if len(wanted) > cap:
+                    break
+        if len(self.interest) > 50 * cap or len(wanted) > cap:
+            # More than we follow one by one: the imports themselves are a superset of what
+            # local clients want (and cost no per-pattern work).
+            self._once("too-many-held", "bus: local clients hold more than --max-subscriptions "
+                       "{m} patterns that select imported keys; subscribing to the --import "
+                       "patterns themselves while they do", m=cap)
+            self._want_everything()
+            return
         self._set_wanted(wanted)
 
     def _want_everything(self) -> None:
@@ -461,10 +475,10 @@ class NatsService(service.Service):
         if nc is None or nc.is_closed:
             return  # `_run_nats` subscribes what is wanted once connected
         wanted = self._wanted
-        # A subject inside another wanted one needs no subscription of its own.
-        subjects = sorted(wanted, key=lambda x: (x.count("."), x))
-        cover = [x for x in subjects
-                 if not any(y != x and subject_covers(y, x) for y in subjects)]
+        # A subject inside another wanted one needs no subscription of its own (only a subject
+        # with a wildcard covers another one).
+        wild = [y for y in wanted if "*" in y or ">" in y]
+        cover = [x for x in wanted if not any(y != x and subject_covers(y, x) for y in wild)]
         keep = set(cover)
         added = []
         for subj in cover:
@@ -815,6 +829,9 @@ class Options(usage.Options):
                                                "that does not take them; beyond, they are dropped "
                                                "(bus_slow): NATS cannot be told to wait."],
         ["reconnect-wait", None, "1", "Seconds before retrying a NATS server just tried."],
+        ["max-subscriptions", None, "1000", "Follow at most this many locally held patterns one by "
+                                            "one; beyond, subscribe to the --import patterns "
+                                            "themselves."],
         ["stats-interval", None, "60", "Seconds between stats lines in the log (only if changed)."],
     ]
     optFlags = [
@@ -877,6 +894,7 @@ class Options(usage.Options):
         self["max-pending"] = positive_int("max-pending", self["max-pending"])
         self["import-buffer"] = positive_int("import-buffer", self["import-buffer"])
         self["reconnect-wait"] = positive_float("reconnect-wait", self["reconnect-wait"])
+        self["max-subscriptions"] = positive_int("max-subscriptions", self["max-subscriptions"])
         self["stats-interval"] = positive_float("stats-interval", self["stats-interval"])
         _ensure_asyncio_reactor()
 
@@ -908,4 +926,5 @@ def makeService(options) -> NatsService:
                        import_buffer=options["import-buffer"],
                        stats_interval=options["stats-interval"],
                        reconnect_wait=options["reconnect-wait"],
-                       static_imports=bool(options["static-imports"]))
+                       static_imports=bool(options["static-imports"]),
+                       max_subscriptions=options["max-subscriptions"])
