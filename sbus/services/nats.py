@@ -26,7 +26,7 @@ two sbus-nats on one bus do not feed each other.
 
 Interest. Like a relay upward, the service subscribes on NATS only to what
 local clients want: it asks the bus to be told which patterns other clients
-hold (``CMSG server/interest``, docs/protocol.md "Interest") and, for each
+hold (``CMSG server/interest``, docs/protocol.md "Server notices") and, for each
 held pattern and each ``--import`` pattern that can select a common key,
 subscribes to the NATS subject of their common part (`subject_meet`: a client
 holding ``cmd/lamp/`` under ``--import cmd/`` makes ``sbus.cmd.lamp.>``); the
