@@ -200,7 +200,7 @@ class SeqPacketTransport:
     def trySend(self, packet: bytes) -> bool:
         """Send `packet` now if nothing is queued before it. True: done with it (sent, or
         there is no one to send it to); False: it would block, queue it."""
-        if self.outbox:
+        if self.outbox.nbytes:  # something queued (no packet is empty); not __bool__: ~70 ns less
             return False
         if self.disconnecting:
             return True
