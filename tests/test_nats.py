@@ -59,14 +59,16 @@ class NatsNode(LoggedProcess):
                           "--routes", ",".join(routes), *(["-m", str(mport)] if mport else [])],
                          Path(tmp) / f"{name}.log")
 
-    def subscriptions(self, client_name="sbus-nats") -> list[set]:
-        """The subjects each client connection named `client_name` subscribes to (the server's
-        own monitoring endpoint: what NATS has, not what the service says)."""
+    def subscriptions(self, pid=None) -> list[set]:
+        """The subjects each sbus-nats connection (of process `pid`, if given) subscribes to,
+        from the server's own monitoring endpoint: what NATS has, not what the service says."""
         import json
         import urllib.request
         with urllib.request.urlopen(self.monitor + "/connz?subs=1", timeout=5) as r:
             conns = json.load(r).get("connections") or []
-        return [set(c.get("subscriptions_list") or ()) for c in conns if c.get("name") == client_name]
+        return [set(c.get("subscriptions_list") or ()) for c in conns
+                if (c.get("name") or "").startswith("sbus-nats ")
+                and (pid is None or f" pid={pid} " in c["name"])]
 
 
 class Twistd(LoggedProcess):
@@ -393,9 +395,10 @@ def test_nats_subscriptions_follow_local_interest(mesh):
     patterns make two overlapping NATS subscriptions: still each message arrives once."""
     buses = mesh["buses"]
     node = bridge_node(mesh, 1)
+    pid = mesh["bridges"][1].proc.pid
 
     def ours():
-        subs = node.subscriptions()
+        subs = node.subscriptions(pid)  # (nats-py picks a random node: others may share it)
         assert len(subs) == 1, subs
         return {s for s in subs[0] if s.startswith("sbus.iq.") or s == "sbus.>"}
 

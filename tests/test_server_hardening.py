@@ -301,6 +301,58 @@ def test_a_block_mode_client_draining_now_and_then_cannot_hold_publishers(start_
     assert stats(watcher)["disconnects"].get("stalled") == 1
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to switch to another uid")
+@pytest.mark.timeout(120)
+def test_another_uids_second_connection_gets_no_fresh_hold_budget(tmp_path):
+    """For a uid other than the server's, the hold budget is the uid's, not the connection's:
+    uid 65534's connection A holds the publisher until it is cut off (`stalled`), then its
+    connection B, connected all along, starts holding. Old code: B had a full budget of its own
+    (another 4 s of a held publisher, and so on for every connection the user opens). Now B has
+    only what the uid earned back meanwhile."""
+    import shutil
+    import tempfile
+
+    from helpers import TwistdBus
+
+    budget = 4.0
+    d = tempfile.mkdtemp(prefix="sbus-world-")
+    os.chmod(d, 0o755)
+    bus = TwistdBus(os.path.join(d, "bus.socket"), tmp_path / "bus.log",
+                    ["--mode", "0777", "--stall-timeout", f"{budget:g}"])
+    try:
+        with Agent(bus.address, uid=NOBODY, gid=NOBODY, big=True) as a, \
+                Agent(bus.address, uid=NOBODY, gid=NOBODY, big=True) as b:
+            for agent, pattern in ((a, b"a/"), (b, b"b/")):
+                agent.send(b"CMSG blocking/soft/block", sub(pattern))  # and never read
+                agent.sync()
+            watcher = connect(bus.address)
+            pub = connect(bus.address)
+            pub.setblocking(False)
+            payload = b"p" * 1000
+
+            def hold_until_cut(key, stalled_before, limit=30.0):
+                """Publish to `key` (one agent gets it and never reads) until the server cuts it
+                off; the seconds that took."""
+                start = checked = time.monotonic()
+                while time.monotonic() - start < limit:
+                    try:
+                        pub.send(msg(key, payload))
+                    except BlockingIOError:
+                        if time.monotonic() - checked > 0.05:
+                            checked = time.monotonic()
+                            if stats(watcher)["disconnects"].get("stalled", 0) > stalled_before:
+                                return checked - start
+                raise AssertionError(f"{key!r}: not cut off within {limit} s")
+
+            held_a = hold_until_cut(b"a/x", 0)
+            assert held_a >= budget * 0.5, held_a          # A had the uid's full budget
+            held_b = hold_until_cut(b"b/x", 1)
+            assert held_b < budget / 2, (held_a, held_b)   # B only what was earned back since
+    finally:
+        bus.stop()
+        shutil.rmtree(d, ignore_errors=True)
+
+
 # ------------------------------------------------------------------ issue 16 item 7
 
 

@@ -5,7 +5,8 @@ A publisher may be held by several parties at once: every subscriber in a
 the server while its own replies to it wait. `Pauses` counts them for one
 producer: the first hold pauses it, the last release resumes it. `Holds`
 is one party's set of producers it holds (each at most once), released all
-together when that party's queue drains or it goes away.
+together when that party's queue drains or it goes away. `HoldBudget` bounds
+how long holding may last.
 """
 
 from __future__ import annotations
@@ -81,3 +82,39 @@ class Holds:
 
     def __contains__(self, pauses) -> bool:
         return bool(self._held) and pauses in self._held
+
+
+class HoldBudget:
+    """Seconds its holders may keep publishers paused beyond the time they let them run.
+
+    While any holder holds, the budget is spent at one second per second; while none does, it
+    is earned back, up to `limit`. One budget may be shared (all connections of a uid, kept after
+    they close), so that holding from several connections, or reconnecting, earns nothing."""
+
+    __slots__ = ("limit", "credit", "since", "holders", "shared")
+
+    def __init__(self, limit: float, now: float, shared: bool = False):
+        self.limit = limit
+        self.shared = shared
+        self.credit = limit
+        self.since = now
+        self.holders: set = set()
+
+    def start(self, holder, now: float) -> float:
+        """`holder` starts holding: the seconds left before the budget is spent."""
+        if not self.holders:
+            self.credit = min(self.limit, self.credit + (now - self.since))
+            self.since = now
+        self.holders.add(holder)
+        return self.credit - (now - self.since)
+
+    def stop(self, holder, now: float) -> None:
+        if holder in self.holders:
+            self.holders.discard(holder)
+            if not self.holders:
+                self.credit -= now - self.since
+                self.since = now
+
+    def idle(self, now: float) -> bool:
+        """Nobody holds and the whole budget is earned back: nothing to remember."""
+        return not self.holders and self.credit + (now - self.since) >= self.limit

@@ -25,7 +25,7 @@ from zope.interface import implementer
 from sbus.core import codec, flood
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key, check_pattern, secret_prefix, whoami
 from sbus.core.interest import InterestTable
-from sbus.core.pausing import Holds, Pauses
+from sbus.core.pausing import HoldBudget, Holds, Pauses
 from sbus.core.router import Router
 from sbus.interfaces import IPacketProtocol
 from sbus.server.config import SEGMENT_COST, ServerConfig, allowed_uid_set
@@ -84,7 +84,7 @@ class BrokerProtocol(protocol.Protocol):
     __slots__ = (
         "factory", "cred", "label", "echo", "packets_in", "bytes_in", "drops",
         "pauses", "holds", "whoami_reply", "reason", "subscriptions", "subscription_bytes",
-        "_stall", "_credit", "_since",
+        "_stall", "_budget",
         "owner", "_match", "_prefix", "_secret_root",
         "dropped", "_dropFirst", "_dropLast", "_dropWait", "_queuedSinceNotice",
         "_replyHeld", "_statsWanted", "_watching",
@@ -107,10 +107,10 @@ class BrokerProtocol(protocol.Protocol):
         self.subscriptions = 0
         #: Estimated memory its patterns pin (see `pattern_cost`).
         self.subscription_bytes = 0
-        #: The hold budget (see `_block`): seconds of holding publishers left, as of `_since`.
+        #: The hold budget (see `_block`), and while this client holds publishers, the call that
+        #: ends it.
         self._stall = None
-        self._credit = factory.config.stall_timeout
-        self._since = 0.0
+        self._budget: HoldBudget | None = None  # made at the first hold: idle clients pin none
         #: The process that connected; None if it could not be proven alive at connect.
         self.owner: Owner | None = None
         self._match = factory.router.match
@@ -302,21 +302,29 @@ class BrokerProtocol(protocol.Protocol):
         The hold budget: a client may hold publishers `stall_timeout` seconds more than it lets
         them run. Holding spends the budget, not holding earns it back (up to `stall_timeout`); when
         it is spent the client is disconnected as `stalled`. A client that drains now and then but
-        keeps publishers held most of the time cannot hold them indefinitely."""
+        keeps publishers held most of the time cannot hold them indefinitely. For a uid other than
+        root and the server's own, the budget is the uid's, shared by its connections and kept
+        after they close: several connections, or reconnecting, earn nothing. The server's user and
+        root keep one per connection (on a private bus every client, the owner's recorder,
+        bridges and relays included, is the owner's)."""
         pauses = feeder.pauses
         if pauses is None:
             return
         if not self.holds and self._stall is None:
-            now = self.factory.reactor.seconds()
-            self._credit = min(self.factory.config.stall_timeout, self._credit + (now - self._since))
-            self._since = now
-            self._stall = self.factory.reactor.callLater(max(self._credit, 0.0), self._stalled)
+            reactor = self.factory.reactor
+            budget = self._budget
+            if budget is None:
+                budget = self._budget = self.factory.holdBudget(self.cred.uid)
+            left = budget.start(self, reactor.seconds())
+            self._stall = reactor.callLater(max(left, 0.0), self._stalled)
         self.holds.add(pauses)
 
     def _stalled(self):
         self._stall = None
+        self._budget.stop(self, self.factory.reactor.seconds())
         timeout = self.factory.config.stall_timeout
-        self.misbehaved(STALLED, f"held publishers paused for {timeout:g} s more than it let them run "
+        self.misbehaved(STALLED, f"held publishers paused for {timeout:g} s more than "
+                                 f"{'its uid' if self._budget.shared else 'it'} let them run "
                                  f"({self.transport.queued()} packets queued)")
 
     def _releaseFeeders(self):
@@ -325,9 +333,7 @@ class BrokerProtocol(protocol.Protocol):
             self._stall = None
             if stall.active():
                 stall.cancel()
-            now = self.factory.reactor.seconds()
-            self._credit -= now - self._since
-            self._since = now
+            self._budget.stop(self, self.factory.reactor.seconds())
         self.holds.release()
 
     # -- requests
@@ -669,6 +675,8 @@ class BrokerFactory(protocol.Factory):
         # Memory bounds on queued bytes: one budget per uid, all under the server's.
         self.queue_budget = flood.Budget(self.config.max_queue_bytes)
         self.uid_queue_budgets: dict[int, flood.Budget] = {}
+        # Per uid other than root and ours: how long its clients may still hold publishers.
+        self.uid_hold_budgets: dict[int, HoldBudget] = {}
         # `server/stats`: when the next rendering may start, and who waits for it.
         self._stats_next = 0.0
         self._stats_waiting: list[BrokerProtocol] = []
@@ -699,6 +707,22 @@ class BrokerFactory(protocol.Factory):
                      pid=cred.pid, uid=cred.uid, n=limit)
             return None
         return self.protocol(self, cred)
+
+    def holdBudget(self, uid: int) -> HoldBudget:
+        """A fresh budget per connection for root and the server's own user; the uid's shared one
+        (kept while it is being spent or earned back) for anyone else."""
+        now = self.reactor.seconds()
+        limit = self.config.stall_timeout
+        if self.privileged(uid):
+            return HoldBudget(limit, now)
+        budget = self.uid_hold_budgets.get(uid)
+        if budget is None:
+            if len(self.uid_hold_budgets) >= 4096:  # forget the budgets there is nothing to remember of
+                for u, b in list(self.uid_hold_budgets.items()):
+                    if b.idle(now):
+                        del self.uid_hold_budgets[u]
+            budget = self.uid_hold_budgets[uid] = HoldBudget(limit, now, shared=True)
+        return budget
 
     def clientConnected(self, client: BrokerProtocol):
         uid = client.cred.uid

@@ -604,7 +604,7 @@ class NatsService(service.Service):
                 nc = await nats.connect(
                     servers=self.servers, no_echo=True, allow_reconnect=True,
                     max_reconnect_attempts=-1, reconnect_time_wait=self.reconnect_wait,
-                    connect_timeout=2, pending_size=8 * self.max_pending, name="sbus-nats",
+                    connect_timeout=2, pending_size=8 * self.max_pending, name=self._nats_name(),
                     error_cb=self._nats_error, disconnected_cb=self._nats_disconnected,
                     reconnected_cb=self._nats_reconnected, closed_cb=self._nats_closed,
                     **self.connect_options)
@@ -625,6 +625,10 @@ class NatsService(service.Service):
             log.info("NATS: connected to {url}; {n} subscription(s); ready",
                      url=self._url(), n=len(self._nats_subs))
             return
+
+    def _nats_name(self) -> str:
+        """The connection's name in NATS's monitoring (`/connz`): which process, which bus."""
+        return f"sbus-nats pid={os.getpid()} bus={self.bus or '(default)'}"[:200]
 
     def _url(self) -> str:
         try:
