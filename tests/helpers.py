@@ -518,7 +518,7 @@ class LoggedProcess:
 
 
 class SbusdProcess(LoggedProcess):
-    """`sbusd ARGS...` (normally `-f -a ADDRESS`), ready when its standard output ends (NOTES §6)."""
+    """`sbusd ARGS...` (normally `-f -a ADDRESS`), ready when its standard output ends (docs/protocol.md "The `sbusd` command line")."""
 
     def __init__(self, args, log_path, *, address=None, argv=None, **popen):
         self.address = address

@@ -1,4 +1,4 @@
-"""Credentials, '!' rules and secret-pattern checks (NOTES §4)."""
+"""Credentials, '!' rules and secret-pattern checks (docs/protocol.md "Credentials and secret keys")."""
 
 import pytest
 

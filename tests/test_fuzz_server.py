@@ -10,7 +10,7 @@ switches, unknown control messages and malformed packets (unknown types,
 missing space or NUL, random bytes, an empty packet, an oversize packet).
 
 The model is written from the documents, not from the server's code: who holds
-which pattern (NOTES §4 fill-in rule), `sbus.core.patterns.matches` for
+which pattern (docs/protocol.md "Credentials and secret keys" fill-in rule), `sbus.core.patterns.matches` for
 routing, the secrecy rule at delivery, echo, one copy per client, and which
 packets get their sender disconnected. After every step each live client does
 a whoami round trip and must have received exactly what the model predicts,

@@ -1,10 +1,10 @@
-"""The reference matcher gives exactly the NOTES §1 answers."""
+"""The reference matcher gives exactly the docs/protocol.md "Routing keys and patterns" answers."""
 
 import pytest
 
 from sbus.core.patterns import matches
 
-# NOTES §1 table, row for row.
+# docs/protocol.md "Routing keys and patterns" table, row for row.
 TABLE = [
     (b"", b"", True),
     (b"", b"anything", True),

@@ -1,4 +1,4 @@
-"""`sbusd`, the drop-in command line (NOTES §6), through real processes.
+"""`sbusd`, the drop-in command line (docs/protocol.md "The `sbusd` command line"), through real processes.
 
 Nothing sleeps to synchronise: readiness is EOF on the server's standard
 output (-f) or the daemonising parent's exit; "served" is proven by a

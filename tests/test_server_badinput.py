@@ -1,4 +1,4 @@
-"""Bad input through a real server (NOTES §2): the offender is disconnected with
+"""Bad input through a real server (docs/protocol.md "Packets"): the offender is disconnected with
 one log line naming its pid and uid and the reason; everyone else is served."""
 
 from __future__ import annotations

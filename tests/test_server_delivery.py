@@ -1,4 +1,4 @@
-"""Delivery through a real server (NOTES §3): exact bytes, one copy, duplicates,
+"""Delivery through a real server (docs/protocol.md "Delivery"): exact bytes, one copy, duplicates,
 echo, per-publisher order, CMSG never forwarded, whoami."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Flood control through a real server (NOTES §5).
+"""Flood control through a real server (docs/protocol.md "Flood control").
 
 Each test gets a fresh server (`bus`), so the global counters in
 `CMSG server/stats` belong to the test. A subscriber that "never reads" is

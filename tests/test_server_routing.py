@@ -1,4 +1,4 @@
-"""Routing through a real server (NOTES §1): which subscribers get a published key.
+"""Routing through a real server (docs/protocol.md "Routing keys and patterns"): which subscribers get a published key.
 
 Every check goes over the wire: a subscriber sends `SUB pattern`, a publisher
 sends `MSG key\\0payload` then a marker on a key the subscriber holds exactly;
@@ -16,7 +16,7 @@ from helpers import connect, mbus, msg, recv, send, sub, sync, unique, unsub  # 
 
 
 def ref_match(pattern: bytes, key: bytes) -> bool:
-    """NOTES §1, literally."""
+    """docs/protocol.md "Routing keys and patterns", literally."""
     i = j = 0
     while True:
         while i < len(pattern) and j < len(key) and pattern[i] == key[j]:
@@ -35,7 +35,7 @@ def ref_match(pattern: bytes, key: bytes) -> bool:
 
 
 TABLE = [
-    # NOTES §1 table
+    # docs/protocol.md "Routing keys and patterns" table
     (b"", b"a/b/c", True),
     (b"", b"x", True),
     (b"a/*/c/", b"a/b/c/", True),

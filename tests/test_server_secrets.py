@@ -1,4 +1,4 @@
-"""Secret keys and credentials through a real server (NOTES §4).
+"""Secret keys and credentials through a real server (docs/protocol.md "Credentials and secret keys").
 
 Owners and spies live in separate processes (`Agent` forks), so their pids
 differ; the publisher is the test process itself.

@@ -1,4 +1,4 @@
-"""Credentials, `!/cred/` keys and the rules for '!' (NOTES §4).
+"""Credentials, `!/cred/` keys and the rules for '!' (docs/protocol.md "Credentials and secret keys").
 
 The server decides here, once per SUB/MSG, whether a client's use of '!' is
 legal and which secret space a subscription belongs to; the router then

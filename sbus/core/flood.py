@@ -1,4 +1,4 @@
-"""Per-client outgoing queue and the flood-control policies of NOTES §5.
+"""Per-client outgoing queue and the flood-control policies of docs/protocol.md "Flood control".
 
 Plain Python: the server asks `Outbox.offer` what to do with a packet that
 cannot go straight to the client's socket (it would block, or older packets

@@ -4,7 +4,7 @@ A service that brings messages onto a bus from elsewhere (``twistd sbus-nats``)
 should ask its source only for what local clients want, as a relay subscribes
 upward only to what its own clients hold. A client cannot see other clients'
 subscriptions, so the server tells a watcher (``CMSG server/interest``,
-docs/protocol.md "Interest"): ``+\\0PATTERN`` when a pattern becomes held,
+docs/protocol.md "Server notices"): ``+\\0PATTERN`` when a pattern becomes held,
 ``-\\0PATTERN`` when the last holder lets go, ``=`` once the first listing is
 complete.
 

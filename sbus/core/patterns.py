@@ -1,4 +1,4 @@
-"""The reference routing-key matcher (NOTES §1), byte for byte.
+"""The reference routing-key matcher (docs/protocol.md "Routing keys and patterns"), byte for byte.
 
 This is deliberately the plain algorithm of the reference C server and
 nothing more: it is the definition the fast `Router` is tested against (for

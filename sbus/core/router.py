@@ -4,7 +4,7 @@ The trie makes the cost of a match depend on the patterns that can match,
 not on how many subscriptions exist; the cache makes repeated keys (the
 common case on a bus) one dict lookup. Its answers are exactly those of the
 reference matcher `patterns.matches`, for every key (a '*' in a key is an
-ordinary byte), plus the secrecy rule of NOTES §4, which the router enforces
+ordinary byte), plus the secrecy rule of docs/protocol.md "Credentials and secret keys", which the router enforces
 itself so no pattern can leak a secret key.
 
 How the reference matcher decomposes (see `patterns.matches`): a '*' never
@@ -133,6 +133,30 @@ def _close(mid: _Node, final: bool, out: list) -> None:
         mid = star.get(b"")
         if mid is None:
             return
+
+
+def _stars_before(node: _Node, s: bytes, final: bool, out: list) -> int:
+    """The pieces before a '*' at `node` that key segment `s` (no '*' in it) continues: a piece
+    that is a proper prefix of `s`, or all of it where the key goes on (a star also eats the empty
+    rest of a segment, but not at the very end of the key). Returns lookups done."""
+    star = node.star
+    n = len(s)
+    if len(star) <= _SCAN_MAX:
+        for p, mid in star.items():
+            if s.startswith(p) and (len(p) < n or not final):
+                _close(mid, final, out)
+        return len(star)
+    lens = node.lens
+    for m in lens:
+        if m < n:
+            mid = star.get(s[:m])
+        elif m == n and not final:
+            mid = star.get(s)
+        else:
+            continue
+        if mid is not None:
+            _close(mid, final, out)
+    return len(lens)
 
 
 @implementer(IRouter)
@@ -290,7 +314,6 @@ class Router:
                         found.update(node.tail)
                     visited += self._starred(node, s, final, nxt)
             else:
-                n = len(s)
                 for node in live:
                     if node.tail:
                         found.update(node.tail)
@@ -299,25 +322,8 @@ class Router:
                         child = literal.get(s)
                         if child is not None:
                             nxt.append(child)
-                    star = node.star
-                    if star:
-                        if len(star) <= _SCAN_MAX:
-                            visited += len(star)
-                            for p, mid in star.items():
-                                if s.startswith(p) and (len(p) < n or not final):
-                                    _close(mid, final, nxt)
-                        else:
-                            lens = node.lens
-                            visited += len(lens)
-                            for m in lens:
-                                if m < n:
-                                    mid = star.get(s[:m])
-                                elif m == n and not final:
-                                    mid = star.get(s)
-                                else:
-                                    continue
-                                if mid is not None:
-                                    _close(mid, final, nxt)
+                    if node.star:
+                        visited += _stars_before(node, s, final, nxt)
             if not nxt:
                 self.visited += visited
                 return found
@@ -363,7 +369,6 @@ class Router:
             frontier = nxt
             s = s[q + 1:]
         # the rest of the segment has no '*': as in the walk
-        n = len(s)
         for nd in frontier:
             visited += 1
             literal = nd.literal
@@ -371,19 +376,8 @@ class Router:
                 child = literal.get(s)
                 if child is not None:
                     out.append(child)
-            star = nd.star
-            if star:
-                lens = nd.lens if len(star) > _SCAN_MAX else {len(p): 1 for p in star}
-                visited += len(lens)
-                for m in lens:
-                    if m < n:
-                        mid = star.get(s[:m])
-                    elif m == n and not final:
-                        mid = star.get(s)
-                    else:
-                        continue
-                    if mid is not None:
-                        _close(mid, final, out)
+            if nd.star:
+                visited += _stars_before(nd, s, final, out)
         return visited
 
     # -- the cache ---------------------------------------------------------

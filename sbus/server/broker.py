@@ -383,7 +383,8 @@ class BrokerProtocol(protocol.Protocol):
         return None
 
     def unsubscribe(self, pattern: bytes):
-        # Unsubscribing what one does not hold is ignored (NOTES §2 leaves it to us; ignoring is kinder).
+        # Unsubscribing what one does not hold is ignored: the protocol leaves it open, ignoring is
+        # kinder (docs/protocol.md "Packets").
         try:
             pattern = check_pattern(pattern, self.cred, self._prefix)
         except CredentialError:

@@ -3,7 +3,7 @@
     twistd -n sbus-msgbus --bus /run/sbus.socket [--port tcp:11111]
 
 Serves the protocol of msgbus (``shared/seeds/msgbus-README.md``) on a Twisted
-stream endpoint and joins it to an sbus bus (NOTES §8).
+stream endpoint and joins it to an sbus bus (docs/deploy.md "The msgbus gateway").
 
 The protocol, as served
 -----------------------

@@ -1,4 +1,4 @@
-"""``twistd sbus-relay``: a slave bus server below a master (NOTES §7).
+"""``twistd sbus-relay``: a slave bus server below a master (docs/relay-link.md).
 
     twistd -n sbus-relay --upstream /run/sbus.socket --socket /run/user/1000/sbus.socket
 
