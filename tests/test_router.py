@@ -453,3 +453,28 @@ def test_one_clients_many_matching_star_patterns_do_not_make_each_miss_expensive
     r.visited = 0
     assert r.match(b"a" * 300 + b"/" + b"a" * 300 + b"/x") == ("a",)
     assert r.visited < 5000, r.visited
+
+
+def test_holders_of_one_pattern_past_the_small_tuple_and_back():
+    """A pattern's holders are a tuple while few, then a dict: every step of growing past the
+    switch and shrinking back gives exactly the holders left, for both pattern endings."""
+    import random
+
+    r = Router()
+    clients = [f"c{i}" for i in range(20)]
+    for c in clients:
+        r.add_client(c, None)
+    for pattern, key in ((b"h/", b"h/x"), (b"h/x", b"h/x")):
+        held = []
+        for c in clients:
+            r.subscribe(c, pattern)
+            held.append(c)
+            r.clear_cache()
+            assert sorted(r.match(key)) == sorted(held)
+        order = clients[:]
+        random.Random(7).shuffle(order)
+        for c in order:
+            r.unsubscribe(c, pattern)
+            held.remove(c)
+            r.clear_cache()
+            assert sorted(r.match(key)) == sorted(held)

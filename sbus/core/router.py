@@ -93,11 +93,36 @@ class _Node:
         self.literal: dict[bytes, _Node] | None = None  # rest of a segment, no '*' -> next segment
         self.star: dict[bytes, _Node] | None = None  # piece before a '*' -> after that '*'
         self.lens: dict[int, int] | None = None  # big star tables: piece length -> how many pieces
-        self.end: dict | None = None  # clients whose pattern ends exactly here
-        self.tail: dict | None = None  # clients whose pattern ends here with '/'
+        self.end: tuple | dict | None = None  # clients whose pattern ends exactly here
+        self.tail: tuple | dict | None = None  # clients whose pattern ends here with '/'
 
     def empty(self) -> bool:
         return not (self.literal or self.star or self.end or self.tail)
+
+
+#: Holders of one pattern are a tuple while they are this few, then a dict: most patterns of a
+#: large subscription set have one holder, and a 1-tuple is 48 bytes where a dict is 184 or more.
+_FEW = 8
+
+
+def _hold(holders, client):
+    """`holders` (None, a tuple or a dict) with `client` added; the client is not in it yet."""
+    if holders is None:
+        return (client,)
+    if type(holders) is tuple:
+        if len(holders) < _FEW:
+            return holders + (client,)
+        holders = dict.fromkeys(holders)
+    holders[client] = None
+    return holders
+
+
+def _unhold(holders, client):
+    """`holders` without `client` (which is in it); None once nobody is left."""
+    if type(holders) is tuple:
+        return tuple([c for c in holders if c != client]) or None
+    del holders[client]
+    return holders or None
 
 
 def _compile(pattern: bytes) -> tuple[list[tuple[bool, bytes]], bool]:
@@ -531,13 +556,9 @@ class Router:
                     child = table[piece] = _Node()
             node = child
         if tail:
-            if node.tail is None:
-                node.tail = {}
-            node.tail[client] = None
+            node.tail = _hold(node.tail, client)
         else:
-            if node.end is None:
-                node.end = {}
-            node.end[client] = None
+            node.end = _hold(node.end, client)
 
     def _trie_remove(self, client, pattern: bytes) -> None:
         """Called when a client's last instance of `pattern` goes."""
@@ -551,13 +572,9 @@ class Router:
             path.append((node, is_star, piece))
             node = (node.star if is_star else node.literal)[piece]
         if tail:
-            del node.tail[client]
-            if not node.tail:
-                node.tail = None
+            node.tail = _unhold(node.tail, client)
         else:
-            del node.end[client]
-            if not node.end:
-                node.end = None
+            node.end = _unhold(node.end, client)
         for parent, is_star, piece in reversed(path):
             table = parent.star if is_star else parent.literal
             if not table[piece].empty():
