@@ -400,3 +400,16 @@ def test_cut_off_for_holding_too_long_goes_lossy_for_a_while(tmp_path):
     svc.lossy = True
     svc.disconnectNotice("stalled", "")
     assert len(svc.client.modes) == 2  # --lossy: nothing to change
+
+
+def test_what_was_published_before_the_stop_is_recorded(bus, start_recorder, tmp_path):
+    """Publish, sync, stop the recorder at once (SIGTERM): every message is in the recording.
+    Old code: the recorder left with what was still in its socket or in the bus's queue for it
+    unread, lost without a mark (the last rows were missing)."""
+    out = tmp_path / "rec"
+    rec = start_recorder(bus.address, out, "--roll-age", "60s")
+    n = 3000
+    publish_all(bus.address, [(b"stop/%d" % i, b"s" * 200) for i in range(n)])  # routed: synced
+    rec.stop()
+    keys = [r["key"] for r in read_recording(out) if not r["dropped"]]
+    assert keys[-1:] == [b"stop/%d" % (n - 1)] and len(keys) == n, (len(keys), keys[-1:])

@@ -65,6 +65,8 @@ from sbus.pipeline.schema import (
 from sbus.pipeline.units import parse_duration, parse_size
 
 log = Logger(namespace="sbus.record")
+#: Seconds the last round trip with the bus may take when the recorder stops (see `_lastSync`).
+STOP_SYNC = 5.0
 
 DEFAULT_QUEUE_BYTES = 64 << 20
 DEFAULT_REPORT_INTERVAL = 10.0
@@ -524,7 +526,8 @@ class RecordService(service.Service):
             self._loop.stop()
         if self._restore_call is not None and self._restore_call.active():
             self._restore_call.cancel()
-        d = self.client.stop() if self.client is not None else defer.succeed(None)
+        d = self._lastSync()
+        d.addBoth(lambda _: self.client.stop() if self.client is not None else None)
 
         def flush(_):
             if self.sink is None:
@@ -546,6 +549,26 @@ class RecordService(service.Service):
                          excl=rec.excluded, files=s.writer.files_published)
 
         return d.addBoth(flush).addCallback(done)
+
+
+    def _lastSync(self) -> defer.Deferred:
+        """Before leaving, one round trip with the bus: everything it routed to us before the stop
+        (in our socket, or in its queue for us) is read and recorded first, so that what was
+        published before the recorder was stopped is in the recording. Bounded by STOP_SYNC
+        seconds (a bus that does not answer, or a writer that stays full)."""
+        client = self.client
+        proto = client.protocol if client is not None and client.connected else None
+        if proto is None:
+            return defer.succeed(None)
+        d = proto.sync()
+        timer = self.reactor.callLater(STOP_SYNC, d.cancel)
+
+        def over(result):
+            if timer.active():
+                timer.cancel()
+            return None
+
+        return d.addBoth(over)
 
 
 class Options(usage.Options):
