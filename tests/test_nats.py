@@ -188,23 +188,26 @@ def drain(sock, until, timeout=TIMEOUT):
     return got
 
 
+def probe(p, s, key, what, timeout=TIMEOUT):
+    """Publish `key` on `p` until `s` has it (NATS interest spreads along the routes
+    asynchronously): an event to wait for, not a sleep."""
+    deadline = time.monotonic() + timeout
+    while True:
+        send(p, msg(key))
+        try:
+            drain(s, lambda g: any(k == key for k, _ in g), timeout=0.3)
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: no probe within {timeout}s") from None
+
+
 def warm_up(pubs, subs, tag, timeout=TIMEOUT):
-    """Publish probes from each bus until every other bus has one (NATS interest spreads
-    along the routes asynchronously): an event to wait for, not a sleep."""
+    """Probes from each bus until every other bus has one, then forget stray probes."""
     for i, p in enumerate(pubs):
         for j, s in enumerate(subs):
-            if i == j:
-                continue
-            key = f"t/probe/{tag}/{i}-{j}".encode()
-            deadline = time.monotonic() + timeout
-            while True:
-                send(p, msg(key))
-                try:
-                    drain(s, lambda g: any(k == key for k, _ in g), timeout=0.3)
-                    break
-                except AssertionError:
-                    if time.monotonic() > deadline:
-                        raise AssertionError(f"bus {i} -> bus {j}: no probe within {timeout}s")
+            if i != j:
+                probe(p, s, f"t/probe/{tag}/{i}-{j}".encode(), f"bus {i} -> bus {j}", timeout)
     for s in subs:   # forget stray probes
         s.settimeout(0)
         try:
@@ -263,15 +266,7 @@ def test_hostile_keys_round_trip_through_the_cluster(mesh):
 
 
 def warm_up_pair(p, s, tag, key=None):
-    key = key or f"t/probe/{tag}".encode()
-    deadline = time.monotonic() + TIMEOUT
-    while True:
-        send(p, msg(key))
-        try:
-            drain(s, lambda g: any(k == key for k, _ in g), timeout=0.3)
-            break
-        except AssertionError:
-            assert time.monotonic() < deadline, "no probe"
+    probe(p, s, key or f"t/probe/{tag}".encode(), tag)
     sync(s)
 
 
@@ -668,8 +663,20 @@ def test_interest_after_the_bus_is_killed_and_restarted(tmp_path):
         procs.append(bus)
         y.wait_re("bus: reconnected to ")
         wait_until(lambda: node.subscriptions() == [set()], "the dead bus's interest withdrawn")
+        assert "bus: reconnected to " in y.log() and node.subscriptions() == [set()]
         s = subscriber(bus, b"t/y/")
         wait_until(lambda: node.subscriptions() == [{"sbus.t.y.>"}], "the new bus's interest")
+        assert node.subscriptions() == [{"sbus.t.y.>"}]
+        # and traffic follows it: a NATS message reaches the new bus's subscriber, once
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            _publish_on_nats(url, "sbus.t.y.after-restart")
+            try:
+                got = drain(s, lambda g: g, timeout=0.5)
+                break
+            except AssertionError:
+                assert time.monotonic() < deadline, "nothing imported onto the restarted bus"
+        assert got[0] == (b"t/y/after-restart", b"in")
         s.close()
     finally:
         for pr in reversed(procs):
