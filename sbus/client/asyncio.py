@@ -64,6 +64,8 @@ class Client:
         #: `receive()` returns as `DropNotice`s), and its `server/disconnect` notice if any.
         self.dropped = 0
         self.disconnect_reason: codec.DisconnectNotice | None = None
+        # Ask for the server's notices (docs/protocol.md "Extensions"): a new socket's buffer has room.
+        sock.send(b"CMSG " + codec.EXTENSIONS)
         self._start_reading()
 
     # -- plumbing

@@ -104,6 +104,9 @@ class Client:
         self.dropped = 0
         #: The server's `server/disconnect` notice, once it has sent one.
         self.disconnect_reason: DisconnectNotice | None = None
+        # Ask for the server's notices (`server/dropped`, `server/disconnect`): a server that does not
+        # know the key ignores it (docs/protocol.md "Extensions").
+        sock.send(b"CMSG " + codec.EXTENSIONS)
 
     # -- plumbing
 
