@@ -54,3 +54,14 @@ def start_twistd_bus(tmp_path):
 def bus(start_bus):
     """One running server process; `.address` is its socket path."""
     return start_bus()
+
+
+@pytest.fixture(params=["batch", "pure"])
+def both_paths(request, start_bus, start_twistd_bus, monkeypatch):
+    """start(*twistd_options) -> a server on the batch transport (the accelerator, when built)
+    or on the pure-Python one: a test that takes this runs on both I/O paths."""
+    monkeypatch.setenv("SBUS_PURE_PYTHON", "1" if request.param == "pure" else "")
+
+    def start(*options):
+        return start_twistd_bus(*options) if options else start_bus()
+    return start

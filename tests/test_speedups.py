@@ -184,16 +184,6 @@ def test_pure_python_switch():
 # -- a real server, each transport path
 
 
-@pytest.fixture(params=["batch", "pure"])
-def mode_bus(request, start_bus, start_twistd_bus, monkeypatch):
-    """start(*twistd_options) -> a server using the batch path or the pure-Python one."""
-    monkeypatch.setenv("SBUS_PURE_PYTHON", "1" if request.param == "pure" else "")
-
-    def start(*options):
-        return start_twistd_bus(*options) if options else start_bus()
-    return start
-
-
 def _burst(sock, packets):
     """Send everything without reading, so the server finds it all waiting."""
     sock.setblocking(True)
@@ -201,8 +191,8 @@ def _burst(sock, packets):
         sock.send(p)
 
 
-def test_oversize_in_a_burst_delivers_what_came_before_and_nothing_after(mode_bus):
-    bus = mode_bus("--max-packet", "1000")
+def test_oversize_in_a_burst_delivers_what_came_before_and_nothing_after(both_paths):
+    bus = both_paths("--max-packet", "1000")
     key = unique("o/").encode()
     s = connect(bus.address)
     send(s, sub(key))
@@ -217,8 +207,8 @@ def test_oversize_in_a_burst_delivers_what_came_before_and_nothing_after(mode_bu
     assert st["disconnects"].get("oversize") == 1
 
 
-def test_empty_packet_in_a_burst_ends_the_connection_after_what_came_before(mode_bus):
-    bus = mode_bus()
+def test_empty_packet_in_a_burst_ends_the_connection_after_what_came_before(both_paths):
+    bus = both_paths()
     key = unique("e/").encode()
     s = connect(bus.address)
     send(s, sub(key))
@@ -231,10 +221,10 @@ def test_empty_packet_in_a_burst_ends_the_connection_after_what_came_before(mode
     assert sync(s) == []
 
 
-def test_block_mode_with_a_tiny_queue_keeps_order_per_publisher_and_drops_nothing(mode_bus):
+def test_block_mode_with_a_tiny_queue_keeps_order_per_publisher_and_drops_nothing(both_paths):
     # Two publishers burst into one blocking subscriber whose queue holds 4 packets: the batch
     # path must hold publishers back exactly like the pure path (no hard-limit drops).
-    bus = mode_bus("--queue-packets", "4")
+    bus = both_paths("--queue-packets", "4")
     key = unique("b/").encode()
     s = connect(bus.address)
     send(s, cmsg("blocking/soft/block"), sub(key))
@@ -259,8 +249,8 @@ def test_block_mode_with_a_tiny_queue_keeps_order_per_publisher_and_drops_nothin
     assert {r for r in st["disconnects"] if r != "closed"} == set()  # (twistd's readiness probe leaves)
 
 
-def test_soft_discard_counts_every_message_it_drops(mode_bus):
-    bus = mode_bus()
+def test_soft_discard_counts_every_message_it_drops(both_paths):
+    bus = both_paths()
     key = unique("d/").encode()
     s = connect(bus.address)
     send(s, cmsg("blocking/soft/discard"), sub(key))
