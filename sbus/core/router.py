@@ -197,6 +197,8 @@ class Router:
         self._holders: dict[bytes, int] = {}  # pattern -> how many clients hold it
         self._count = 0
         self._cache: dict[bytes, tuple] = {}
+        #: `cached(key)`: the cached answer for `key`, or None (the cache dict is never replaced).
+        self.cached = self._cache.get
         self._groups: dict[bytes, set] = {}  # first segment of a cached key -> cached keys
         self._shared: dict[tuple, list] = {}  # result -> [the shared tuple, entries using it]
         self._cached = 0  # estimated bytes held by the cache
@@ -314,6 +316,11 @@ class Router:
         hit = self._cache.get(key)
         if hit is not None:
             return hit
+        return self._miss(key)
+
+    def miss(self, key: bytes) -> tuple:
+        """`match` for a key `cached` did not know: the walk of the trie (the costly part, which
+        the broker times and charges to the publisher's uid)."""
         return self._miss(key)
 
     def _miss(self, key: bytes) -> tuple:

@@ -17,12 +17,14 @@ import os
 import select
 import time
 from collections import Counter
+from time import perf_counter
 
 from twisted.internet import protocol
 from twisted.logger import Logger
 from zope.interface import implementer
 
 from sbus.core import codec, flood
+from sbus.core.accounting import UserCharge
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key, check_pattern, secret_prefix, whoami
 from sbus.core.interest import InterestTable
 from sbus.core.pausing import HoldBudget, Holds, Pauses
@@ -85,7 +87,7 @@ class BrokerProtocol(protocol.Protocol):
         "factory", "cred", "label", "echo", "packets_in", "bytes_in", "drops",
         "pauses", "holds", "whoami_reply", "reason", "subscriptions", "subscription_bytes",
         "_stall", "_budget",
-        "owner", "_match", "_prefix", "_secret_root",
+        "owner", "_cached", "_miss", "_prefix", "_secret_root", "charge", "_workWait",
         "dropped", "_dropFirst", "_dropLast", "_queuedSinceNotice",
         "_replyHeld", "statsWanted", "_watching", "outbox", "dirty", "extensions", "_waitingReplies",
     )
@@ -113,7 +115,12 @@ class BrokerProtocol(protocol.Protocol):
         self._budget: HoldBudget | None = None  # made at the first hold: idle clients pin none
         #: The process that connected; None if it could not be proven alive at connect.
         self.owner: Owner | None = None
-        self._match = factory.router.match
+        self._cached = factory.router.cached
+        self._miss = factory.router.miss
+        #: Its uid's `UserCharge` (set when it connects), and while it waits for its uid's
+        #: routing work to be earned back, the call that ends the wait.
+        self.charge: UserCharge | None = None
+        self._workWait = None
         self._prefix = factory.config.cred_prefix
         self._secret_root = self._prefix + SECRET_ROOT
         #: Drops not yet told to the client (`server/dropped`, only to a client that asked for
@@ -140,6 +147,12 @@ class BrokerProtocol(protocol.Protocol):
     def __repr__(self):
         return f"<client {self.label}>"
 
+    def repricePattern(self, delta: int) -> None:
+        """One stored pattern's cost changed by `delta` bytes (a relay moved it to a new prefix)."""
+        self.subscription_bytes += delta
+        if self.charge is not None:
+            self.charge.subscription_bytes += delta
+
     def setCredPrefix(self, prefix: bytes) -> None:
         """This bus's credential prefix changed (a relay renamed on its master): whoami answers
         and secret keys follow it."""
@@ -155,6 +168,9 @@ class BrokerProtocol(protocol.Protocol):
         self.factory.clientConnected(self)
 
     def connectionLost(self, reason=None):
+        wait, self._workWait = self._workWait, None
+        if wait is not None and wait.active():
+            wait.cancel()
         self._releaseFeeders()
         if self.owner is not None:
             self.owner.close()
@@ -180,7 +196,12 @@ class BrokerProtocol(protocol.Protocol):
                 if key.startswith(self._secret_root):
                     self.factory.deliverSecret(packet, key, self)
                     return None
-            for client in self._match(key):
+            clients = self._cached(key)
+            if clients is None:
+                t0 = perf_counter()
+                clients = self._miss(key)
+                self.spent(perf_counter() - t0)
+            for client in clients:
                 if client is self and not self.echo:
                     continue
                 client.deliver(packet, self, key)
@@ -196,11 +217,30 @@ class BrokerProtocol(protocol.Protocol):
             handler = _CONTROL.get(key)
             if handler is not None:
                 handler(self)
-        elif kind == codec.SUB:
-            self.subscribe(key)
         else:
-            self.unsubscribe(key)
+            t0 = perf_counter()
+            if kind == codec.SUB:
+                self.subscribe(key)
+            else:
+                self.unsubscribe(key)
+            self.spent(perf_counter() - t0)
         return None
+
+    def spent(self, seconds: float) -> None:
+        """Charge reactor time this client's request took (routing a key the cache did not know,
+        a SUB or UNSUB) to its uid. While other uids are connected, a uid past its share
+        (`sbus.core.accounting.WORK_SHARE`) is not read until it has earned the time back."""
+        factory = self.factory
+        if len(factory.users) < 2 or self.charge is None:
+            return
+        wait = self.charge.work.spend(seconds, factory.reactor.seconds())
+        if wait > 0 and self._workWait is None and not self.transport.disconnecting:
+            self.pauses.hold()
+            self._workWait = factory.reactor.callLater(wait, self._workEarned)
+
+    def _workEarned(self) -> None:
+        self._workWait = None
+        self.pauses.release()
 
     def packetTooLarge(self, size: int):
         self.misbehaved(OVERSIZE, f"packet of {size} bytes exceeds the {self.factory.config.max_packet}-byte limit")
@@ -422,12 +462,12 @@ class BrokerProtocol(protocol.Protocol):
         for have, limit, what in (
             (self.subscriptions + 1, config.max_subscriptions, "subscriptions per client"),
             (self.subscription_bytes + cost, config.max_subscription_bytes, "subscription bytes per client"),
-            (factory.uid_subscriptions[uid] + 1, config.max_uid_subscriptions, f"subscriptions for uid {uid}"),
-            (factory.uid_subscription_bytes[uid] + cost, config.max_uid_subscription_bytes,
-             f"subscription bytes for uid {uid}"),
         ):
             if have > limit:
                 return self.misbehaved(TOO_MANY_SUBSCRIPTIONS, f"over the limit of {limit} {what}")
+        refusal = self.charge.pattern_refusal(cost, config.max_uid_subscriptions, config.max_uid_subscription_bytes)
+        if refusal is not None:
+            return self.misbehaved(TOO_MANY_SUBSCRIPTIONS, refusal)
         admit = getattr(factory.upstream, "admitPattern", None)  # a relay: its quota on the master
         if admit is not None:
             refusal = admit(self, pattern, cost, segments)
@@ -435,8 +475,7 @@ class BrokerProtocol(protocol.Protocol):
                 return self.misbehaved(TOO_MANY_SUBSCRIPTIONS, refusal)
         self.subscriptions += 1
         self.subscription_bytes += cost
-        factory.uid_subscriptions[uid] += 1
-        factory.uid_subscription_bytes[uid] += cost
+        self.charge.charge_pattern(cost)
         if factory.router.subscribe(self, pattern):
             upstream = factory.upstream
             if upstream is not None:
@@ -458,8 +497,7 @@ class BrokerProtocol(protocol.Protocol):
         cost = len(pattern) + SEGMENT_COST * (pattern.count(b"/") + pattern.count(b"*") + 1)  # as in subscribe
         self.subscriptions -= 1
         self.subscription_bytes -= cost
-        self.factory.uid_subscriptions[self.cred.uid] -= 1
-        self.factory.uid_subscription_bytes[self.cred.uid] -= cost
+        self.charge.release_patterns(1, cost)
         if held:
             upstream = self.factory.upstream
             if upstream is not None:
@@ -747,12 +785,10 @@ class BrokerFactory(protocol.Factory):
         self.uid_drops: dict[int, Counter] = {}
         self.uid_disconnects: dict[int, Counter] = {}
         self.refused = Counter()
-        self.uid_connections = Counter()
-        self.uid_subscriptions = Counter()
-        self.uid_subscription_bytes = Counter()
-        # Memory bounds on queued bytes: one budget per uid, all under the server's.
+        # Memory bound on queued bytes for the whole server; each uid's `UserCharge` holds its own
+        # budget under it, and its connections, patterns and routing work.
         self.queue_budget = flood.Budget(self.config.max_queue_bytes)
-        self.uid_queue_budgets: dict[int, flood.Budget] = {}
+        self.users: dict[int, UserCharge] = {}
         # Per uid other than root and ours: how long its clients may still hold publishers.
         self.uid_hold_budgets: dict[int, HoldBudget] = {}
         # `server/stats`: when the next rendering may start, and who waits for it.
@@ -784,7 +820,8 @@ class BrokerFactory(protocol.Factory):
             log.warn("refused connection from pid={pid} uid={uid}: user not allowed", pid=cred.pid, uid=cred.uid)
             return None
         limit = self.config.max_uid_connections
-        if self.uid_connections[cred.uid] >= limit:
+        user = self.users.get(cred.uid)
+        if user is not None and user.connections >= limit:
             self.refused["too_many_connections"] += 1
             log.warn("refused connection from pid={pid} uid={uid}: uid has {n} connections, the limit",
                      pid=cred.pid, uid=cred.uid, n=limit)
@@ -811,13 +848,14 @@ class BrokerFactory(protocol.Factory):
         uid = client.cred.uid
         self.clients.add(client)
         self.uid_clients.setdefault(uid, set()).add(client)
-        self.uid_connections[uid] += 1
         self.had_client = True
-        budget = self.uid_queue_budgets.get(uid)
-        if budget is None:
-            budget = self.uid_queue_budgets[uid] = flood.Budget(self.config.max_uid_queue_bytes,
-                                                                self.queue_budget)
-        client.outbox.set_budget(budget)
+        user = self.users.get(uid)
+        if user is None:
+            user = self.users[uid] = UserCharge(uid, self.config.max_uid_queue_bytes, self.queue_budget,
+                                                self.reactor.seconds())
+        user.connections += 1
+        client.charge = user
+        client.outbox.set_budget(user.queue)
         alive = client.watchOwner()
         self.router.add_client(client, secret_prefix(self.config.cred_prefix, client.cred) if alive else None)
         log.info("client connected: {client}", client=client.label)
@@ -847,14 +885,12 @@ class BrokerFactory(protocol.Factory):
             mine.discard(client)
             if not mine:
                 del self.uid_clients[uid]
-        for counts, n in ((self.uid_connections, 1), (self.uid_subscriptions, client.subscriptions),
-                          (self.uid_subscription_bytes, client.subscription_bytes)):
-            counts[uid] -= n
-            if counts[uid] <= 0:
-                del counts[uid]
-        budget = self.uid_queue_budgets.get(uid)
-        if budget is not None and uid not in self.uid_clients and budget.used <= 0:
-            del self.uid_queue_budgets[uid]
+        user = client.charge
+        if user is not None:
+            user.connections -= 1
+            user.release_patterns(client.subscriptions, client.subscription_bytes)
+            if user.idle() and self.users.get(uid) is user:
+                del self.users[uid]
         t = client.transport
         gone = self.uid_gone.setdefault(uid, Counter())
         gone["packets_in"] += client.packets_in
@@ -998,8 +1034,8 @@ class BrokerFactory(protocol.Factory):
                 "drops": dict(c.drops or {}),
             })
         if private:
-            budget = self.uid_queue_budgets.get(viewer_uid)
-            queued = budget.used if budget is not None else 0
+            user = self.users.get(viewer_uid)
+            queued = user.queue.used if user is not None else 0
         else:
             queued = self.queue_budget.used
         result = {

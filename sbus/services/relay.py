@@ -358,9 +358,11 @@ class Relay(service.Service):
             return f"pattern of {segments} segments: the master takes at most {seg_limit}"
         factory = self.factory
         uid = client.cred.uid
-        users = len(factory.uid_subscriptions) + (0 if factory.uid_subscriptions.get(uid) else 1)
+        holding = {u for u, charge in factory.users.items() if charge.subscriptions}
+        users = len(holding | {uid})
         share_n, share_b = n_budget // max(2, users), b_budget // max(2, users)
-        have_n, have_b = factory.uid_subscriptions.get(uid, 0), factory.uid_subscription_bytes.get(uid, 0)
+        charge = factory.users.get(uid)
+        have_n, have_b = (charge.subscriptions, charge.subscription_bytes) if charge is not None else (0, 0)
         why = None
         if self.held_up + 1 > n_budget or self.held_up_bytes + cost > b_budget:
             why = (f"the relay holds {self.held_up} of the {n_budget} patterns its master allows it "
@@ -414,8 +416,7 @@ class Relay(service.Service):
                         break
                     router.subscribe(client, new)
                     moved += 1
-                    client.subscription_bytes += delta
-                    factory.uid_subscription_bytes[cred.uid] += delta
+                    client.repricePattern(delta)
                 interest = factory.interest
                 if interest is not None:  # watchers of server/interest see the move
                     factory.tellInterest(interest.released(client, factory.interestForm(pattern)))

@@ -1,0 +1,80 @@
+"""What one user (uid) holds and spends on a bus, in one object (no Twisted here).
+
+dbus-broker charges every peer's bytes, fds and objects to its user (`UserCharge`) and
+releases them when the peer goes; sbus does the same. A `UserCharge` carries, for one uid:
+its connections, its stored patterns and what they cost, the bytes its clients' queues
+hold (`queue`, a `sbus.core.flood.Budget` under the server's), and the reactor time its
+clients' routing work takes (`work`). The broker charges here when a client connects,
+subscribes or makes the router work, and releases here when it unsubscribes or leaves, so
+no uid can take the memory or the time of everyone.
+"""
+
+from __future__ import annotations
+
+from sbus.core.flood import Budget
+
+__all__ = ["UserCharge", "WorkBudget", "WORK_SHARE", "WORK_BURST"]
+
+#: The share of the reactor's time one uid's routing work (cache misses, SUB/UNSUB) may take
+#: while other uids are connected: whatever it sends, another uid keeps well over half its rate.
+WORK_SHARE = 0.3
+#: Seconds of such work a uid may spend at once before its share applies.
+WORK_BURST = 0.2
+
+
+class WorkBudget:
+    """Seconds of reactor time a uid may spend: `share` earned per second, up to `burst`."""
+
+    __slots__ = ("share", "burst", "credit", "since")
+
+    def __init__(self, now: float, share: float = WORK_SHARE, burst: float = WORK_BURST):
+        self.share = share
+        self.burst = burst
+        self.credit = burst
+        self.since = now
+
+    def spend(self, seconds: float, now: float) -> float:
+        """Charge `seconds` of work; return how long the uid must now wait (0: not at all)."""
+        credit = min(self.burst, self.credit + (now - self.since) * self.share) - seconds
+        self.credit = credit
+        self.since = now
+        return 0.0 if credit >= 0 else -credit / self.share
+
+
+class UserCharge:
+    """One uid's connections, patterns, queued bytes and routing work."""
+
+    __slots__ = ("uid", "connections", "subscriptions", "subscription_bytes", "queue", "work")
+
+    def __init__(self, uid: int, queue_limit: int, server_queue: Budget, now: float):
+        self.uid = uid
+        self.connections = 0
+        self.subscriptions = 0
+        self.subscription_bytes = 0
+        #: Bytes queued for this uid's clients, under the server's budget.
+        self.queue = Budget(queue_limit, server_queue)
+        self.work = WorkBudget(now)
+
+    def pattern_refusal(self, cost: int, max_subscriptions: int, max_bytes: int) -> str | None:
+        """Why one more pattern of `cost` would be over this uid's limits, or None."""
+        if self.subscriptions + 1 > max_subscriptions:
+            return f"over the limit of {max_subscriptions} subscriptions for uid {self.uid}"
+        if self.subscription_bytes + cost > max_bytes:
+            return f"over the limit of {max_bytes} subscription bytes for uid {self.uid}"
+        return None
+
+    def charge_pattern(self, cost: int) -> None:
+        self.subscriptions += 1
+        self.subscription_bytes += cost
+
+    def release_patterns(self, n: int, cost: int) -> None:
+        self.subscriptions -= n
+        self.subscription_bytes -= cost
+
+    def idle(self) -> bool:
+        """Nothing charged: no connection, nothing queued (the object may go)."""
+        return self.connections <= 0 and self.queue.used <= 0
+
+    def __repr__(self):
+        return (f"<UserCharge uid={self.uid} conns={self.connections} subs={self.subscriptions} "
+                f"queued={self.queue.used}>")
