@@ -26,8 +26,9 @@
             or without -r, a live server's socket never
 -h          this help on standard output, status 0 (an extension)
 
-Options parse like getopt(3) (``-fr``, ``-aPATH``, ``--``). Errors are one
-line ``sbusd: ...`` on standard error and status 1.
+Options parse like getopt(3) (``-fr``, ``-aPATH``, ``--``; ``--help`` is ``-h``).
+Errors are one line ``sbusd: ...`` on standard error and status 1; a wrong
+command line is that line (what was wrong) followed by the usage line.
 
 The socket is opened, bound and listening in the original process before
 anything else, so address errors reach the user, and Twisted is imported
@@ -46,9 +47,9 @@ from typing import NoReturn
 from sbus.server.address import AddressError, Listener, open_listener
 
 PROG = "sbusd"
-USAGE = f"usage: {PROG} [-a address] [-f | -p pidfile] [-u user] ... [-cgor]"
+USAGE = f"usage: {PROG} [-a address] [-f | -p pidfile] [-u user] ... [-l logfile] [-cghor]"
 HELP = f"""\
-usage: {PROG} [-a address] [-f | -p pidfile] [-u user] ... [-l logfile] [-cghor]
+{USAGE}
 
 The sbus message bus server (a drop-in for the reference C sbusd).
 
@@ -72,7 +73,8 @@ The sbus message bus server (a drop-in for the reference C sbusd).
               nobody listens on is removed anyway; a live server's, never)
   -h          show this help and exit
 
-Errors are one line on standard error and status 1.
+Errors are one line on standard error and status 1 (a wrong command line: that
+line, then the usage line).
 """
 DEFAULT_ADDRESS = "/run/sbus.socket"
 DEFAULT_PIDFILE = "/run/sbus.pid"
@@ -139,9 +141,10 @@ def _syslog_observer():
 
 
 
-def _usage() -> NoReturn:
+def _usage(problem: str) -> NoReturn:
+    """What was wrong, then the usage line; status 1."""
     try:
-        sys.stderr.write(USAGE + "\n")
+        sys.stderr.write(f"{PROG}: {problem}\n{USAGE}\n")
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
@@ -187,11 +190,16 @@ class Args:
 def parse_args(argv: list[str]) -> Args:
     """Parse the command line; bad usage prints the usage line and exits 1."""
     try:
-        opts, rest = getopt.getopt(argv, "a:cfghl:op:ru:")
-    except getopt.GetoptError:
-        _usage()
+        opts, rest = getopt.getopt(argv, "a:cfghl:op:ru:", ["help"])
+    except getopt.GetoptError as e:
+        if e.opt and not e.msg.startswith("option --"):
+            what = f"option -{e.opt} needs an argument" if "requires argument" in e.msg else \
+                f"unknown option -{e.opt}"
+        else:
+            what = f"unknown option --{e.opt}" if e.opt else e.msg
+        _usage(what)
     if rest:
-        _usage()
+        _usage(f"unexpected argument {rest[0]!r} (options only)")
     args = Args()
     for opt, val in opts:
         if opt == "-a":
@@ -202,7 +210,7 @@ def parse_args(argv: list[str]) -> Args:
             args.foreground = True
         elif opt == "-g":
             args.mode |= 0o070
-        elif opt == "-h":
+        elif opt in ("-h", "--help"):
             try:
                 sys.stdout.write(HELP)
                 sys.stdout.flush()
