@@ -122,6 +122,7 @@ from twisted.python import usage
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from sbus.options import MISSING_BUS_HELP
 from sbus.options import positive_int
 from sbus.services.access import BusAccess, endpoint_kind, peer_uid, server_endpoint
 from sbus.services.shutdown import exit_zero_on_sigterm
@@ -764,7 +765,7 @@ class Options(usage.Options):
     )
     optParameters = [
         ["bus", "b", None, "Bus address (path, /dev/unix/abstract/HEX, /dev/fd/N); "
-                           "default $SBUS_SOCKET, then ./sbus.socket."],
+                           "default $SBUS_SOCKET, else /run/sbus.socket. " + MISSING_BUS_HELP],
         ["port", "p", DEFAULT_PORT, "Twisted server endpoint string for msgbus clients."],
         ["max-packet", None, str(MAX_PACKET), "The bus's packet limit, bytes."],
         ["max-message", None, None, "Largest message a client may send, bytes (default: what "
