@@ -2,7 +2,8 @@
 
     usage: sbusd [-a address] [-f | -p pidfile] [-u user] ... [-l logfile] [-cghor]
 
--a ADDRESS  a path (default /run/sbus.socket), /dev/fd/N, /dev/unix/abstract
+-a ADDRESS  a path (default $SBUS_SOCKET, else /run/sbus.socket, the address
+            clients use by default), /dev/fd/N, /dev/unix/abstract
             (random; printed on standard output), /dev/unix/abstract/HEX, or
             systemd (socket activation; an extension): see sbus.server.address
 -f          foreground: standard input and output are closed once the socket
@@ -44,6 +45,7 @@ import signal
 import sys
 from typing import NoReturn
 
+from sbus.address import DEFAULT_ADDRESS, default_address  # noqa: F401  (DEFAULT_ADDRESS: re-exported)
 from sbus.server.address import AddressError, Listener, open_listener
 
 PROG = "sbusd"
@@ -53,7 +55,8 @@ HELP = f"""\
 
 The sbus message bus server (a drop-in for the reference C sbusd).
 
-  -a ADDRESS  where to listen (default /run/sbus.socket): a path,
+  -a ADDRESS  where to listen (default $SBUS_SOCKET, else /run/sbus.socket: where
+              clients look by default): a path,
               /dev/unix/abstract (a random abstract address, printed on standard
               output), /dev/unix/abstract/HEX, /dev/fd/N (an inherited socket) or
               systemd (socket activation)
@@ -76,7 +79,6 @@ The sbus message bus server (a drop-in for the reference C sbusd).
 Errors are one line on standard error and status 1 (a wrong command line: that
 line, then the usage line).
 """
-DEFAULT_ADDRESS = "/run/sbus.socket"
 DEFAULT_PIDFILE = "/run/sbus.pid"
 
 
@@ -172,7 +174,7 @@ def resolve_user(text: str) -> int:
 
 class Args:
     def __init__(self):
-        self.address = DEFAULT_ADDRESS
+        self.address = default_address()
         self.pidfile: str | None = DEFAULT_PIDFILE
         self.foreground = False
         self.auto_close = False
