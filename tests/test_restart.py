@@ -155,3 +155,24 @@ def test_help_says_what_a_missing_bus_does(name):
                        timeout=SERVICE_TIMEOUT * 3)
     text = " ".join(r.stdout.decode().split())
     assert r.returncode == 0 and "named once in the log, with its full path" in text, text[-600:]
+
+
+def test_sbus_link_port_taken_is_fatal_once_the_bus_answers(tmp_path, start_bus):
+    """The --listen port opens only with a bus; if someone else holds it then: one line, exit 1
+    (a link running without its port would look served)."""
+    bus = start_bus()
+    key = tmp_path / "k"
+    key.write_text(os.urandom(16).hex())
+    key.chmod(0o600)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        r = subprocess.run(TWISTD + ["--pidfile=", "sbus-link", "--bus", bus.address, "--listen",
+                                     f"tcp:{port}:interface=127.0.0.1", "--key-file", str(key)],
+                           cwd=tmp_path, env=child_env(), capture_output=True, timeout=SERVICE_TIMEOUT * 3,
+                           stdin=subprocess.DEVNULL)
+    out = r.stdout.decode() + r.stderr.decode()
+    assert r.returncode == 1, out[-2000:]
+    assert out.index("connected to bus") < out.index(f"cannot listen on tcp:{port}"), out[-2000:]
+    assert out.count("cannot listen on") == 1 and "Traceback" not in out, out[-2000:]
