@@ -114,7 +114,7 @@ def sockaddr(text: str) -> str | bytes:
     raise AddressError(f"{text}: not an address a client can connect to")
 
 
-#: Kernel bookkeeping per SEQPACKET packet on top of the payload (DESIGN.md: 32 bytes; keep room).
+#: Kernel bookkeeping per SEQPACKET packet on top of the payload (about 32 bytes; keep room).
 _SKB_OVERHEAD = 32 * 1024
 _UCRED = struct.Struct("3i")
 

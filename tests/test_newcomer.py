@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -202,3 +203,13 @@ def test_make_run_leaves_no_pid_file_and_starts_again(tmp_path):
 def test_make_run_says_where_clients_find_the_bus():
     plan = _make_plan("run")
     assert "export SBUS_SOCKET=" + os.path.join(REPO, "sbus.socket") in plan, plan
+
+
+def test_sources_cite_nothing_outside_the_repository():
+    """A module's text points at docs/ (shipped with it), never at files only the authors have."""
+    bad = []
+    for path in sorted(Path(REPO, "sbus").rglob("*.py")):
+        text = path.read_text()
+        if re.search(r"shared/(seeds|spec|tools)|\.\./shared|NOTES\.md|DESIGN\.md|STYLE\.md", text):
+            bad.append(str(path.relative_to(REPO)))
+    assert not bad, bad
