@@ -176,3 +176,26 @@ def test_sbus_link_port_taken_is_fatal_once_the_bus_answers(tmp_path, start_bus)
     assert r.returncode == 1, out[-2000:]
     assert out.index("connected to bus") < out.index(f"cannot listen on tcp:{port}"), out[-2000:]
     assert out.count("cannot listen on") == 1 and "Traceback" not in out, out[-2000:]
+
+
+def test_a_planted_symlink_at_a_service_socket_path_is_left_alone(tmp_path, start_bus):
+    """Only a socket nobody answers on is removed: a symlink (to a file, or to a dead socket) at
+    the --port path is an error, and neither it nor its target is touched."""
+    bus = start_bus()
+    target = tmp_path / "precious"
+    target.write_text("data")
+    dead = tmp_path / "dead.socket"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.bind(str(dead))
+    s.close()
+    for victim in (target, dead):
+        link = tmp_path / "gw.socket"
+        link.symlink_to(victim)
+        r = subprocess.run(TWISTD + ["--pidfile=", "sbus-msgbus", "--bus", bus.address, "--port", "unix:gw.socket"],
+                           cwd=tmp_path, env=child_env(), capture_output=True, timeout=SERVICE_TIMEOUT * 3,
+                           stdin=subprocess.DEVNULL)
+        out = r.stdout.decode() + r.stderr.decode()
+        assert r.returncode != 0 and "cannot listen on unix:gw.socket" in out, out[-1500:]
+        assert link.is_symlink() and victim.exists() and STALE not in out
+        link.unlink()
+    assert target.read_text() == "data"
