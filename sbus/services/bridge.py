@@ -101,12 +101,12 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python import usage
 
-from sbus.options import MISSING_BUS_HELP
 from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, ProtocolError
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key
 from sbus.core.patterns import matches
 from sbus.core.topology import RESERVED as TOPOLOGY
+from sbus.options import MISSING_BUS_HELP
 from sbus.services.safeconnect import OwnerConnector, parse_user
 from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
 from sbus.services.spanning import Tree, default_name, hello_packet, send_urgent

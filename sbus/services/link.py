@@ -95,8 +95,7 @@ from twisted.protocols.basic import Int32StringReceiver
 from twisted.protocols.policies import TimeoutMixin
 from twisted.python import usage
 
-from sbus.options import MISSING_BUS_HELP
-from sbus.options import positive_float
+from sbus.options import MISSING_BUS_HELP, positive_float
 from twisted.python.filepath import FilePath
 from zope.interface import implementer
 

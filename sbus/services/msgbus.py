@@ -122,8 +122,7 @@ from twisted.python import usage
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from sbus.options import MISSING_BUS_HELP
-from sbus.options import positive_int
+from sbus.options import MISSING_BUS_HELP, positive_int
 from sbus.services.access import BusAccess, endpoint_kind, peer_uid, server_endpoint
 from sbus.services.shutdown import exit_zero_on_sigterm
 

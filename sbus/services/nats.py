@@ -85,7 +85,6 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python import usage
 
-from sbus.options import MISSING_BUS_HELP
 from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, ProtocolError
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key
@@ -93,6 +92,7 @@ from sbus.core.natsmap import (MappingError, check_prefix, key_to_subject, patte
                                subject_covers, subject_matches, subject_meet, subject_to_key,
                                subjects_overlap)
 from sbus.core.patterns import matches
+from sbus.options import MISSING_BUS_HELP
 from sbus.services.shutdown import exit_zero_on_sigterm
 
 log = Logger(namespace="sbus.nats")

@@ -50,10 +50,10 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python import usage
 
-from sbus.options import MISSING_BUS_HELP
 from sbus.core import codec
 from sbus.core.credentials import SECRET_ROOT
 from sbus.core.patterns import matches
+from sbus.options import MISSING_BUS_HELP
 from sbus.pipeline.schema import (
     DEFAULT_ROLL_AGE,
     DEFAULT_ROLL_BYTES,

@@ -52,13 +52,13 @@ from twisted.logger import Logger
 from twisted.python import usage
 from zope.interface import implementer
 
-from sbus.options import MISSING_BUS_HELP
 from sbus.client import address as client_address
 from sbus.client.twisted import ReconnectingClient, SbusProtocol, parse_whoami
 from sbus.core.credentials import SECRET_ROOT, secret_prefix, whoami
 from sbus.core.pausing import Holds, Pauses
 from sbus.core.topology import CHANGE_KEY
 from sbus.interfaces import IUpstream
+from sbus.options import MISSING_BUS_HELP
 from sbus.server import tap
 from sbus.server.config import ServerConfig
 
