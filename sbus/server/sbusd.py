@@ -56,9 +56,9 @@ HELP = f"""\
 The sbus message bus server (a drop-in for the reference C sbusd).
 
   -a ADDRESS  where to listen (default $SBUS_SOCKET, else /run/sbus.socket: where
-              clients look by default): a path,
-              /dev/unix/abstract (a random abstract address, printed on standard
-              output), /dev/unix/abstract/HEX, /dev/fd/N (an inherited socket) or
+              clients look by default): a path, /dev/unix/abstract (a random
+              abstract address, printed on standard output),
+              /dev/unix/abstract/HEX, /dev/fd/N (an inherited socket) or
               systemd (socket activation)
   -f          stay in the foreground; standard output closes when ready; SIGINT,
               SIGTERM or SIGHUP stop it (status 0, socket file removed)
