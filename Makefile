@@ -24,16 +24,23 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# pip shows each package it collects: the first install of the test dependencies (Spark,
+# Arrow: about 900 MB) takes minutes, and a silent terminal looks hung.
 $(VENV)/.installed: setup.py pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e .
+	@echo "make: installing sbus into $(VENV) (the first time: a minute or so)"
+	$(BIN)/pip install -e .
 	touch $@
 
 $(VENV)/.test-installed: setup.py pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[test]'
+	@echo "make: installing sbus and the test dependencies into $(VENV) (the first time: about 900 MB, a few minutes)"
+	$(BIN)/pip install -e '.[test]'
 	touch $@
 
+# No pid file (--pidfile=): nothing left in the clone, and a second `make run` is refused only
+# while the first still serves ("another server is listening on sbus.socket").
 run: $(VENV)/.installed
-	$(BIN)/twistd -n sbus --socket $(SOCKET)
+	@echo "make: serving $(abspath $(SOCKET)); in another terminal: export SBUS_SOCKET=$(abspath $(SOCKET))"
+	$(BIN)/twistd -n --pidfile= sbus --socket $(SOCKET)
 
 test: $(VENV)/.test-installed
 	$(BIN)/pytest $(PYTEST_ARGS)

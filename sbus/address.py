@@ -32,6 +32,19 @@ _INT_MAX = 2**31 - 1
 _HEX = frozenset("0123456789abcdefABCDEF")
 
 
+#: The environment variable that names the bus: for the servers (``sbusd``, ``twistd sbus``) where
+#: to listen, for clients and services where to connect, when no address is given.
+ENV_VAR = "SBUS_SOCKET"
+#: Without one and without ``$SBUS_SOCKET``: the reference server's default, for both sides.
+DEFAULT_ADDRESS = "/run/sbus.socket"
+
+
+def default_address(environ=None) -> str:
+    """The bus when no address is given: ``$SBUS_SOCKET``, else ``/run/sbus.socket``."""
+    env = os.environ if environ is None else environ
+    return env.get(ENV_VAR) or DEFAULT_ADDRESS
+
+
 class AddressError(ValueError):
     """A bad address or a socket that cannot be opened; ``str()`` is one line."""
 
@@ -101,7 +114,7 @@ def sockaddr(text: str) -> str | bytes:
     raise AddressError(f"{text}: not an address a client can connect to")
 
 
-#: Kernel bookkeeping per SEQPACKET packet on top of the payload (DESIGN.md: 32 bytes; keep room).
+#: Kernel bookkeeping per SEQPACKET packet on top of the payload (about 32 bytes; keep room).
 _SKB_OVERHEAD = 32 * 1024
 _UCRED = struct.Struct("3i")
 

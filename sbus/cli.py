@@ -7,7 +7,7 @@
     sbus ping                      round trips through the bus
     sbus top                       a live view of the bus (sbus/top.py)
 
-The bus is `--socket ADDRESS`, else ``$SBUS_SOCKET``, else ``sbus.socket`` in
+The bus is `--socket ADDRESS`, else ``$SBUS_SOCKET``, else ``/run/sbus.socket`` (where the server listens by default) in
 the working directory. Errors are one line on stderr (``sbus: ...``) and a
 non-zero exit status (2 for a usage error: every number is checked when the
 command line is parsed); Ctrl-C exits with 130 and no traceback.
@@ -35,7 +35,7 @@ import tempfile
 import time
 import unicodedata
 
-from sbus.core.codec import DropNotice, Message, ProtocolError
+from sbus.core.codec import MAX_PACKET, DropNotice, Message, ProtocolError
 
 from .client.address import ABSTRACT_PREFIX, AddressError, resolve
 from .client.blocking import Client, ConnectionClosed, PacketTooLarge
@@ -129,24 +129,41 @@ def _stdin_is_data() -> bool:
     return stat.S_ISFIFO(mode) or stat.S_ISREG(mode) or stat.S_ISSOCK(mode)
 
 
-def _payloads(args):
-    """Yield the payloads to publish, in order."""
+def _too_large(what: str, limit: int) -> CliError:
+    return CliError(f"message too large: {what} holds more than {limit} bytes, the most one message "
+                    f"on this key can carry (the bus's {MAX_PACKET}-byte packet less 'MSG KEY\\0')")
+
+
+def _payloads(args, key: bytes):
+    """Yield the payloads to publish, in order. Never reads more than one message can carry
+    plus one byte: `yes | sbus pub k --whole` is an error at once, not a few GB later."""
+    limit = MAX_PACKET - len(b"MSG \0") - len(key)
     stdin = args.message == "-" or (args.message is None and args.file is None and _stdin_is_data())
     if args.file is not None:
         if args.message is not None:
             raise CliError("give either MESSAGE or --file, not both", 2)
         try:
             with open(args.file, "rb") as f:
-                yield f.read()
+                data = f.read(limit + 1)
         except OSError as e:
             raise CliError(f"{args.file}: {e.strerror}") from None
+        if len(data) > limit:
+            raise _too_large(args.file, limit)
+        yield data
     elif stdin:
         data = sys.stdin.buffer
         if args.whole:
-            yield data.read()
+            whole = data.read(limit + 1)
+            if len(whole) > limit:
+                raise _too_large("standard input", limit)
+            yield whole
         else:
-            for line in data:
-                yield line[:-1] if line.endswith(b"\n") else line
+            while line := data.readline(limit + 2):  # the message, its newline, one more
+                if line.endswith(b"\n"):
+                    line = line[:-1]
+                if len(line) > limit:
+                    raise _too_large("a line of standard input", limit)
+                yield line
     elif args.message is not None:
         yield os.fsencode(args.message)
     else:
@@ -155,7 +172,7 @@ def _payloads(args):
 
 def cmd_pub(args) -> int:
     key = os.fsencode(args.key)
-    payloads = _payloads(args)
+    payloads = _payloads(args, key)
     with _connect(args) as bus:
         interval = None if args.rate is None else 1.0 / args.rate
         start = time.monotonic()
@@ -292,7 +309,11 @@ def _signal_ready(path: str) -> None:
     except BrokenPipeError:
         pass
     except OSError as e:
-        raise CliError(f"--ready-file {path}: {e.strerror}") from None
+        if is_fifo:
+            raise CliError(f"--ready-file {path}: cannot open the FIFO: {e.strerror}") from None
+        where = os.path.dirname(os.path.abspath(path))
+        raise CliError(f"--ready-file {path}: cannot create a file in {where} ({e.strerror}); "
+                       "give a path in a directory you can write to, or a FIFO") from None
     finally:
         if tmp is not None:
             try:
@@ -319,7 +340,19 @@ def cmd_sub(args) -> int:
         raise
 
 
+#: Other systems' match-everything wildcards (MQTT '#', NATS '>'): literal keys on sbus.
+_FOREIGN_WILDCARD = re.compile(r"(^|/)#$|(^|\.)>$")
+
+
+def _wildcard_hint(pattern: str) -> None:
+    if _FOREIGN_WILDCARD.search(pattern):
+        print(f"sbus: hint: {pattern!r} is a literal key on sbus, not a wildcard; '' matches every key, "
+              "'a/' everything under a/, '*' one segment", file=sys.stderr, flush=True)
+
+
 def _sub(args) -> int:
+    for pattern in args.patterns:
+        _wildcard_hint(pattern)
     render = _format(args.format, args.raw)
     out = sys.stdout.buffer
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
@@ -456,7 +489,12 @@ def _service_stats(args) -> int:
                     continue
     sys.stdout.write(json.dumps(answers, indent=2) + "\n")
     sys.stdout.flush()
-    return 0 if answers else 1
+    if not answers:
+        # like grep or pgrep: status 1 when nothing was found, and say so where a person looks
+        print(f"sbus: no service answered within {args.wait:g} s (no bridge, link or NATS bridge on "
+              "this bus? --wait gives slow ones longer)", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 def cmd_stats(args) -> int:
@@ -535,11 +573,12 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-s", "--socket", metavar="ADDRESS", default=argparse.SUPPRESS,
                         help="the bus: a path, /dev/unix/abstract/HEX or /dev/fd/N "
-                             "(default: $SBUS_SOCKET, then ./sbus.socket)")
+                             "(default: $SBUS_SOCKET, else /run/sbus.socket)")
     parser = argparse.ArgumentParser(
         prog="sbus",
         description="Publish and subscribe on an sbus message bus.",
-        epilog="The address: --socket, else $SBUS_SOCKET, else sbus.socket in the working directory.",
+        epilog="The address: --socket, else $SBUS_SOCKET, else /run/sbus.socket (where sbusd and "
+               "twistd sbus listen when given no address).",
         parents=[common],
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -559,7 +598,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sub", parents=[common], help="print messages matching patterns",
                        description="Subscribe to the PATTERNs and print what arrives, until interrupted, "
                                    "--count messages or --timeout seconds.")
-    p.add_argument("patterns", metavar="PATTERN", nargs="+")
+    p.add_argument("patterns", metavar="PATTERN", nargs="+",
+                   help="'' matches every key; a trailing '/' matches everything below it ('a/'); "
+                        "'*' matches one segment ('a/*/c'). '#' and '>' are literal keys here")
     p.add_argument("-n", "--count", type=COUNT, metavar="N", help="exit after N messages (N >= 1)")
     p.add_argument("-t", "--timeout", type=SECONDS, metavar="S",
                    help="exit after S seconds (S > 0; status 124 if --count messages did not arrive)")
@@ -580,7 +621,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stats", parents=[common], help="print the server's statistics")
     p.add_argument("--json", action="store_true", help="as JSON")
     p.add_argument("--services", action="store_true",
-                   help="ask the bridges and links on the bus instead (JSON, one object each)")
+                   help="ask the bridges and links on the bus instead (JSON, one object each; "
+                        "none answering: [] and a line on stderr, status 1)")
     p.add_argument("--wait", type=SECONDS, default=1.0, metavar="S",
                    help="with --services: seconds to collect answers (default 1)")
     p.set_defaults(func=cmd_stats)

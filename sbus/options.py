@@ -6,6 +6,11 @@ from twisted.application.service import ServiceMaker
 from twisted.python import usage
 
 
+#: What every service does when its bus is missing; its --help says so (issue 22).
+MISSING_BUS_HELP = ("A bus that is not there (yet) is named once in the log, with its full path and "
+                    "why; then the service retries quietly, with back-off.")
+
+
 def positive_int(name: str, value: str) -> int:
     try:
         n = int(value, 10)

@@ -6,7 +6,8 @@ per second (from the difference of two ``server/stats`` answers), drops, disconn
 refusals by reason (counts since the server started, with the change since the previous
 frame), and the queues the server shows to this uid, the fullest first.
 
-On a terminal, stdin is put in cbreak mode so that `q` quits at once; Ctrl-C quits too,
+On a terminal, the frames are drawn on the alternate screen (left at exit: the terminal shows
+again what it showed before), and stdin is put in cbreak mode so that `q` quits at once; Ctrl-C quits too,
 both with status 0. When stdout is not a terminal, the frames are written one after the
 other without escape sequences (`--iterations N` ends it after N of them).
 """
@@ -24,6 +25,9 @@ from .client.blocking import ConnectionClosed
 REPLY_TIMEOUT = 10.0
 CLEAR = "\x1b[H\x1b[2J"
 HIDE_CURSOR, SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"
+#: The alternate screen (as top, less and vim use it): the frames go there, and leaving it puts
+#: back what the terminal showed before, instead of a last frame over a wiped scrollback.
+ALT_SCREEN, MAIN_SCREEN = "\x1b[?1049h", "\x1b[?1049l"
 
 
 def _rate(now: dict, before: dict | None, name: str, dt: float) -> float | None:
@@ -203,7 +207,7 @@ def cmd_top(args, connect, error) -> int:
             address = bus_address(args)
             before, t_before = None, None
             if tty:
-                out.write(HIDE_CURSOR)
+                out.write(ALT_SCREEN + HIDE_CURSOR)
             while True:
                 try:
                     stats = bus.stats(timeout=REPLY_TIMEOUT)
@@ -234,7 +238,7 @@ def cmd_top(args, connect, error) -> int:
         keys.restore()
         if tty:
             try:
-                out.write(SHOW_CURSOR)
+                out.write(SHOW_CURSOR + MAIN_SCREEN)
                 out.flush()
             except OSError:
                 pass

@@ -215,6 +215,16 @@ def total(counts) -> int:
     return sum(counts.values()) if isinstance(counts, dict) else int(counts)
 
 
+def answers_whoami(address: str) -> bool:
+    """Does a server answer a whoami on `address` now (its reactor runs, not only its socket)?"""
+    try:
+        with connect(address, timeout=2) as s:
+            send(s, WHOAMI)
+            return recv(s, 2).startswith(WHOAMI_REPLY)
+    except (OSError, AssertionError):
+        return False
+
+
 def served(address: str) -> None:
     """A fresh subscriber/publisher pair still works on the bus."""
     key = unique("served/")

@@ -253,3 +253,22 @@ def test_drop_notices(bus):
         c.close()
 
     run(main())
+
+
+def test_server_disconnect_is_said_when_a_send_finds_it_first(bus):
+    """The server has said why and closed before the event loop ran our reader: the next send
+    fails (EPIPE) first. The error still carries the server's reason (it is queued for us)."""
+    import select
+
+    async def main():
+        c = await aio.connect(bus.address)
+        await c.subscribe(b"!/cred/1/2/3/not-mine")
+        poller = select.poll()  # block the loop (no reader runs) until the server has closed
+        poller.register(c.socket, select.POLLRDHUP)
+        assert poller.poll(TIMEOUT * 1000), "the server did not close the connection"
+        with pytest.raises(ConnectionClosed) as info:
+            await c.whoami(TIMEOUT)
+        assert "forbidden_subscription" in str(info.value)
+        c.close()
+
+    run(main())

@@ -285,7 +285,8 @@ def test_deploy_doc_commands_work_when_pasted(tmp_path):
     assert re.fullmatch(r"(!/cred/\d+/\d+/\d+/){2}!/cred/\d+/\d+/\d+", lines[0]), out
     for expected in ("demo/hello from level 3", "alice/photo hello bob", "share/reply hello alice",
                      "b'ack sub\\n' b'ack listen\\n'", "b'recv 5\\n' b'hello'", "msgbus/foo hello",
-                     "linked/x over the link"):
+                     "linked/x over the link",
+                     "removed the stale socket (nobody listening) at session.socket"):
         assert expected in lines, (expected, out, err)
     bridge_log = (demo / "bridge.log").read_text()
     assert "stopped: forwarded a>b=1 b>a=1; reconnects a=0 b=0; drops a>b=0 b>a=0" in bridge_log

@@ -48,6 +48,14 @@ class MsgbusClient:
         self.send(line + b"\n")
         return self.line()
 
+    def send_message(self, data: bytes) -> None:
+        """`send X CH...\n` + X bytes; both of the gateway's `ack send` lines come back."""
+        head, _, body = data.partition(b"\n")
+        self.send(head + b"\n")
+        assert self.line() == b"ack send", head
+        self.send(body)
+        assert self.line() == b"ack send", head
+
     def message(self) -> bytes:
         """The next `recv X` + X bytes."""
         head = self.line()
@@ -153,10 +161,10 @@ def test_readme_session_with_sbus_both_ways(bus, gateway):
     assert sender.command(b"ping") == b"pong"
 
     # several channels, prefix delivery, once per client
-    sender.send(b"send 5 foo fooq bar\nhello")
+    sender.send_message(b"send 5 foo fooq bar\nhello")
     assert listener.message() == b"hello"
-    sender.send(b"send 4 fooz\nnope")                  # not a prefix of fooquux nor bar
-    sender.send(b"send 3 fooquux\nend")                # the marker: equal channel
+    sender.send_message(b"send 4 fooz\nnope")                  # not a prefix of fooquux nor bar
+    sender.send_message(b"send 3 fooquux\nend")                # the marker: equal channel
     assert listener.message() == b"end"
     assert sender.command(b"ping") == b"pong"          # nothing of its own came back
 
@@ -181,12 +189,12 @@ def test_readme_session_with_sbus_both_ways(bus, gateway):
 
     # unlisten / unsub
     assert listener.command(b"unlisten") == b"ack unlisten"
-    sender.send(b"send 1 bar\nx")
+    sender.send_message(b"send 1 bar\nx")
     assert sender.command(b"ping") == b"pong"            # the gateway has handled the send
     assert listener.command(b"listen") == b"ack listen"   # an 'x' would have come before this
     assert listener.command(b"unsub bar") == b"ack unsub"
-    sender.send(b"send 1 bar\ny")
-    sender.send(b"send 1 fooquux\nz")
+    sender.send_message(b"send 1 bar\ny")
+    sender.send_message(b"send 1 fooquux\nz")
     assert listener.message() == b"z"
 
     gw.stop()
@@ -200,7 +208,7 @@ def test_readme_session_with_sbus_both_ways(bus, gateway):
 def test_oversize_send_closes(gateway):
     gw = gateway("--max-message", "100")
     c, other = MsgbusClient(gw.port), MsgbusClient(gw.port)
-    c.send(b"send 100 a\n" + b"x" * 100)
+    c.send_message(b"send 100 a\n" + b"x" * 100)
     assert c.command(b"ping") == b"pong"              # 100 is allowed
     c.send(b"send 101 a\n")
     rest = c.closed()
@@ -235,7 +243,7 @@ def test_sender_vanishing_mid_message_sends_nothing(bus, gateway):
     sender.send(b"send 10 q\nhalf")
     sender.close()
     other = MsgbusClient(gw.port)
-    other.send(b"send 4 q\nnext")
+    other.send_message(b"send 4 q\nnext")
     assert listener.message() == b"next"
 
 
@@ -424,3 +432,24 @@ def test_channel_memory_is_bounded(gateway):
     assert b"over the limit" in c.command(b"sub one-more-channel")
     grown = rss(gw.proc.pid) - before
     assert grown < 30 << 20, f"gateway grew by {grown >> 20} MiB"
+
+
+def test_a_client_of_the_original_server_gets_both_ack_send_lines(bus, gateway):
+    """The original msgbus server answers `ack send` after the `send` line and again after the
+    payload; a client that waits for them (before sending the bytes, before its next
+    command) hung on the gateway. Also as the original: `error TEXT` from a client is not
+    answered, `send 0` is an empty message."""
+    gw = gateway()
+    listener, sender = MsgbusClient(gw.port), MsgbusClient(gw.port)
+    assert listener.command(b"sub chan") == b"ack sub"
+    assert listener.command(b"listen") == b"ack listen"
+    assert sender.command(b"send 5 chan") == b"ack send"   # the original's go-ahead
+    sender.send(b"hello")
+    assert sender.line() == b"ack send"                      # delivered
+    assert listener.message() == b"hello"
+    assert sender.command(b"send 0 chan") == b"ack send"
+    assert sender.line() == b"ack send"
+    assert listener.message() == b""
+    sender.send(b"error something went wrong on my side\n")  # reported, not answered
+    assert sender.command(b"ping") == b"pong"
+    assert "something went wrong on my side" in gw.log()

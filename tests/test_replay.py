@@ -209,3 +209,14 @@ def test_without_the_pipeline_extra_one_line(tmp_path):
         out = p.stdout + p.stderr
         assert p.returncode != 0 and "Traceback" not in out, (argv, out)
         assert "pip install 'sbus[pipeline]'" in out.strip().splitlines()[-1], (argv, out)
+
+
+def test_a_missing_default_bus_is_named(tmp_path):
+    """No --bus: the address it tried ($SBUS_SOCKET here) is in the error, as in `sbus`."""
+    synthetic(tmp_path / "rec", n=5)
+    missing = str(tmp_path / "nobus.socket")
+    p = subprocess.run([sys.executable, "-m", "sbus.pipeline.replay", str(tmp_path / "rec")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60, env=dict(os.environ, SBUS_SOCKET=missing))
+    assert p.returncode == 1, p.stderr
+    assert p.stderr.startswith(f"sbus-replay: {missing}: No such file or directory") and \
+        p.stderr.count("\n") == 1, p.stderr

@@ -23,7 +23,7 @@ from helpers import SbusdProcess, run_as, served, try_whoami, wait_until
 TIMEOUT = 10.0
 WHOAMI = b"CMSG !/cred/whoami"
 SBUSD = [sys.executable, "-m", "sbus.server.sbusd"]
-USAGE = "usage: sbusd [-a address] [-f | -p pidfile] [-u user] ... [-cgor]"
+USAGE = "usage: sbusd [-a address] [-f | -p pidfile] [-u user] ... [-l logfile] [-cghor]"
 
 
 # ------------------------------------------------------------------ helpers
@@ -210,11 +210,24 @@ def test_h_lists_every_option():
     assert text.startswith("usage: sbusd ")
 
 
-@pytest.mark.parametrize("argv", [["-x"], ["-f", "extra"], ["-a"], ["-p"], ["-u"], ["--bogus"]])
-def test_bad_usage(argv):
+@pytest.mark.parametrize("argv, problem", [
+    (["-x"], "unknown option -x"), (["-f", "extra"], "unexpected argument 'extra'"),
+    (["extra"], "unexpected argument 'extra'"), (["-a"], "option -a needs an argument"),
+    (["-p"], "option -p needs an argument"), (["-u"], "option -u needs an argument"),
+    (["--bogus"], "unknown option --bogus"),
+])
+def test_bad_usage_says_what_was_wrong_then_the_usage(argv, problem):
     res = run(*argv)
-    assert res.returncode == 1
-    assert error_line(res) == USAGE
+    assert res.returncode == 1 and res.stdout == b""
+    lines = res.stderr.decode().splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"sbusd: {problem}"), lines
+    assert lines[1] == USAGE  # every option letter, -l and -h included
+
+
+def test_long_help_is_the_h_text():
+    res, h = run("--help"), run("-h")
+    assert res.returncode == 0 and res.stderr == b""
+    assert res.stdout == h.stdout and b"  -l LOGFILE" in res.stdout
 
 
 def test_unknown_user_is_one_line_error():

@@ -163,6 +163,18 @@ def test_top_shows_clients_and_rates_then_q_quits(bus, screen):
     assert top.output.endswith(b"\x1b[?25h") or b"\x1b[?25h" in top.output[-64:]  # cursor shown again
 
 
+def test_top_draws_on_the_alternate_screen_and_leaves_it(bus, screen):
+    """Like top(1): the terminal's contents before `sbus top` are back after it (no last frame
+    left over a wiped screen)."""
+    top = screen(bus.address, "--interval", "0.2")
+    top.wait_for(lambda f: re.search(r"^clients 1\b", f, re.M), "clients 1")
+    top.type(b"q")
+    assert top.wait_exit() == 0
+    enter, leave = top.output.find(b"\x1b[?1049h"), top.output.rfind(b"\x1b[?1049l")
+    assert 0 <= enter < top.output.find(b"\x1b[2J"), top.output[:80]   # before the first frame
+    assert leave > top.output.rfind(b"\x1b[2J"), top.output[-80:]      # after the last
+
+
 def test_top_ctrl_c_exits_0(bus, screen):
     top = screen(bus.address, "--interval", "0.2")
     top.wait_for(lambda f: re.search(r"^clients 1\b", f, re.M), "clients 1")

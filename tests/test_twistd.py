@@ -52,8 +52,9 @@ class Server:
     def __init__(self, argv, tmp_path, **kw):
         self.log_path = tmp_path / f"twistd-{uuid.uuid4().hex[:6]}.log"
         self._log = open(self.log_path, "wb")
+        kw.setdefault("env", env())
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, cwd=tmp_path, env=env(), **kw)
+                                     stderr=subprocess.STDOUT, cwd=tmp_path, **kw)
 
     def log(self) -> str:
         if not self._log.closed:
@@ -116,7 +117,7 @@ def test_help_lists_options(tmp_path, runner):
     text = " ".join(res.stdout.decode().split())  # help text wraps wherever the columns fall
     for opt in OPTIONS:
         assert opt in text
-    assert "[default: sbus.socket]" in text and "[default: 409600]" in text
+    assert "(default: $SBUS_SOCKET, else /run/sbus.socket" in text and "[default: 409600]" in text
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -191,11 +192,13 @@ def test_serves_and_exits_on_sigint(server, tmp_path, runner):
     assert "Traceback" not in s.log()
 
 
-def test_default_socket_in_working_directory(server, tmp_path):
-    s = server([*TWIST, "sbus"])
-    s.whoami(str(tmp_path / "sbus.socket"))
+def test_default_socket_is_where_clients_look(server, tmp_path):
+    """No --socket: $SBUS_SOCKET, as for the clients (else /run/sbus.socket, as for them)."""
+    path = tmp_path / "from-env.socket"
+    s = server([*TWIST, "sbus"], env=dict(env(), SBUS_SOCKET=str(path)))
+    s.whoami(str(path))
     assert s.stop() in (0, -signal.SIGINT)
-    assert not (tmp_path / "sbus.socket").exists()
+    assert not path.exists()
 
 
 def test_cred_prefix_reaches_whoami(server, tmp_path):

@@ -1,7 +1,7 @@
 """sbus clients: blocking (here), `sbus.client.twisted`, `sbus.client.asyncio`.
 
     import sbus.client
-    with sbus.client.connect() as bus:   # --socket / $SBUS_SOCKET / ./sbus.socket
+    with sbus.client.connect() as bus:   # $SBUS_SOCKET, else /run/sbus.socket
         bus.subscribe("sensors/")
         for message in bus:
             ...

@@ -17,7 +17,8 @@ The forms (the ones ``sbusd -a`` takes, as far as a client can use them):
     closing the client closes N.
 
 Which address is used when none is given (`resolve`): ``--socket``, then
-``$SBUS_SOCKET``, then ``sbus.socket`` in the working directory.
+``$SBUS_SOCKET``, then ``/run/sbus.socket``: the same as the server (``sbusd``,
+``twistd sbus``) listens on when it is given none.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ import socket
 
 from sbus.address import (  # noqa: F401  (re-exported for clients)
     ABSTRACT_PREFIX,
+    DEFAULT_ADDRESS,
+    ENV_VAR,
+    default_address,
     FD_PREFIX,
     SUN_PATH_SIZE,
     Address,
@@ -37,10 +41,6 @@ from sbus.address import (  # noqa: F401  (re-exported for clients)
 )
 from sbus.core.codec import MAX_PACKET
 
-#: The environment variable consulted when no address is given.
-ENV_VAR = "SBUS_SOCKET"
-#: The last resort: a socket file in the working directory.
-DEFAULT_ADDRESS = "sbus.socket"
 
 
 def parse(text: str | bytes | os.PathLike) -> Address:
@@ -55,10 +55,9 @@ def parse(text: str | bytes | os.PathLike) -> Address:
 
 
 def resolve(address: str | bytes | os.PathLike | Address | None = None, environ=None) -> Address:
-    """The address to use: `address` if given, else ``$SBUS_SOCKET``, else ``sbus.socket``."""
+    """The address to use: `address` if given, else ``$SBUS_SOCKET``, else ``/run/sbus.socket``."""
     if address is None or address == "":
-        env = os.environ if environ is None else environ
-        address = env.get(ENV_VAR) or DEFAULT_ADDRESS
+        address = default_address(environ)
     return parse(address)
 
 

@@ -198,7 +198,10 @@ class Client:
                 if timeout is None:
                     await self._waiter
                 else:
-                    await asyncio.wait_for(self._waiter, timeout)
+                    try:
+                        await asyncio.wait_for(self._waiter, timeout)
+                    except TimeoutError:  # asyncio's has no message; say what did not come
+                        raise TimeoutError(f"no packet within {timeout} s") from None
             finally:
                 self._waiter = None
         item = self._inbox.popleft()
@@ -239,8 +242,16 @@ class Client:
         except (BlockingIOError, InterruptedError):
             return False
         except (BrokenPipeError, ConnectionResetError):
-            self._lost(ConnectionClosed())
-            raise ConnectionClosed() from None
+            # The server closed on us; what it sent first (its server/disconnect notice: why)
+            # is still queued for us. Read it now, so the error says why (the blocking client
+            # does the same): under load the send failed before the reader had run.
+            for _ in range(_DRAIN_CAP):
+                if self._closed is not None:
+                    break
+                self._on_readable()
+            notice = self.disconnect_reason
+            self._lost(ConnectionClosed(str(notice), notice) if notice else ConnectionClosed())
+            raise (ConnectionClosed(str(notice), notice) if notice else ConnectionClosed()) from None
         return True
 
     async def send_packet(self, packet: bytes) -> None:
@@ -281,10 +292,15 @@ class Client:
             queue = self._requests.get(key)
             if queue and fut in queue:
                 queue.remove(fut)
+            if fut.done() and not fut.cancelled():
+                fut.exception()  # failed with the connection: the caller gets the send's error
             raise
         if timeout is None:
             return await fut
-        return await asyncio.wait_for(fut, timeout)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise TimeoutError(f"no reply to {key.decode('utf-8', 'replace')} within {timeout} s") from None
 
     async def whoami(self, timeout: float | None = None) -> bytes:
         return (await self.request(codec.WHOAMI, timeout=timeout)) or b""
@@ -306,7 +322,7 @@ class Client:
 
 async def connect(address=None, *, max_packet: int = MAX_PACKET, inbox_limit: int = 4096,
                   timeout: float = 10.0) -> Client:
-    """Connect to the bus at `address` (default: $SBUS_SOCKET, then ./sbus.socket)."""
+    """Connect to the bus at `address` (default: $SBUS_SOCKET, else /run/sbus.socket)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:

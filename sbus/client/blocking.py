@@ -313,5 +313,5 @@ class Client:
 
 
 def connect(address=None, **kwargs) -> Client:
-    """Connect to the bus at `address` (default: $SBUS_SOCKET, then ./sbus.socket)."""
+    """Connect to the bus at `address` (default: $SBUS_SOCKET, else /run/sbus.socket)."""
     return Client(address, **kwargs)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import random
 from collections import deque
 
@@ -42,7 +43,7 @@ from sbus.interfaces import IPacketProtocol
 from sbus.seqpacket import SeqPacketTransport
 from zope.interface import implementer
 
-from .address import open_socket
+from .address import AddressError, open_socket, resolve
 from .blocking import ConnectionClosed, echo_packet, flood_packets
 
 log = Logger()
@@ -399,6 +400,9 @@ class ReconnectingClient:
         self._inflight = None
         self._running = False
         self._waiters: list[defer.Deferred] = []
+        #: The last failed attempt in one line (`describeFailure`), None once connected.
+        self.lastFailure: str | None = None
+        self.failureIsNews = False
 
     # -- life cycle
 
@@ -454,6 +458,7 @@ class ReconnectingClient:
             return proto.close().addCallback(lambda _: None)
         self.protocol = proto
         self._delay = self.initialDelay
+        self.lastFailure = None
         try:
             for pattern, callback in self._subs:
                 proto.subscribe(pattern, callback)
@@ -473,12 +478,42 @@ class ReconnectingClient:
         self._connecting = False
         self._inflight = None
         self.lastError = reason
-        log.debug("sbus connect failed: {err}", err=reason.getErrorMessage())
+        text = self.describeFailure(reason)
+        #: True when this failure is worth a log line: the first since the last connection, or
+        #: another error than the previous attempt's. The same error again: retry quietly.
+        self.failureIsNews = text != self.lastFailure
+        self.lastFailure = text
         self.connectionFailed(reason)
         self._schedule()
 
+    def describeFailure(self, reason: Failure) -> str:
+        """One line: the bus's full address and what went wrong, e.g.
+        ``/run/missing/sbus.socket: No such file or directory`` (an `OSError`'s own file name
+        may be a part of the path only, or relative)."""
+        exc = reason.value if isinstance(reason, Failure) else reason
+        try:
+            addr = resolve(self.address)
+            names = {addr.text}
+            where = os.path.abspath(addr.value) if addr.kind == "path" else addr.text
+        except (AddressError, TypeError):
+            names, where = set(), str(self.address)
+        if isinstance(exc, OSError) and exc.errno:
+            why = exc.strerror or os.strerror(exc.errno)
+        else:
+            why = reason.getErrorMessage() if isinstance(reason, Failure) else str(exc)
+        for name in names | {where}:  # a message that names the address already
+            if why.startswith(name + ": "):
+                why = why[len(name) + 2:]
+        return f"{where}: {why}"
+
     def connectionFailed(self, reason: Failure):
-        """Hook: an attempt to connect failed (another follows after the back-off)."""
+        """Hook: an attempt to connect failed (another follows after the back-off).
+        `lastFailure` says it in one line (`describeFailure`); `failureIsNews` is False when
+        the attempt before failed the same way: log only news, so that a missing bus is
+        named once and then retried quietly. By default: that one warning."""
+        if self.failureIsNews:
+            log.warn("cannot connect to the bus at {what}; retrying quietly with back-off (at most "
+                     "{delay:g}s apart)", what=self.lastFailure, delay=self.maxDelay)
 
     def _lost(self, reason, proto):
         if self.protocol is proto:

@@ -319,6 +319,20 @@ def replay(directory, bus, *, keys=(), time_from=None, time_to=None, speed=None,
     return sent, nbytes
 
 
+def _bus_problem(e: BaseException, bus) -> str:
+    """One line naming the bus's address (the default one too) and what went wrong."""
+    from sbus.client.address import AddressError, resolve
+
+    try:
+        where = resolve(bus).text
+    except AddressError:
+        where = bus or "the bus"
+    text = e.strerror if isinstance(e, OSError) and e.strerror else _first_line(e)
+    if isinstance(e, (FileNotFoundError, ConnectionRefusedError)):
+        text += " (is sbusd running? see --bus, $SBUS_SOCKET)"
+    return f"{where}: {text}"
+
+
 def _first_line(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return lines[0] if lines else type(e).__name__
@@ -333,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sbus-replay", description=__doc__.split("\n\n")[0])
     p.add_argument("directory", metavar="DIR", help="recording directory (rec-*.parquet)")
     p.add_argument("--bus", "-b", default=None,
-                   help="bus address (default $SBUS_SOCKET, then ./sbus.socket)")
+                   help="bus address (default $SBUS_SOCKET, else /run/sbus.socket)")
     p.add_argument("--speed", type=float, default=None,
                    help="replay at S times the recorded pace (1 = as recorded); default: as fast as possible")
     p.add_argument("--key", "-k", action="append", default=[], metavar="PATTERN",
@@ -389,9 +403,7 @@ def main(argv=None) -> int:
         if not isinstance(e, (OSError, ValueError)):  # connect errors, ConnectionClosed, AddressError
             print(f"{prog}: failed: {type(e).__name__}: {_first_line(e)}", file=sys.stderr)
             return EXIT_BUS
-        where = args.bus or "the bus"
-        text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        print(f"{prog}: {where}: {text}", file=sys.stderr)
+        print(f"{prog}: {_bus_problem(e, args.bus)}", file=sys.stderr)
         return EXIT_BUS
     if not args.quiet:
         took = time.monotonic() - began

@@ -2,7 +2,8 @@
 
     usage: sbusd [-a address] [-f | -p pidfile] [-u user] ... [-l logfile] [-cghor]
 
--a ADDRESS  a path (default /run/sbus.socket), /dev/fd/N, /dev/unix/abstract
+-a ADDRESS  a path (default $SBUS_SOCKET, else /run/sbus.socket, the address
+            clients use by default), /dev/fd/N, /dev/unix/abstract
             (random; printed on standard output), /dev/unix/abstract/HEX, or
             systemd (socket activation; an extension): see sbus.server.address
 -f          foreground: standard input and output are closed once the socket
@@ -26,8 +27,9 @@
             or without -r, a live server's socket never
 -h          this help on standard output, status 0 (an extension)
 
-Options parse like getopt(3) (``-fr``, ``-aPATH``, ``--``). Errors are one
-line ``sbusd: ...`` on standard error and status 1.
+Options parse like getopt(3) (``-fr``, ``-aPATH``, ``--``; ``--help`` is ``-h``).
+Errors are one line ``sbusd: ...`` on standard error and status 1; a wrong
+command line is that line (what was wrong) followed by the usage line.
 
 The socket is opened, bound and listening in the original process before
 anything else, so address errors reach the user, and Twisted is imported
@@ -43,18 +45,20 @@ import signal
 import sys
 from typing import NoReturn
 
+from sbus.address import DEFAULT_ADDRESS, default_address  # noqa: F401  (DEFAULT_ADDRESS: re-exported)
 from sbus.server.address import AddressError, Listener, open_listener
 
 PROG = "sbusd"
-USAGE = f"usage: {PROG} [-a address] [-f | -p pidfile] [-u user] ... [-cgor]"
+USAGE = f"usage: {PROG} [-a address] [-f | -p pidfile] [-u user] ... [-l logfile] [-cghor]"
 HELP = f"""\
-usage: {PROG} [-a address] [-f | -p pidfile] [-u user] ... [-l logfile] [-cghor]
+{USAGE}
 
 The sbus message bus server (a drop-in for the reference C sbusd).
 
-  -a ADDRESS  where to listen (default /run/sbus.socket): a path,
-              /dev/unix/abstract (a random abstract address, printed on standard
-              output), /dev/unix/abstract/HEX, /dev/fd/N (an inherited socket) or
+  -a ADDRESS  where to listen (default $SBUS_SOCKET, else /run/sbus.socket: where
+              clients look by default): a path, /dev/unix/abstract (a random
+              abstract address, printed on standard output),
+              /dev/unix/abstract/HEX, /dev/fd/N (an inherited socket) or
               systemd (socket activation)
   -f          stay in the foreground; standard output closes when ready; SIGINT,
               SIGTERM or SIGHUP stop it (status 0, socket file removed)
@@ -72,9 +76,9 @@ The sbus message bus server (a drop-in for the reference C sbusd).
               nobody listens on is removed anyway; a live server's, never)
   -h          show this help and exit
 
-Errors are one line on standard error and status 1.
+Errors are one line on standard error and status 1 (a wrong command line: that
+line, then the usage line).
 """
-DEFAULT_ADDRESS = "/run/sbus.socket"
 DEFAULT_PIDFILE = "/run/sbus.pid"
 
 
@@ -139,9 +143,10 @@ def _syslog_observer():
 
 
 
-def _usage() -> NoReturn:
+def _usage(problem: str) -> NoReturn:
+    """What was wrong, then the usage line; status 1."""
     try:
-        sys.stderr.write(USAGE + "\n")
+        sys.stderr.write(f"{PROG}: {problem}\n{USAGE}\n")
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
@@ -169,7 +174,7 @@ def resolve_user(text: str) -> int:
 
 class Args:
     def __init__(self):
-        self.address = DEFAULT_ADDRESS
+        self.address = default_address()
         self.pidfile: str | None = DEFAULT_PIDFILE
         self.foreground = False
         self.auto_close = False
@@ -187,11 +192,16 @@ class Args:
 def parse_args(argv: list[str]) -> Args:
     """Parse the command line; bad usage prints the usage line and exits 1."""
     try:
-        opts, rest = getopt.getopt(argv, "a:cfghl:op:ru:")
-    except getopt.GetoptError:
-        _usage()
+        opts, rest = getopt.getopt(argv, "a:cfghl:op:ru:", ["help"])
+    except getopt.GetoptError as e:
+        if e.opt and not e.msg.startswith("option --"):
+            what = f"option -{e.opt} needs an argument" if "requires argument" in e.msg else \
+                f"unknown option -{e.opt}"
+        else:
+            what = f"unknown option --{e.opt}" if e.opt else e.msg
+        _usage(what)
     if rest:
-        _usage()
+        _usage(f"unexpected argument {rest[0]!r} (options only)")
     args = Args()
     for opt, val in opts:
         if opt == "-a":
@@ -202,7 +212,7 @@ def parse_args(argv: list[str]) -> Args:
             args.foreground = True
         elif opt == "-g":
             args.mode |= 0o070
-        elif opt == "-h":
+        elif opt in ("-h", "--help"):
             try:
                 sys.stdout.write(HELP)
                 sys.stdout.flush()

@@ -14,7 +14,7 @@ import re
 
 from twisted.python import usage
 
-from sbus.address import packet_limit_problem
+from sbus.address import default_address, packet_limit_problem
 from sbus.options import StartupError, positive_float, positive_int
 from sbus.server.address import AddressError, parse_address
 from sbus.server.sbusd import resolve_user
@@ -61,7 +61,9 @@ _LIMITS = (
 )
 
 
-class Options(usage.Options):
+class BusOptions(usage.Options):
+    """The options of every bus server (`twistd sbus`, `twistd sbus-relay`)."""
+
     synopsis = "[options]"
     longdesc = (
         "Run an sbus message bus server on a unix SOCK_SEQPACKET socket. "
@@ -74,11 +76,10 @@ class Options(usage.Options):
                        "anyway; a live server's never)."],
     ]
     optParameters = [
-        ["socket", "s", "sbus.socket",
-         "Address: PATH, /dev/unix/abstract[/HEX], /dev/fd/N or systemd."],
+        ["socket", "s", None,
+         "Address: PATH, /dev/unix/abstract[/HEX], /dev/fd/N or systemd (default: $SBUS_SOCKET, "
+         "else /run/sbus.socket, where clients look by default)."],
         ["mode", "m", "0700", "Socket file mode, octal (path sockets only)."],
-        ["cred-prefix", None, "",
-         "Credential prefix for whoami replies: empty or '!/cred/G/U/P/' chain."],
         ["max-packet", None, str(MAX_PACKET), "Largest packet accepted, in bytes (17 .. 16 MiB)."],
         ["queue-bytes", None, str(DEFAULT_QUEUE_BYTES), "Per-client output queue limit, bytes."],
         ["queue-packets", None, str(DEFAULT_QUEUE_PACKETS), "Per-client output queue limit, packets."],
@@ -114,6 +115,8 @@ class Options(usage.Options):
     opt_u = opt_user
 
     def postOptions(self) -> None:
+        if not self["socket"]:
+            self["socket"] = default_address()
         try:
             parse_address(self["socket"])
         except AddressError as e:
@@ -125,10 +128,6 @@ class Options(usage.Options):
         if not 0 <= mode <= 0o777:
             raise usage.UsageError(f"--mode: must be between 0 and 0777, got {self['mode']}")
         self["mode"] = mode
-        try:
-            self["cred-prefix"] = parse_cred_prefix(self["cred-prefix"])
-        except ValueError as e:
-            raise usage.UsageError(f"--cred-prefix: {e}") from None
         max_packet = positive_int("max-packet", self["max-packet"])
         if not MIN_PACKET_LIMIT <= max_packet <= MAX_PACKET_LIMIT:
             raise usage.UsageError(
@@ -143,9 +142,27 @@ class Options(usage.Options):
         self["stall-timeout"] = positive_float("stall-timeout", self["stall-timeout"])
 
 
-def config_from_options(options: Options) -> ServerConfig:
+class Options(BusOptions):
+    """``twistd sbus``: a bus server, which may be given its credential prefix (a relay takes
+    its own from its master, so `sbus.services.relay` builds on `BusOptions`)."""
+
+    optParameters = [
+        ["cred-prefix", None, "",
+         "Credential prefix for whoami replies: empty or '!/cred/G/U/P/' chain."],
+    ]
+
+    def postOptions(self) -> None:
+        super().postOptions()
+        try:
+            self["cred-prefix"] = parse_cred_prefix(self["cred-prefix"])
+        except ValueError as e:
+            raise usage.UsageError(f"--cred-prefix: {e}") from None
+
+
+def config_from_options(options: BusOptions) -> ServerConfig:
     users = options["users"]
-    settings = {name.replace("-", "_"): options[name] for name in ("max-packet", "cred-prefix", "stall-timeout", *_LIMITS)}
+    settings = {name.replace("-", "_"): options[name] for name in ("max-packet", "stall-timeout", *_LIMITS)}
+    settings["cred_prefix"] = options.get("cred-prefix", b"")
     return ServerConfig(allowed_uids=allowed_uid_set(users or None), **settings)
 
 

@@ -130,7 +130,7 @@ class BusAccess:
 
         self.path = None
         try:
-            addr = resolve(address)  # None: $SBUS_SOCKET, then ./sbus.socket, as clients do
+            addr = resolve(address)  # None: $SBUS_SOCKET, else /run/sbus.socket, as clients do
         except AddressError:
             addr = None
         self.text = str(addr) if addr is not None else ""
@@ -311,8 +311,16 @@ class PrivateUNIXServerEndpoint:
         self.lockfile = lockfile
 
     def listen(self, factory):
+        from sbus.server.address import clear_path
+
         bus_mode, owner, group = self.access.socket_mode()
         mode = bus_mode if self.mode is None else (self.mode & bus_mode)
+        try:
+            # as the bus server does: a socket nobody answers on (its service was killed) is
+            # removed with one log line; a live one, or any other file, is an error
+            clear_path(self.path, False, lambda text: log.warn("{text}", text=text))
+        except Exception:
+            return defer.fail()
         old = os.umask(0o777 & ~mode)
         try:
             port = self.reactor.listenUNIX(self.path, factory, backlog=self.backlog, mode=mode,

@@ -106,8 +106,9 @@ from sbus.core.codec import MAX_PACKET, ProtocolError
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key
 from sbus.core.patterns import matches
 from sbus.core.topology import RESERVED as TOPOLOGY
+from sbus.options import MISSING_BUS_HELP
 from sbus.services.safeconnect import OwnerConnector, parse_user
-from sbus.services.shutdown import exit_zero_on_sigterm
+from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
 from sbus.services.spanning import Tree, default_name, hello_packet, send_urgent
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder
 
@@ -275,7 +276,6 @@ class BridgeService(service.Service):
         self.address = {"a": a, "b": b}
         #: Run as root, each side is connected as its user (sbus.services.safeconnect).
         self.connectors = {side: OwnerConnector((users or {}).get(side)) for side in SIDES}
-        self._last_failure: dict[str, str] = {}
         self.rules = list(rules)
         self.stats_interval = stats_interval
         self.initial_delay = initial_delay
@@ -348,7 +348,8 @@ class BridgeService(service.Service):
                 bridge._lost(self.side, reason)
 
             def connectionFailed(self, reason):
-                bridge._failed(self.side, reason)
+                if self.failureIsNews:
+                    bridge._failed(self.side, self.lastFailure)
 
         for side in SIDES:
             client = Client(side, self.reactor, self.address[side], protocol_factory(side),
@@ -414,9 +415,7 @@ class BridgeService(service.Service):
                          "bus (server/id {id}); stopping", a=self.address["a"], b=self.address["b"],
                          id=payload.decode("ascii", "replace"))
             self.refused = True
-            if self.reactor.running:
-                self.reactor.addSystemEventTrigger("after", "shutdown", os._exit, 1)
-                self.reactor.stop()
+            stop_with_status(self.reactor, 1)
 
     refused = False
 
@@ -436,7 +435,6 @@ class BridgeService(service.Service):
             proto.transport.pauseProducing()
         who = proto.credentials or b""
         what = "connected" if self.connects[side] == 1 else f"reconnected (reconnect {self.connects[side] - 1})"
-        self._last_failure.pop(side, None)
         if self.connectors[side].last_why:
             log.info("side {side}: connected {how}", side=side, how=self.connectors[side].last_why)
         if SECRET_ROOT not in who:
@@ -466,13 +464,11 @@ class BridgeService(service.Service):
 
         proto.sync().addCallbacks(probed, lambda f: None)
 
-    def _failed(self, side: str, reason) -> None:
-        """A connect attempt failed: say so once per distinct error, not at every retry."""
-        why = reason.getErrorMessage()
-        if why != self._last_failure.get(side):
-            self._last_failure[side] = why
-            log.warn("side {side}: cannot connect to {addr}: {why}; retrying", side=side,
-                     addr=self.address[side], why=why)
+    def _failed(self, side: str, what: str) -> None:
+        """A connect attempt failed, with another error than the one before (`what`: the full
+        address and why): said once, the retries are quiet."""
+        log.warn("side {side}: cannot connect to {what}; retrying quietly with back-off",
+                 side=side, what=what)
 
     def _lost(self, side: str, reason) -> None:
         self.connectors[side].release()
@@ -633,7 +629,7 @@ class Options(usage.Options):
         "DIRECTION is a>b, b>a or both; the prefixes (A side first, always) rewrite keys going "
         "across: A_PREFIX+rest on A is B_PREFIX+rest on B and back. Secret (!/cred/) keys cross "
         "only for rules whose pattern names them. Config file lines: 'a ADDRESS', 'b ADDRESS', "
-        "'rule ...', '#' comments; options given on the command line win."
+        "'rule ...', '#' comments; options given on the command line win. " + MISSING_BUS_HELP
     )
     optParameters = [
         ["a", None, None, "Address of bus A (path, /dev/unix/abstract/HEX)."],

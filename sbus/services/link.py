@@ -95,7 +95,7 @@ from twisted.protocols.basic import Int32StringReceiver
 from twisted.protocols.policies import TimeoutMixin
 from twisted.python import usage
 
-from sbus.options import positive_float
+from sbus.options import MISSING_BUS_HELP, positive_float
 from twisted.python.filepath import FilePath
 from zope.interface import implementer
 
@@ -107,7 +107,7 @@ from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key
 from sbus.core.patterns import matches
 from sbus.services import access as bus_access
 from sbus.services.linkauth import AUTH, PROOF, AuthError, Handshake, load_key
-from sbus.services.shutdown import exit_zero_on_sigterm
+from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
 from sbus.core.topology import HELLO_KEY, RESERVED as TOPOLOGY
 from sbus.services.spanning import Tree, default_name, hello_packet, send_urgent
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder
@@ -313,7 +313,8 @@ class Options(usage.Options):
                                    "path joins these buses; see docs/deploy.md)."],
     ]
     optParameters = [
-        ["bus", "b", None, "The local bus: PATH, /dev/unix/abstract/HEX or /dev/fd/N (default: $SBUS_SOCKET)."],
+        ["bus", "b", None, "The local bus: PATH, /dev/unix/abstract/HEX or /dev/fd/N (default: $SBUS_SOCKET). "
+                                 "--listen opens once the bus has answered. " + MISSING_BUS_HELP],
         ["listen", "l", None, "Server endpoint to accept the peer link on, e.g. ssl:7010:...:caCertsDir=DIR."],
         ["connect", "c", None, "Client endpoint of the peer link, e.g. ssl:host=H:port=7010:caCertsDir=...:certKey=...:privateKey=..."],
         ["max-packet", None, str(MAX_PACKET), "Largest packet carried, bytes (frames above it close the link)."],
@@ -482,7 +483,8 @@ class _BusClient(ReconnectingClient):
         self.link.busDown(reason)
 
     def connectionFailed(self, reason):
-        self.link.busUnreachable(reason)
+        if self.failureIsNews:
+            self.link.busUnreachable(self.lastFailure)
 
 
 # ---------------------------------------------------------------- the link
@@ -556,9 +558,10 @@ class Link(service.MultiService):
                 self.endpoint = bus_access.server_endpoint(reactor, listen, self.access)
             else:
                 self.endpoint = server_endpoint(reactor, listen)
+            # Started once the bus has answered (`_listenNow`): a peer that connects
+            # before we have a bus would get nothing, and a port open without a bus looks served.
             self.server = StreamServerEndpointService(self.endpoint, factory)
             self.server._raiseSynchronously = True
-            self.server.setServiceParent(self)
         else:
             self.endpoint = endpoints.clientFromString(reactor, connect)
             self.server = ClientService(self.endpoint, factory,
@@ -571,14 +574,10 @@ class Link(service.MultiService):
 
     def startService(self):
         log.info("sbus-link: bus {bus}, {how} {where}, exporting {patterns}", bus=self.bus_address,
-                 how="listening on" if self.listen else "connecting to", where=self.listen or self.connect,
-                 patterns=", ".join(repr(_show(p)) for p in self.patterns))
+                 how="listening (once the bus answers) on" if self.listen else "connecting to",
+                 where=self.listen or self.connect, patterns=", ".join(repr(_show(p)) for p in self.patterns))
         exit_zero_on_sigterm(self.reactor)
         super().startService()
-        if self.listen:
-            d = self.server._waitingForPort
-            if d is not None:
-                d.addCallback(lambda port: log.info("sbus-link: listening on {host}", host=port.getHost()))
         self.bus.start()
         self.tree.start()
         if self.statsInterval:
@@ -626,11 +625,10 @@ class Link(service.MultiService):
 
     # -- the local bus
 
-    def busUnreachable(self, reason):
-        if self.local is None and "bus" not in self._warned:
-            self._warned.add("bus")
-            log.warn("sbus-link: bus {bus} not reachable ({err}); retrying", bus=self.bus_address,
-                     err=reason.getErrorMessage())
+    def busUnreachable(self, what: str):
+        """`what`: the failure in one line (full address and why); logged once per error."""
+        log.warn("sbus-link: cannot connect to the bus at {what}; retrying quietly with back-off",
+                 what=what)
 
     def busUp(self, proto: LocalProtocol):
         whoami = proto.credentials
@@ -638,7 +636,6 @@ class Link(service.MultiService):
             log.error("sbus-link: the bus answered whoami with {w!r}; disconnecting", w=whoami)
             proto.transport.abortConnection()
             return
-        self._warned.discard("bus")
         self.bus_connects += 1
         self.local = proto
         changed = whoami != self.whoami
@@ -650,11 +647,26 @@ class Link(service.MultiService):
         if self._local_paused:
             proto.transport.pauseProducing()
         log.info("sbus-link: connected to bus {bus} as {who}", bus=self.bus_address, who=_show(whoami))
+        if self.listen and self.server.parent is None:
+            self._listenNow()
         self.tree.port_up(BUS_PORT)
         if changed:
             for conn in self.conns:
                 if conn.auth is None or conn.auth.done:  # mid-handshake: its hello follows the proof
                     conn.sendFrame(self._hello())
+
+    def _listenNow(self):
+        """Open the --listen port (the first time the bus answers); a port that cannot be
+        opened is fatal: one log line, exit status 1."""
+        try:
+            self.server.setServiceParent(self)
+        except Exception as e:  # noqa: BLE001 - CannotListenError and the like: one line
+            log.critical("sbus-link: cannot listen on {where}: {why}; exiting", where=self.listen, why=e)
+            stop_with_status(self.reactor, 1)
+            return
+        d = self.server._waitingForPort
+        if d is not None:
+            d.addCallback(lambda port: log.info("sbus-link: listening on {host}", host=port.getHost()))
 
     def busDown(self, reason):
         self.local = None

@@ -2,8 +2,10 @@
 
     twistd -n sbus-msgbus --bus /run/sbus.socket [--port tcp:11111]
 
-Serves the protocol of msgbus (``shared/seeds/msgbus-README.md``) on a Twisted
-stream endpoint and joins it to an sbus bus (docs/deploy.md "The msgbus gateway").
+Serves the protocol of msgbus (the line protocol of the original msgbus server; its
+README's rules are restated below, and docs/deploy.md "Where msgbus's README is silent"
+lists what the original does beyond them) on a Twisted stream endpoint and joins it to an
+sbus bus (docs/deploy.md "The msgbus gateway").
 
 The protocol, as served
 -----------------------
@@ -19,7 +21,9 @@ client sends                          server answers
 ``listen``                            ``ack listen``
 ``unlisten``                          ``ack unlisten``
 ``ping``                              ``pong``
-``send X CH1 CH2 ...`` + X bytes      nothing; see delivery
+``send X CH1 CH2 ...``                ``ack send``, then the client sends X bytes
+the X bytes                           ``ack send`` once delivered (see delivery)
+``error TEXT``                        nothing (logged), as the original does
 anything else                         ``error <reason>``, the connection stays
 ====================================  ==========================================
 
@@ -118,7 +122,7 @@ from twisted.python import usage
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from sbus.options import positive_int
+from sbus.options import MISSING_BUS_HELP, positive_int
 from sbus.services.access import BusAccess, endpoint_kind, peer_uid, server_endpoint
 from sbus.services.shutdown import exit_zero_on_sigterm
 
@@ -387,6 +391,7 @@ class MsgbusProtocol(protocol.Protocol):
                 self._need = None
                 channels, self._send_channels = self._send_channels, []
                 self.gateway.clientSent(self, channels, body)
+                self.sendLine(b"ack send")  # the second: the message went out
                 continue
             end = buf.find(b"\n", pos)
             if end < 0:
@@ -502,6 +507,12 @@ class MsgbusProtocol(protocol.Protocol):
             return self.error(self._why)
         self._need = n
         self._send_channels = channels
+        self.sendLine(b"ack send")  # the first: the command is accepted, send the bytes
+
+    def do_error(self, args):
+        """A client reporting an error: logged, not answered (as the original does)."""
+        log.info("msgbus client {peer} reports: {what}", peer=self.peer,
+                 what=b" ".join(args).decode("utf-8", "replace")[:200])
 
 
 _COMMANDS = {
@@ -511,6 +522,7 @@ _COMMANDS = {
     b"unlisten": MsgbusProtocol.do_unlisten,
     b"ping": MsgbusProtocol.do_ping,
     b"send": MsgbusProtocol.do_send,
+    b"error": MsgbusProtocol.do_error,
 }
 
 
@@ -752,7 +764,7 @@ class Options(usage.Options):
     )
     optParameters = [
         ["bus", "b", None, "Bus address (path, /dev/unix/abstract/HEX, /dev/fd/N); "
-                           "default $SBUS_SOCKET, then ./sbus.socket."],
+                           "default $SBUS_SOCKET, else /run/sbus.socket. " + MISSING_BUS_HELP],
         ["port", "p", DEFAULT_PORT, "Twisted server endpoint string for msgbus clients."],
         ["max-packet", None, str(MAX_PACKET), "The bus's packet limit, bytes."],
         ["max-message", None, None, "Largest message a client may send, bytes (default: what "

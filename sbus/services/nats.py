@@ -92,6 +92,7 @@ from sbus.core.natsmap import (MappingError, check_prefix, key_to_subject, patte
                                subject_covers, subject_matches, subject_meet, subject_to_key,
                                subjects_overlap)
 from sbus.core.patterns import matches
+from sbus.options import MISSING_BUS_HELP
 from sbus.services.shutdown import exit_zero_on_sigterm
 
 log = Logger(namespace="sbus.nats")
@@ -286,9 +287,9 @@ class NatsService(service.Service):
                              addr=svc.bus, why=reason.getErrorMessage() if hasattr(reason, "getErrorMessage") else reason)
 
             def connectionFailed(self, reason):
-                svc._once("bus-fail:" + reason.getErrorMessage(),
-                          "bus: cannot connect to {addr}: {why}; retrying", addr=svc.bus,
-                          why=reason.getErrorMessage())
+                if self.failureIsNews:
+                    log.warn("bus: cannot connect to {what}; retrying quietly with back-off",
+                             what=self.lastFailure)
 
         self.client = Client(self.reactor, self.bus, BusProtocol, initialDelay=0.1, maxDelay=10.0,
                              max_packet=self.max_packet)
@@ -818,7 +819,8 @@ class Options(usage.Options):
         f"{EXTRA}; runs on the asyncio reactor (installed unless another is chosen)."
     )
     optParameters = [
-        ["bus", None, None, "Address of the bus (path, /dev/unix/abstract/HEX); default: the default bus."],
+        ["bus", None, None, "Address of the bus (path, /dev/unix/abstract/HEX); default: the default bus. "
+                                + MISSING_BUS_HELP],
         ["subject-prefix", None, "sbus", "Subject prefix (literal tokens joined by '.'; '' for none)."],
         ["creds", None, None, "NATS credentials file (JWT + nkey seed)."],
         ["token", None, None, "NATS authentication token."],

@@ -53,6 +53,7 @@ from twisted.python import usage
 from sbus.core import codec
 from sbus.core.credentials import SECRET_ROOT
 from sbus.core.patterns import matches
+from sbus.options import MISSING_BUS_HELP
 from sbus.pipeline.schema import (
     DEFAULT_ROLL_AGE,
     DEFAULT_ROLL_BYTES,
@@ -517,8 +518,8 @@ class RecordService(service.Service):
                      "(queue {q} of {max} bytes)", n=sink.paused_times - self._held,
                      dt=self.report_interval, q=sink.queued_bytes, max=sink.max_bytes)
             self._held = sink.paused_times
-        if not self.client.connected and self.client.lastError is not None:
-            log.warn("not connected to the bus: {err}", err=self.client.lastError.getErrorMessage())
+        if not self.client.connected and self.client.lastFailure is not None:
+            log.warn("not connected to the bus at {what}", what=self.client.lastFailure)
 
     def stopService(self):
         super().stopService()
@@ -590,7 +591,7 @@ class Options(usage.Options):
     ]
     optParameters = [
         ["bus", "b", None, "Bus address (path, /dev/unix/abstract/HEX, /dev/fd/N); "
-                           "default $SBUS_SOCKET, then ./sbus.socket."],
+                           "default $SBUS_SOCKET, else /run/sbus.socket. " + MISSING_BUS_HELP],
         ["out", "o", None, "Recording directory (created if missing)."],
         ["roll-bytes", None, "128M", "Publish a file when it reaches this size on disk."],
         ["roll-age", None, "60s", "Publish a file this long after its first message: the most "

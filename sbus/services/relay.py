@@ -58,8 +58,8 @@ from sbus.core.credentials import SECRET_ROOT, secret_prefix, whoami
 from sbus.core.pausing import Holds, Pauses
 from sbus.core.topology import CHANGE_KEY
 from sbus.interfaces import IUpstream
+from sbus.options import MISSING_BUS_HELP
 from sbus.server import tap
-from sbus.server.address import parse_address
 from sbus.server.config import ServerConfig
 
 log = Logger(namespace="sbus.relay")
@@ -83,7 +83,7 @@ def _show(b: bytes) -> str:
     return b.decode("utf-8", "replace")
 
 
-class Options(tap.Options):
+class Options(tap.BusOptions):
     synopsis = "--upstream ADDRESS [--socket PATH] [twistd sbus options]"
     longdesc = (
         "Run an sbus slave server (relay): it serves local clients like `twistd sbus` and is a "
@@ -91,7 +91,8 @@ class Options(tap.Options):
         "The socket is opened once the master has answered whoami."
     )
     optParameters = [
-        ["upstream", None, None, "The master bus: PATH, /dev/unix/abstract/HEX or /dev/fd/N (required)."],
+        ["upstream", None, None, "The master bus: PATH, /dev/unix/abstract/HEX or /dev/fd/N (required). "
+                                 + MISSING_BUS_HELP],
         ["initial-delay", None, "0.1", "First reconnection delay to the master, seconds."],
         ["max-delay", None, "10", "Longest reconnection delay to the master, seconds."],
     ]
@@ -104,8 +105,6 @@ class Options(tap.Options):
             client_address.parse(self["upstream"])
         except client_address.AddressError as e:
             raise usage.UsageError(f"--upstream: {e}") from None
-        if self["cred-prefix"]:
-            raise usage.UsageError("--cred-prefix: a relay takes its prefix from its whoami on the master")
         for name in ("initial-delay", "max-delay"):
             try:
                 value = float(self[name])
@@ -116,10 +115,6 @@ class Options(tap.Options):
             self[name] = value
         if self["max-delay"] < self["initial-delay"]:
             raise usage.UsageError("--max-delay: must not be below --initial-delay")
-        addr = parse_address(self["socket"])
-        if addr.kind == "path" and not self["reuse"] and os.path.lexists(addr.value):
-            # Say so now rather than after waiting for the master.
-            raise usage.UsageError(f"--socket: {addr.value} exists (use --reuse to replace it)")
 
 
 class UpstreamProtocol(SbusProtocol):
@@ -169,7 +164,7 @@ class _MasterClient(ReconnectingClient):
         self.relay.masterDown(reason)
 
     def connectionFailed(self, reason):
-        self.relay.masterUnreachable(reason)
+        self.relay.masterUnreachable(reason, self.lastFailure if self.failureIsNews else None)
 
 
 @implementer(IUpstream)
@@ -268,11 +263,12 @@ class Relay(service.Service):
 
     # -- the master connection
 
-    def masterUnreachable(self, reason):
+    def masterUnreachable(self, reason, news: str | None = None):
+        """`news`: the failure in one line when it is worth logging (the first, or a new error)."""
         self.failed_attempts += 1
-        if self.factory is None:
-            log.warn("sbus-relay: waiting for the master at {up} ({err}); not serving yet, retrying",
-                     up=self.upstream, err=reason.getErrorMessage())
+        if news is not None:
+            log.warn("sbus-relay: cannot connect to the master at {news}; {what}retrying quietly with "
+                     "back-off", news=news, what="not serving yet, " if self.factory is None else "")
 
     def masterUp(self, proto: UpstreamProtocol):
         parsed = parse_whoami(proto.credentials or b"")

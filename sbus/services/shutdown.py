@@ -36,3 +36,13 @@ def exit_zero_on_sigterm(reactor) -> None:
 
     if hasattr(reactor, "callWhenRunning"):
         reactor.callWhenRunning(install)
+
+
+def stop_with_status(reactor, status: int) -> None:
+    """Stop `reactor` (services stop and log as usual), then exit with `status`: for a fatal
+    error found once the service runs (twistd would otherwise exit 0)."""
+    import os
+
+    if reactor.running:
+        reactor.addSystemEventTrigger("after", "shutdown", os._exit, status)
+        reactor.stop()
