@@ -490,7 +490,7 @@ class BridgeService(service.Service):
             self.tree.received(PORT[side], key, payload)
             return  # never forwarded: each segment's hellos are its own
         if key == STATS_REQUEST:
-            answer = self.responder.answer(payload)
+            answer = self.responder.answer(payload, proto.credentials)
             if answer is not None and proto.connected:
                 proto.sendPacket(answer)
             return

@@ -711,7 +711,7 @@ class Link(service.MultiService):
             self.tree.received(BUS_PORT, key, packet[end + 1:])
             return  # never carried across: each segment's hellos are its own
         elif key == STATS_REQUEST:
-            answer = self.responder.answer(packet[end + 1:])
+            answer = self.responder.answer(packet[end + 1:], self.whoami)
             if answer is not None and self.local is not None:
                 self.local.sendPacket(answer)
             return

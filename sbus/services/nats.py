@@ -93,11 +93,11 @@ from sbus.core.natsmap import (MappingError, check_prefix, key_to_subject, patte
                                subjects_overlap)
 from sbus.core.patterns import matches
 from sbus.services.shutdown import exit_zero_on_sigterm
+from sbus.services.svcstats import STATS_REQUEST, StatsResponder
 
 log = Logger(namespace="sbus.nats")
 
 ORIGIN_HEADER = "Sbus-Origin"
-STATS_REQUEST = b"sbus/services/stats"
 #: Control keys of one bus's services (the spanning tree's announcements, stats requests):
 #: never exported nor imported, like a bridge or link never forwards them.
 RESERVED = (b"sbus/topology/", b"sbus/services/")
@@ -739,16 +739,12 @@ class NatsService(service.Service):
         }
 
     def _answer_stats(self, proto, payload: bytes) -> None:
-        try:
-            from sbus.services.svcstats import StatsResponder
-        except ImportError:
-            StatsResponder = _StatsResponder
         responder = getattr(self, "_responder", None)
         if responder is None:
             responder = self._responder = StatsResponder(
                 "sbus-nats", lambda: f"{self.bus_id[:8]}->{','.join(self.servers)}", self.stats,
                 lambda: {"nats_connected": bool(self.nc is not None and self.nc.is_connected)})
-        packet = responder.answer(payload)
+        packet = responder.answer(payload, proto.credentials)
         if packet is not None and len(packet) <= self.max_packet:
             proto.sendPacket(packet)
 
@@ -760,31 +756,6 @@ class NatsService(service.Service):
         self._last_stats = st
         log.info("sbus-nats {what}: {stats}", what="stopped" if final else "stats",
                  stats=json.dumps(st, separators=(",", ":")))
-
-
-class _StatsResponder:
-    """The ``sbus/services/stats`` protocol (see sbus.services.svcstats when it is present):
-    the request's payload is a secret reply key of the asker; full counters go to our own
-    uid and root, others get the service's kind and state."""
-
-    def __init__(self, service_name, name, stats, public=None):
-        self.service, self.name, self.stats, self.public = service_name, name, stats, public
-
-    def answer(self, payload: bytes) -> bytes | None:
-        key = payload.strip()
-        if not key.startswith(SECRET_ROOT) or len(key) > 1024:
-            return None
-        try:
-            check_key(key)
-        except CredentialError:
-            return None
-        parts = key[len(SECRET_ROOT):].split(b"/", 3)
-        if len(parts) < 3 or not parts[1].isdigit():
-            return None
-        uid = int(parts[1])
-        body = {"service": self.service, "name": self.name(), "pid": os.getpid(), "uid": os.getuid()}
-        body["stats"] = self.stats() if uid in (0, os.getuid()) else self.public()
-        return b"MSG " + key + b"\0" + json.dumps(body, separators=(",", ":"), default=str).encode()
 
 
 # -- twistd options

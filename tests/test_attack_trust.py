@@ -1,0 +1,91 @@
+"""Issue 21: whom the services trust. Each attack runs against real processes, as uid 65534
+where the attacker is another local user, and failed on the code before its fix
+(docs/security.md, "Whom each service trusts").
+"""
+
+from __future__ import annotations
+
+import encodings.idna  # noqa: F401  (uid 65534 cannot import it from the venv after the fork)
+import json
+import os
+import shutil
+import socket
+import tempfile
+
+import pytest
+
+from helpers import connect, msg, recv, run_as, send, sub, sync, whoami
+from test_bridge import TIMEOUT, start_bridge, twistd  # noqa: F401  (fixture)
+
+from sbus.core.credentials import owner_of
+from sbus.services.svcstats import reply_owner_uid
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def open_dir():
+    """A fresh directory under /tmp that uid 65534 may traverse (tmp_path's parents are 0700)."""
+    d = tempfile.mkdtemp(prefix="sbus-trust-")
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _open_bus(start_bus, open_dir, name):
+    bus = start_bus("-o", address=os.path.join(open_dir, name))
+    os.chmod(bus.address, 0o777)
+    return bus
+
+
+# ---------------------------------------------------------------- 2: service statistics
+
+
+def _ask_stats(address: str, tail: bytes) -> str:
+    """As the caller's uid: ask every service on the bus for statistics with a reply key in
+    our own secret space followed by `tail`; return the JSON answers, one per line."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(TIMEOUT)
+    s.connect(address)
+    gid, uid, pid = whoami(s)
+    reply = b"!/cred/%d/%d/%d/%s" % (gid, uid, pid, tail)
+    send(s, sub(reply))
+    sync(s)
+    send(s, msg(b"sbus/services/stats", reply))
+    while True:
+        p = recv(s, TIMEOUT)
+        if not p:
+            return "closed"
+        if p.startswith(b"MSG " + reply + b"\0"):
+            return p.split(b"\0", 1)[1].decode()
+
+
+def test_service_stats_trust_the_delivering_link_not_text_after_it(start_bus, open_dir, twistd):  # noqa: F811
+    """uid 65534 on a shared bus asks with ``!/cred/G/65534/P/!/cred/0/0/1/x``: the reply
+    reaches 65534 (the server delivers by the first link), so it gets the public answer
+    only; the bridge used to read the last link (root) and send its full counters."""
+    a = _open_bus(start_bus, open_dir, "a.socket")
+    b = _open_bus(start_bus, open_dir, "b.socket")
+    start_bridge(twistd, a.address, b.address, "shared/ a>b")
+    forged = json.loads(run_as(NOBODY, NOBODY, lambda: _ask_stats(a.address, b"!/cred/0/0/1/x")))
+    assert forged["service"] == "sbus-bridge"
+    assert "forwarded" not in forged["stats"], sorted(forged["stats"])
+    # the owner (root) still gets everything
+    full = json.loads(_ask_stats(a.address, b"x"))
+    assert "forwarded" in full["stats"]
+
+
+def test_reply_owner_is_the_link_the_server_delivers_by():
+    """On a master: the first link. On a relay (prefix R): the first link after R, and a key
+    outside R goes up to the master, which delivers by the first link (no prefix)."""
+    assert reply_owner_uid(b"!/cred/5/1003/9/!/cred/0/0/1/x") == 1003
+    assert reply_owner_uid(b"!/cred/5/1003/9/x", b"!/cred/5/1003/9") == 1003
+    relay = b"!/cred/0/0/77/"
+    on_relay = relay + b"!/cred/5/1003/9"            # a client of a relay run by root
+    assert reply_owner_uid(relay + b"!/cred/5/1003/9/!/cred/0/0/1/x", on_relay) == 1003
+    assert reply_owner_uid(b"!/cred/6/2000/4/x", on_relay) == 2000      # a master client
+    assert reply_owner_uid(b"!/cred/0/0/77/x", on_relay) == 0           # the relay itself
+    for dead in (b"!/cred/05/1003/9/x", b"!/cred/5/1003/9", b"!/cred/5/4294967296/9/x",
+                 b"!/cred/5/+1/9/x", b"!/cred/5/\xd9\xa1/9/x", b"!/cred/5//9/x"):
+        assert reply_owner_uid(dead) is None, dead
+    assert owner_of(b"!/cred/1/2/3/x").uid == 2
