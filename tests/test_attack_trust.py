@@ -89,3 +89,80 @@ def test_reply_owner_is_the_link_the_server_delivers_by():
                  b"!/cred/5/+1/9/x", b"!/cred/5/\xd9\xa1/9/x", b"!/cred/5//9/x"):
         assert reply_owner_uid(dead) is None, dead
     assert owner_of(b"!/cred/1/2/3/x").uid == 2
+
+
+# ---------------------------------------------------------------- 4: a socket wider than its bus
+
+
+def _listen_as_nobody(address: str, key: bytes) -> str:
+    """As uid 65534: connect to `address`, subscribe `key`, report what arrives."""
+    def attack():
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.settimeout(TIMEOUT)
+        try:
+            s.connect(address)
+        except OSError as e:
+            return f"refused: {e.strerror}"
+        send(s, sub(key))
+        sync(s)
+        os.write(ready_w, b"x")
+        p = recv(s, TIMEOUT)
+        return "read: " + p.decode(errors="replace")
+
+    ready_r, ready_w = os.pipe()
+    import threading
+    result = []
+    t = threading.Thread(target=lambda: result.append(run_as(NOBODY, NOBODY, attack)))
+    t.start()
+    return t, result, ready_r
+
+
+def test_relay_wider_than_its_master_is_refused(start_bus, open_dir, tmp_path):
+    """`sbus-relay -m 0777 --upstream <0700 bus>`: refused at start in one line, exit status 1.
+    It used to serve, and uid 65534 read the private bus's traffic through it."""
+    from test_relay import Relay
+
+    master = start_bus(address=os.path.join(open_dir, "master.socket"))   # 0700: root only
+    where = os.path.join(open_dir, "relay.socket")
+    r = Relay(master.address, where, tmp_path, "--mode", "0777", wait=False)
+    try:
+        def exited_or_serving():
+            return r.proc.poll() is not None or os.path.exists(where)
+        from helpers import wait_until
+        wait_until(exited_or_serving, "the relay exits or serves")
+        if r.proc.poll() is None:      # the old code: it serves; show what the other uid gets
+            r.wait_ready()
+            t, result, ready = _listen_as_nobody(where, b"payroll/")
+            os.read(ready, 1)
+            with connect(master.address) as owner:
+                send(owner, msg(b"payroll/1", b"salaries"))
+                sync(owner)
+            t.join(TIMEOUT)
+            pytest.fail(f"the relay serves a 0777 socket below a 0700 bus; uid 65534: {result}")
+        assert r.proc.returncode == 1, r.log()[-500:]
+        lines = [line for line in r.log().splitlines() if "--mode" in line]
+        assert lines and "could not open the bus" in lines[0] and "Traceback" not in r.log(), r.log()[-800:]
+        assert not os.path.exists(where)
+    finally:
+        r.stop()
+
+
+def test_gateway_unix_socket_no_wider_than_the_path_to_the_bus_lets_in(start_bus, open_dir, tmp_path):
+    """The bus socket is 0777 but lies in a 0700 directory: only its owner can open it. The
+    gateway's `unix:` socket took the socket's bits alone (0777, in an open directory); now
+    judged as `allows` judges (the whole path): 0700."""
+    import stat as stat_mod
+
+    from test_bridge import TwistdProcess
+
+    private = os.path.join(open_dir, "private")
+    os.mkdir(private, 0o700)
+    bus = start_bus("-o", address=os.path.join(private, "bus.socket"))
+    os.chmod(bus.address, 0o777)
+    path = os.path.join(open_dir, "gw.sock")
+    p = TwistdProcess(["sbus-msgbus", "--bus", bus.address, "--port", f"unix:{path}"], tmp_path)
+    try:
+        p.wait_log(r"msgbus gateway listening on")
+        assert stat_mod.S_IMODE(os.stat(path).st_mode) == 0o700
+    finally:
+        p.stop()
