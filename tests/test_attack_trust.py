@@ -166,3 +166,159 @@ def test_gateway_unix_socket_no_wider_than_the_path_to_the_bus_lets_in(start_bus
         assert stat_mod.S_IMODE(os.stat(path).st_mode) == 0o700
     finally:
         p.stop()
+
+
+# ---------------------------------------------------------------- 1: sbus-link over TLS, the wrong peer
+
+
+def _make_pki(d: str, servers: dict) -> dict:
+    """A CA, a client certificate, and one server certificate per entry of `servers`
+    (label -> list of subjectAltName entries, [] for none; CN is always 'a.example')."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(cn):
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def write(label, k, c):
+        cert, key = os.path.join(d, f"{label}.pem"), os.path.join(d, f"{label}.key")
+        with open(cert, "wb") as f:
+            f.write(c.public_bytes(serialization.Encoding.PEM))
+        with open(key, "wb") as f:
+            f.write(k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                    serialization.NoEncryption()))
+        os.chmod(key, 0o644)               # the attacker (uid 65534) runs a listener with it
+        return cert, key
+
+    def build(cn, issuer, issuer_key, sans=(), ca=False):
+        k = ec.generate_private_key(ec.SECP256R1())
+        b = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(issuer)
+             .public_key(k.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(minutes=5))
+             .not_valid_after(now + datetime.timedelta(days=1))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if sans:
+            b = b.add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
+        return k, b.sign(issuer_key or k, hashes.SHA256())
+
+    ca_key, ca_cert = build("trust test CA", name("trust test CA"), None, ca=True)
+    os.makedirs(os.path.join(d, "ca"))
+    with open(os.path.join(d, "ca", "ca.pem"), "wb") as f:
+        f.write(ca_cert.public_bytes(serialization.Encoding.PEM))
+    out = {"cadir": os.path.join(d, "ca"), "client": write("client", *build("client", ca_cert.subject, ca_key))}
+    for label, sans in servers.items():
+        entries = [x509.IPAddress(ipaddress.ip_address(v)) if v[0].isdigit() else x509.DNSName(v) for v in sans]
+        out[label] = write(label, *build("a.example", ca_cert.subject, ca_key, entries))
+    return out
+
+
+_SERVERS = {"good": ["a.example"], "no_san": [], "other_name": ["b.example"], "ip_only": ["127.0.0.1"],
+            "other_ip": ["127.0.0.2"]}
+
+
+@pytest.mark.parametrize("cert, hostname", [
+    ("no_san", "a.example"),       # CN=a.example, no subjectAltName (service_identity: CertificateError)
+    ("other_name", "a.example"),   # signed by the same CA for b.example
+    ("ip_only", "a.example"),      # an IP address, not the name asked for
+    ("other_ip", "127.0.0.1"),     # hostname= an IP: the certificate is for another one
+])
+def test_link_refuses_a_tls_peer_whose_certificate_names_someone_else(start_bus, open_dir, tmp_path, cert,
+                                                                      hostname):
+    """uid 65534 runs a link listener with a certificate the CA signed for someone else. The
+    connecting link (root, on a private bus) used to log Twisted's critical line and go 'link up'
+    (a certificate without subjectAltName), messages crossing both ways. Now refused after the
+    handshake, nothing crosses; the right certificate still works (the control below)."""
+    from test_link import LinkProc, run_link_as, stop_child
+    from helpers import wait_until
+
+    pki = _make_pki(os.path.join(open_dir, "pki"), _SERVERS)
+    private = start_bus()
+    shared = _open_bus(start_bus, open_dir, "shared.socket")
+    log_path = os.path.join(open_dir, "rogue.log")
+    srv_cert, srv_key = pki[cert]
+    rogue = run_link_as(NOBODY, log_path, [
+        "--bus", shared.address, "--listen",
+        f"ssl:0:interface=127.0.0.1:privateKey={srv_key}:certKey={srv_cert}:caCertsDir={pki['cadir']}"])
+    victim = None
+    try:
+        def rogue_log():
+            with open(log_path, errors="replace") as f:
+                return f.read()
+        wait_until(lambda: "listening on" in rogue_log() or rogue.poll() is not None, "the rogue listener")
+        import re
+        port = int(re.search(r"listening on .*port=(\d+)", rogue_log()).group(1))
+        secret_sub = connect(private.address)
+        send(secret_sub, sub(b"inject/"))
+        sync(secret_sub)
+        spy = connect(shared.address)
+        send(spy, sub(b"payroll/"))
+        sync(spy)
+        cli_cert, cli_key = pki["client"]
+        victim = LinkProc(tmp_path, private, "--connect",
+                          f"ssl:host=127.0.0.1:port={port}:caCertsDir={pki['cadir']}:hostname={hostname}"
+                          f":certKey={cli_cert}:privateKey={cli_key}", name="victim")
+        decided = ("link up", "does not prove the name", "closed before the link was up")
+        wait_until(lambda: any(w in victim.log() for w in decided), "the victim decides")
+        with connect(private.address) as p, connect(shared.address) as q:
+            send(p, msg(b"payroll/1", b"salaries"))
+            send(q, msg(b"inject/1", b"shutdown"))
+            sync(p), sync(q)
+        assert "link up" not in victim.log(), "the link accepted the wrong certificate: " + \
+            [line for line in victim.log().splitlines() if "link up" in line][0][-200:]
+        assert "does not prove the name" in victim.log() or "VerificationError" in victim.log()
+        for s in (secret_sub, spy):
+            with pytest.raises(TimeoutError):
+                got = recv(s, 0.5)                       # nothing crossed (never-arrives check)
+                pytest.fail(f"crossed: {got[:80]!r}")
+    finally:
+        if victim is not None:
+            victim.stop()
+        stop_child(rogue)
+
+
+def test_link_tls_control_the_right_certificate_links(start_bus, open_dir, tmp_path):
+    """The control of the test above: the certificate for a.example (and one for the IP asked
+    for) is accepted, messages cross."""
+    from test_link import LinkProc, wait_flow
+
+    pki = _make_pki(os.path.join(open_dir, "pki"), _SERVERS)
+    bus_a, bus_b = start_bus(), start_bus()
+    for cert, hostname in (("good", "a.example"), ("ip_only", "127.0.0.1")):
+        srv_cert, srv_key = pki[cert]
+        a = LinkProc(tmp_path, bus_a, "--listen", f"ssl:0:interface=127.0.0.1:privateKey={srv_key}"
+                     f":certKey={srv_cert}:caCertsDir={pki['cadir']}", name=f"a-{cert}")
+        cli_cert, cli_key = pki["client"]
+        b = LinkProc(tmp_path, bus_b, "--connect", f"ssl:host=127.0.0.1:port={a.port()}:caCertsDir={pki['cadir']}"
+                     f":hostname={hostname}:certKey={cli_cert}:privateKey={cli_key}", name=f"b-{cert}")
+        try:
+            b.wait_log("link up")
+            r = connect(bus_b.address)
+            send(r, sub(b"probe/"))
+            sync(r)
+            wait_flow(bus_a.address, r)
+            r.close()
+        finally:
+            b.stop()
+            a.stop()
+
+
+def test_link_ssl_connect_without_hostname_is_refused(tmp_path):
+    """An ssl: connect without hostname= checks no name: refused at start, one line."""
+    import subprocess
+    import sys
+
+    from test_relay import child_env
+
+    r = subprocess.run([sys.executable, "-m", "twisted", "sbus-link", "--bus", "x.sock", "--connect",
+                        "ssl:host=127.0.0.1:port=7010:caCertsDir=ca:certKey=c.pem:privateKey=c.key"],
+                       capture_output=True, timeout=TIMEOUT, cwd=tmp_path, env=child_env(),
+                       stdin=subprocess.DEVNULL)
+    err = r.stderr.decode().strip()
+    assert r.returncode != 0 and len(err.splitlines()) == 1 and "hostname=" in err, err

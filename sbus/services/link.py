@@ -58,8 +58,12 @@ through a link who could not open its socket.
 * TLS with client certificates: on ``--listen``, ``ssl:`` takes
   ``caCertsDir=DIR`` (every ``*.pem`` in it is a trusted CA) and then requires
   and verifies a client certificate; on ``--connect``, ``ssl:`` takes
-  ``caCertsDir``, ``certKey`` and ``privateKey`` (and ``hostname`` to check the
-  server's name).
+  ``caCertsDir``, ``certKey``, ``privateKey`` and ``hostname`` (required: the
+  name or IP address the server's certificate must carry in its
+  subjectAltName). The connecting side sends and reads nothing until it has
+  checked that name itself after the handshake, failing closed on any error
+  (`verify_peer_name`; Twisted's own check let a certificate without
+  subjectAltName through with a log line).
 * A shared key, ``--key-file FILE`` (mode 0600, the same key on both ends):
   an HMAC challenge-response both ways before anything else crosses
   (`sbus.services.linkauth`). Plain TCP needs it, loopback included (any
@@ -88,7 +92,7 @@ from collections import Counter
 from twisted.application import service
 from twisted.application.internet import ClientService, StreamServerEndpointService, backoffPolicy
 from twisted.internet import defer, endpoints, protocol
-from twisted.internet.interfaces import IHandshakeListener, IPushProducer
+from twisted.internet.interfaces import IHandshakeListener, IPushProducer, ISSLTransport
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.protocols.basic import Int32StringReceiver
@@ -198,10 +202,25 @@ def check_endpoint(description: str, listen: bool, allow_plain: bool, has_key: b
                         f"same on both ends) or use ssl: with caCertsDir= and certificates")
 
 
+def peer_name(description: str) -> str | None:
+    """The name a ``--connect`` TLS endpoint must find in the peer's certificate: ``hostname=``
+    of ``ssl:``, the host of ``tls:``; None for other kinds."""
+    kind, args, kw = _kind(description)
+    if kind == "ssl":
+        return kw.get("hostname")
+    if kind == "tls":
+        return kw.get("host", args[0] if args else None)
+    return None
+
+
 def _check_network(description: str, listen: bool, allow_plain: bool) -> None:
     kind, args, kw = _kind(description)
     if kind in _TLS_KINDS:
         require_tls()
+    if kind == "ssl" and not listen and not kw.get("hostname"):
+        raise EndpointError(f"refusing {description}: ssl: without hostname= checks no name (any "
+                            "certificate the CA signed would do); add hostname=NAME, the name or IP "
+                            "address the peer's certificate carries")
     if kind == "unix" or allow_plain:
         return
     flag = "use ssl: with client certificates, a loopback address, or --allow-plain-tcp"
@@ -234,6 +253,24 @@ def _check_network(description: str, listen: bool, allow_plain: bool) -> None:
     if kind == "tls":
         return
     raise EndpointError(f"refusing {kind}: connections: not known to be loopback or TLS; {flag}")
+
+
+def verify_peer_name(connection, name: str) -> str | None:
+    """Why the peer certificate of an OpenSSL `connection` does not prove `name` (a DNS name
+    or an IP address), or None if it does. Fails closed: any error is a refusal (a certificate
+    without subjectAltName raises service_identity's CertificateError, not VerificationError)."""
+    try:
+        from service_identity.pyopenssl import verify_hostname, verify_ip_address
+
+        try:
+            ipaddress.ip_address(name.strip("[]"))
+        except ValueError:
+            verify_hostname(connection, name)
+        else:
+            verify_ip_address(connection, name.strip("[]"))
+    except Exception as e:  # noqa: BLE001 - every failure refuses
+        return f"{type(e).__name__}: {e}"[:300]
+    return None
 
 
 def _load_cas(directory: str) -> list:
@@ -315,7 +352,7 @@ class Options(usage.Options):
     optParameters = [
         ["bus", "b", None, "The local bus: PATH, /dev/unix/abstract/HEX or /dev/fd/N (default: $SBUS_SOCKET)."],
         ["listen", "l", None, "Server endpoint to accept the peer link on, e.g. ssl:7010:...:caCertsDir=DIR."],
-        ["connect", "c", None, "Client endpoint of the peer link, e.g. ssl:host=H:port=7010:caCertsDir=...:certKey=...:privateKey=..."],
+        ["connect", "c", None, "Client endpoint of the peer link, e.g. ssl:host=H:port=7010:hostname=H:caCertsDir=...:certKey=...:privateKey=... (ssl: needs hostname=, the name the peer's certificate carries)"],
         ["max-packet", None, str(MAX_PACKET), "Largest packet carried, bytes (frames above it close the link)."],
         ["initial-delay", None, "0.2", "First reconnection delay, seconds (bus and --connect peer)."],
         ["max-delay", None, "30", "Longest reconnection delay, seconds."],
@@ -400,6 +437,8 @@ class PeerProtocol(Int32StringReceiver, TimeoutMixin):
         #: The shared-key handshake (None: the transport authenticates the peer).
         self.auth: Handshake | None = None
         self.auth_timer = None
+        #: The name a TLS server's certificate must prove, until it has (client side).
+        self.unverified: str | None = None
 
     def connectionMade(self):
         peer = self.transport.getPeer()
@@ -409,7 +448,14 @@ class PeerProtocol(Int32StringReceiver, TimeoutMixin):
             self._ping = LoopingCall(self.sendFrame, b"CMSG " + PING)
             self._ping.clock = self.link.reactor
             self._ping.start(self.link.keepalive, now=False)
-        self.link.peerConnected(self)
+        # A TLS client sends nothing and reads nothing until it has checked the server's name
+        # itself (Twisted's check lets service_identity's CertificateError through: a
+        # certificate without subjectAltName was accepted with a log line).
+        self.unverified = self.link.peer_name if ISSLTransport.providedBy(self.transport) else None
+        if self.unverified is None:
+            self.link.peerConnected(self)
+        else:
+            self.setTimeout(AUTH_TIMEOUT)
 
     def handshakeCompleted(self):
         cert = None
@@ -419,12 +465,27 @@ class PeerProtocol(Int32StringReceiver, TimeoutMixin):
             pass
         subject = cert.get_subject().CN if cert is not None else None
         log.info("sbus-link: TLS handshake with {peer} done (certificate CN={cn})", peer=self.name, cn=subject)
+        if self.unverified is None:
+            return
+        name, self.unverified = self.unverified, None
+        why = verify_peer_name(self.transport.getHandle(), name)
+        if why is not None:
+            self.link.drops["peer_name_refused"] += 1
+            log.error("sbus-link: refusing {peer}: its certificate does not prove the name {name!r}: "
+                      "{why}; closing", peer=self.name, name=name, why=why)
+            self.transport.abortConnection()
+            return
+        self.setTimeout(self.link.keepalive * 3 if self.link.keepalive else None)
+        self.link.peerConnected(self)
 
     def sendFrame(self, frame: bytes) -> None:
         if self.transport is not None and self.transport.connected:
             self.sendString(frame)
 
     def stringReceived(self, frame: bytes):
+        if self.unverified is not None:   # cannot happen: TLS delivers data after the handshake
+            self.transport.abortConnection()
+            return
         self.resetTimeout()
         self.link.fromPeer(self, frame)
 
@@ -506,6 +567,8 @@ class Link(service.MultiService):
         self.bus_address = bus
         self.listen = listen
         self.connect = connect
+        #: What a TLS server we connect to must prove it is (None: listening, or not TLS).
+        self.peer_name = peer_name(connect) if connect else None
         self.patterns = list(patterns)
         self.export_all = b"" in self.patterns
         self.max_packet = max_packet

@@ -66,8 +66,15 @@ NATS cannot be asked to wait: imported messages queue for the bus up to
 (``bus_slow``). Every drop is
 counted by reason in `stats()`; a stats line is logged every
 ``--stats-interval`` seconds if it changed, and at stop; the service also
-answers ``sbus/services/stats`` requests on the bus (`sbus.services.svcstats`
-when present, else the same protocol here).
+answers ``sbus/services/stats`` requests on the bus (`sbus.services.svcstats`).
+
+Authentication. A NATS server anyone can reach is a way into the bus: whoever
+connects to it reads what is exported and publishes what is imported, as the
+bus's owner. So the service refuses to start without an authentication of its
+own (``--creds``, ``--token``, ``--user``/``--password``, ``--tls-cert``, or
+credentials in every ``--server`` URL) unless ``--allow-unauthenticated`` names
+the risk; loopback is no exception (every local user can reach a loopback
+port, the rule ``sbus-link`` applies to plain TCP).
 """
 
 from __future__ import annotations
@@ -136,6 +143,24 @@ def check_servers(urls, tls: bool, allow_plain: bool) -> list[str]:
                 "loopback; use tls:// or --tls-ca, or --allow-plain")
         out.append(u.geturl())
     return out
+
+
+def check_authenticated(servers, options) -> None:
+    """Refuse a NATS connection that authenticates nobody unless --allow-unauthenticated says
+    so: whoever can reach the NATS server (on loopback: every local user, as for sbus-link's
+    plain TCP) could read what is exported and publish what is imported, as the bus's owner.
+    TLS without a client certificate authenticates the server, not us: it does not count."""
+    if options["allow-unauthenticated"]:
+        return
+    if options["creds"] or options["token"] or options["user"] or options["tls-cert"]:
+        return
+    if all(urlsplit(u).username for u in servers):   # nats://user:password@host, nats://token@host
+        return
+    raise usage.UsageError(
+        "refusing a NATS connection without authentication: anyone who can reach "
+        f"{', '.join(servers)} (on loopback: every local user) could read what is exported and "
+        "publish what is imported; give --creds, --token, --user/--password or --tls-cert, "
+        "or --allow-unauthenticated")
 
 
 def _drive(coro, failed):
@@ -785,7 +810,8 @@ class Options(usage.Options):
         "only to what clients of the bus hold (--static-imports: to every import). Keys map to "
         "subjects PREFIX.seg1.seg2 with bytes other than [A-Za-z0-9-] escaped as _XX "
         "(docs/deploy.md). !/cred/ keys cross only if a pattern names !/cred/. A plain "
-        "connection to a host that is not loopback needs --allow-plain. Needs nats-py: "
+        "connection to a host that is not loopback needs --allow-plain; a connection without "
+        "authentication (loopback too) needs --allow-unauthenticated. Needs nats-py: "
         f"{EXTRA}; runs on the asyncio reactor (installed unless another is chosen)."
     )
     optParameters = [
@@ -811,6 +837,10 @@ class Options(usage.Options):
     ]
     optFlags = [
         ["allow-plain", None, "Allow an unencrypted connection to a NATS server that is not loopback."],
+        ["allow-unauthenticated", None, "Connect to NATS without --creds, --token, --user or "
+                                        "--tls-cert: whoever can reach the NATS server (on "
+                                        "loopback: every local user) reads the exports and "
+                                        "publishes the imports."],
         ["static-imports", None, "Subscribe on NATS to every --import pattern for the life of the "
                                  "service. Default: only to what clients of the bus hold (as the "
                                  "server reports it), withdrawn when the last holder leaves."],
@@ -866,6 +896,7 @@ class Options(usage.Options):
                 raise usage.UsageError(f"--{name}: no such file: {self[name]}")
         tls = bool(self["tls-ca"] or self["tls-cert"])
         self["servers"] = check_servers(self["servers"], tls, self["allow-plain"])
+        check_authenticated(self["servers"], self)
         self["max-pending"] = positive_int("max-pending", self["max-pending"])
         self["import-buffer"] = positive_int("import-buffer", self["import-buffer"])
         self["reconnect-wait"] = positive_float("reconnect-wait", self["reconnect-wait"])
