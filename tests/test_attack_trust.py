@@ -322,3 +322,114 @@ def test_link_ssl_connect_without_hostname_is_refused(tmp_path):
                        stdin=subprocess.DEVNULL)
     err = r.stderr.decode().strip()
     assert r.returncode != 0 and len(err.splitlines()) == 1 and "hostname=" in err, err
+
+
+# ---------------------------------------------------------------- 5: forged spanning-tree hellos
+
+ZERO = "0" * 36
+
+
+def _capture_announcement(address: str) -> bytes:
+    """As the caller: the payload of the first public ``sbus/topology/hello`` heard on the bus."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(TIMEOUT)
+    s.connect(address)
+    send(s, sub(b"sbus/topology/hello"))
+    while True:
+        p = recv(s, 3 * TIMEOUT)
+        if p.startswith(b"MSG sbus/topology/hello\0"):
+            s.close()
+            return p.split(b"\0", 1)[1]
+
+
+def _forge_hellos(address: str, heard: bytes, n: int) -> str:
+    """As uid 65534: every forgery we know of, `n` times each, then a round trip (all routed)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(TIMEOUT)
+    s.connect(address)
+    gid, uid, pid = whoami(s)
+    mine = "!/cred/%d/%d/%d" % (gid, uid, pid)
+    body = json.loads(heard)
+    victim = body.get("who")
+    # the bridge's hello, replayed with the lowest node id and one hop less: "side b already
+    # reaches the root" (an announcement names no root: any will do, it is refused anyway)
+    old = dict(body, v=1, root=body.get("root", "8" * 36), node=ZERO, cost=max(body.get("cost", 0) - 1, 0),
+               port=1, role="designated", name="forged")
+    old.pop("who", None)
+    forged = json.dumps(old).encode()
+    packets = [msg(b"sbus/topology/hello", forged),
+               msg(b"sbus/topology/hello", json.dumps({"v": 2, "who": mine}).encode()),
+               msg(b"sbus/topology/change", b"forged")]
+    if victim:
+        w = victim.encode()
+        packets += [msg(w + b"/sbus-topology/hello", b"\0".join((b"0" * 64, b"0" * 16, b"!/cred/0/0/1", forged))),
+                    msg(w + b"/sbus-topology/auth", json.dumps({"from": "!/cred/0/0/1", "n": "1" * 32,
+                                                                  "echo": "2" * 32}).encode()),
+                    msg(w + b"/sbus-topology/auth", json.dumps({"from": "!/cred/0/0/1", "echo": "3" * 32}).encode())]
+    for i in range(n):
+        send(s, *packets)
+        # a claim of a trusted uid's (non-existent) process: makes the bridge ask, rate-limited
+        send(s, msg(b"sbus/topology/hello", json.dumps({"v": 2, "who": f"!/cred/0/0/{4000000 + i}"}).encode()))
+    sync(s, 3 * TIMEOUT)
+    s.close()
+    return "sent"
+
+
+def test_forged_hellos_of_another_uid_do_not_make_a_bridge_stand_by(start_bus, open_dir, twistd):  # noqa: F811
+    """uid 65534 on the shared side of a bridge into a private bus replays the bridge's hello
+    with node 000…0 and cost 0, announces itself, claims root's processes, sends forged hellos
+    and handshake answers to the bridge's secret key and change notices: thousands of each.
+    The bridge used to stand by ("loop: side b is already reached through forged") and lose
+    the probes. Now nothing of it reaches the tree: every probe crosses, no stand-by."""
+    private = start_bus()
+    shared = _open_bus(start_bus, open_dir, "shared.socket")
+    bridge = start_bridge(twistd, private.address, shared.address, "probe/ b>a")
+    heard = _capture_announcement(shared.address)
+    receiver = connect(private.address)
+    send(receiver, sub(b"probe/"))
+    sync(receiver)
+    assert run_as(NOBODY, NOBODY, lambda: _forge_hellos(shared.address, heard, 2000)) == "sent"
+    # the bridge reads side b in order: everything forged comes before these probes
+    with connect(shared.address) as pub:
+        for i in range(20):
+            send(pub, msg(b"probe/%d" % i, b"x"))
+            got = recv(receiver, TIMEOUT)
+            assert got == msg(b"probe/%d" % i, b"x"), (i, got[:80], bridge.log()[-600:])
+    assert "standing by" not in bridge.log(), [l for l in bridge.log().splitlines() if "standing by" in l][0]
+    st = json.loads(_ask_stats(shared.address, b"x"))["stats"]["spanning_tree"]
+    assert st["forwarding"] and st["refused"].get("untrusted") and st["refused"].get("forged"), st["refused"]
+    assert st["refused"].get("throttled"), st["refused"]
+    receiver.close()
+
+
+def _announce_and_listen(address: str) -> str:
+    """As the caller: announce ourselves as a tree node, then ask for statistics (the bridge
+    answers after it has handled the announcement); return 'challenged' if a challenge to our
+    secret key came first, else 'ignored'."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(TIMEOUT)
+    s.connect(address)
+    gid, uid, pid = whoami(s)
+    mine = b"!/cred/%d/%d/%d" % (gid, uid, pid)
+    send(s, sub(mine + b"/"))
+    sync(s)
+    send(s, msg(b"sbus/topology/hello", json.dumps({"v": 2, "who": mine.decode()}).encode()),
+         msg(b"sbus/services/stats", mine + b"/stats"))
+    while True:
+        p = recv(s, TIMEOUT)
+        if p.startswith(b"MSG " + mine + b"/sbus-topology/auth\0"):
+            return "challenged"
+        if p.startswith(b"MSG " + mine + b"/stats\0"):
+            return "ignored"
+
+
+@pytest.mark.parametrize("trust", [False, True])
+def test_bridge_talks_only_to_trusted_uids(start_bus, open_dir, twistd, trust):  # noqa: F811
+    """A tree node announced by uid 65534 is not even challenged (the bridge trusts its own
+    uids and root); with --trust-uid 65534 it is (and would be proven, as any peer)."""
+    private = start_bus()
+    shared = _open_bus(start_bus, open_dir, "shared.socket")
+    extra = ("--trust-uid", str(NOBODY)) if trust else ()
+    start_bridge(twistd, private.address, shared.address, "probe/ b>a", extra=extra)
+    assert run_as(NOBODY, NOBODY, lambda: _announce_and_listen(shared.address)) == \
+        ("challenged" if trust else "ignored")

@@ -108,7 +108,7 @@ from sbus.core.patterns import matches
 from sbus.core.topology import RESERVED as TOPOLOGY
 from sbus.services.safeconnect import OwnerConnector, parse_user
 from sbus.services.shutdown import exit_zero_on_sigterm
-from sbus.services.spanning import Tree, default_name, hello_packet, send_urgent
+from sbus.services.spanning import PRIVATE_PATTERN, Tree, default_name, send_urgent
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder
 
 SERVER_ID = b"server/id"
@@ -269,10 +269,12 @@ class BridgeService(service.Service):
     def __init__(self, a, b, rules: list[Rule], *, stats_interval: float = 60.0,
                  initial_delay: float = 0.1, max_delay: float = 10.0,
                  max_packet: int = MAX_PACKET, reactor=None, users: dict | None = None,
-                 spanning_tree: bool = True):
+                 spanning_tree: bool = True, trusted_uids=()):
         if not rules:
             raise ValueError("a bridge needs at least one rule")
         self.address = {"a": a, "b": b}
+        #: uids whose bridges and links we believe on the buses (besides ours and root)
+        self.trusted_uids = tuple(trusted_uids)
         #: Run as root, each side is connected as its user (sbus.services.safeconnect).
         self.connectors = {side: OwnerConnector((users or {}).get(side)) for side in SIDES}
         self._last_failure: dict[str, str] = {}
@@ -358,6 +360,7 @@ class BridgeService(service.Service):
             # publishers instead of discarding what waits for us.
             client.flood(hard="block")
             client.subscribe(TOPOLOGY)
+            client.subscribe(PRIVATE_PATTERN)      # <our whoami>/sbus-topology/...: proven peers
             client.subscribe(STATS_REQUEST)
             seen = set()
             for route in self.routes[side]:
@@ -367,7 +370,8 @@ class BridgeService(service.Service):
             client.echo(False)
             self.clients[side] = client
         self.tree = Tree(self.reactor, default_name("sbus-bridge", f"a={self.address['a']} b={self.address['b']}"),
-                         {1: "a", 2: "b"}, self._sendHello, log, enabled=self.spanning_tree)
+                         {1: "a", 2: "b"}, self._sendTree, log, enabled=self.spanning_tree,
+                         trusted_uids=self.trusted_uids)
         self.tree.start()
         self.responder = StatsResponder("sbus-bridge", self.tree.node.name, self.stats, self._publicStats)
         for rule in self.rules:
@@ -399,10 +403,10 @@ class BridgeService(service.Service):
 
     # -- connections
 
-    def _sendHello(self, port: int, hello) -> None:
+    def _sendTree(self, port: int, key: bytes, payload: bytes) -> None:
         proto = self.clients[SIDE_OF_PORT[port]].protocol
         if proto is not None and proto.connected:
-            send_urgent(proto.transport, hello_packet(hello))
+            send_urgent(proto.transport, b"MSG " + key + b"\0" + payload)
 
     def _serverId(self, side: str, proto, payload) -> None:
         if not payload or proto is not self.clients[side].protocol:
@@ -428,7 +432,7 @@ class BridgeService(service.Service):
             proto.request(SERVER_ID).addCallbacks(lambda p: self._serverId(side, proto, p), lambda f: None)
         except Exception:
             pass
-        self.tree.port_up(PORT[side])
+        self.tree.port_up(PORT[side], proto.credentials)
         proto.echo_filter = RecentPackets()  # until the probe shows echo/off is honoured
         # back-pressure: when this side's queue is full, stop reading the other side
         proto.transport.registerProducer(_Pauser(self, other), True)
@@ -486,7 +490,7 @@ class BridgeService(service.Service):
     # -- forwarding
 
     def _received(self, side: str, proto, key: bytes, payload: bytes, packet: bytes) -> None:
-        if key.startswith(TOPOLOGY):
+        if key.startswith(TOPOLOGY) or self.tree.owns(PORT[side], key):
             self.tree.received(PORT[side], key, payload)
             return  # never forwarded: each segment's hellos are its own
         if key == STATS_REQUEST:
@@ -653,6 +657,16 @@ class Options(usage.Options):
     def __init__(self):
         super().__init__()
         self["rules"] = []
+        self["trust-uids"] = []
+
+    def opt_trust_uid(self, value: str) -> None:
+        """Also believe spanning-tree hellos of services of this user (name or uid; repeatable). By
+        default only the service's own uid, its uids on each bus, and root (docs/security.md)."""
+        from sbus.server.sbusd import resolve_user
+        try:
+            self["trust-uids"].append(resolve_user(value))
+        except ValueError as e:
+            raise usage.UsageError(f"--trust-uid: {e}") from None
 
     def opt_rule(self, value: str) -> None:
         """A forwarding rule 'PATTERN DIRECTION [A_PREFIX B_PREFIX]' (repeatable)."""
@@ -726,4 +740,5 @@ def makeService(options) -> BridgeService:
     return BridgeService(options["a"], options["b"], options["rules"],
                          stats_interval=options["stats-interval"], max_delay=options["max-delay"],
                          users={"a": options["a-user"], "b": options["b-user"]},
-                         spanning_tree=not options["no-spanning-tree"])
+                         spanning_tree=not options["no-spanning-tree"],
+                         trusted_uids=options["trust-uids"])

@@ -113,7 +113,7 @@ from sbus.services import access as bus_access
 from sbus.services.linkauth import AUTH, PROOF, AuthError, Handshake, load_key
 from sbus.services.shutdown import exit_zero_on_sigterm
 from sbus.core.topology import HELLO_KEY, RESERVED as TOPOLOGY
-from sbus.services.spanning import Tree, default_name, hello_packet, send_urgent
+from sbus.services.spanning import Tree, default_name, send_urgent
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder
 
 log = Logger(namespace="sbus.link")
@@ -365,6 +365,16 @@ class Options(usage.Options):
     def __init__(self):
         super().__init__()
         self["patterns"] = []
+        self["trust-uids"] = []
+
+    def opt_trust_uid(self, value: str) -> None:
+        """Also believe spanning-tree hellos of services of this user (name or uid; repeatable). By
+        default only the service's own uid, its uids on each bus, and root (docs/security.md)."""
+        from sbus.server.sbusd import resolve_user
+        try:
+            self["trust-uids"].append(resolve_user(value))
+        except ValueError as e:
+            raise usage.UsageError(f"--trust-uid: {e}") from None
 
     def opt_pattern(self, value: str) -> None:
         """Export local messages matching this pattern to the peer; repeatable (default: everything)."""
@@ -553,7 +563,8 @@ class Link(service.MultiService):
     def __init__(self, bus: str, listen: str | None = None, connect: str | None = None,
                  patterns=(b"",), max_packet: int = MAX_PACKET, initialDelay: float = 0.2,
                  maxDelay: float = 30.0, keepalive: float = 30.0, statsInterval: float = 60.0,
-                 reactor=None, key_file: str | None = None, spanning_tree: bool = True):
+                 reactor=None, key_file: str | None = None, spanning_tree: bool = True,
+                 trusted_uids=()):
         super().__init__()
         #: Who may reach the bus: a unix peer must be one of them (`sbus.services.access`).
         self.access = bus_access.BusAccess(bus)
@@ -594,7 +605,8 @@ class Link(service.MultiService):
         where = (listen or connect or "").split(":privateKey=")[0].split(":caCertsDir=")[0][:80]
         self.tree = Tree(reactor, default_name("sbus-link", f"bus={bus} {'listen' if listen else 'connect'}="
                                                             f"{where}"),
-                         {BUS_PORT: "bus", PEER_PORT: "peer"}, self._sendHello, log, enabled=spanning_tree)
+                         {BUS_PORT: "bus", PEER_PORT: "peer"}, self._sendTree, log, enabled=spanning_tree,
+                         trusted_uids=trusted_uids, transport_ports=(PEER_PORT,))
         self.responder = StatsResponder("sbus-link", self.tree.node.name, self.stats, self._publicStats)
 
         def localFactory():
@@ -677,12 +689,12 @@ class Link(service.MultiService):
         return {"bus_connected": self.local is not None, "peer_connected": self.peer is not None,
                 "forwarding": self.tree.forwarding}
 
-    def _sendHello(self, port: int, hello) -> None:
+    def _sendTree(self, port: int, key: bytes, payload: bytes) -> None:
         if port == BUS_PORT:
             if self.local is not None and self.local.connected:
-                send_urgent(self.local.transport, hello_packet(hello))
+                send_urgent(self.local.transport, b"MSG " + key + b"\0" + payload)
         elif self.peer is not None:
-            self.peer.sendFrame(b"CMSG " + STP + b"\0" + hello.encode())
+            self.peer.sendFrame(b"CMSG " + STP + b"\0" + payload)
 
     def logStats(self):
         log.info("sbus-link stats: {stats}", stats=json.dumps(self.stats(), separators=(",", ":")))
@@ -713,7 +725,7 @@ class Link(service.MultiService):
         if self._local_paused:
             proto.transport.pauseProducing()
         log.info("sbus-link: connected to bus {bus} as {who}", bus=self.bus_address, who=_show(whoami))
-        self.tree.port_up(BUS_PORT)
+        self.tree.port_up(BUS_PORT, whoami)
         if changed:
             for conn in self.conns:
                 if conn.auth is None or conn.auth.done:  # mid-handshake: its hello follows the proof
@@ -758,6 +770,9 @@ class Link(service.MultiService):
                 self.drops["foreign_secret"] += 1
                 return
             rest = key[len(own):]
+            if self.tree.owns(BUS_PORT, key):
+                self.tree.received(BUS_PORT, key, packet[end + 1:])
+                return  # the spanning tree's own keys: never carried across
             if rest == WHOAMI_REQUEST:
                 # <link>/sbus-link/whoami: only this process receives it (a secret key of ours)
                 self._answerChallenge(packet[end + 1:])
@@ -1020,6 +1035,7 @@ def makeService(options: Options) -> Link:
             keepalive=options["keepalive"], statsInterval=options["stats-interval"],
             key_file=options["key-file"],
             spanning_tree=not options["no-spanning-tree"],
+            trusted_uids=options["trust-uids"],
         )
     except EndpointError as e:
         raise usage.UsageError(str(e)) from None
