@@ -433,3 +433,56 @@ def test_bridge_talks_only_to_trusted_uids(start_bus, open_dir, twistd, trust): 
     start_bridge(twistd, private.address, shared.address, "probe/ b>a", extra=extra)
     assert run_as(NOBODY, NOBODY, lambda: _announce_and_listen(shared.address)) == \
         ("challenged" if trust else "ignored")
+
+
+# ---------------------------------------------------------------- still open before: the gateway's memory per uid
+
+
+def test_gateway_memory_is_bounded_per_uid(start_bus, open_dir, tmp_path):
+    """uid 65534 (allowed: the bus is open) opens connection after connection, each holding an
+    unfinished 250 KB send. Each connection was within its own bounds, so with --max-clients
+    (4,096) one uid could pin about 1.6 GB. Now everything its connections hold counts against
+    --max-uid-bytes: the connection that goes over is told and closed; the owner is served."""
+    import re
+
+    from test_bridge import TwistdProcess
+
+    bus = _open_bus(start_bus, open_dir, "bus.socket")
+    gw = TwistdProcess(["sbus-msgbus", "--bus", bus.address, "--port", "tcp:0:interface=127.0.0.1",
+                        "--max-uid-bytes", "2100000"], tmp_path)
+    try:
+        text = gw.wait_log(r"msgbus gateway listening on 127\.0\.0\.1:\d+")
+        port = int(re.search(r"listening on 127\.0\.0\.1:(\d+)", text).group(1))
+        gw.wait_log(r"connected to the bus")
+
+        def attack():
+            conns, told = [], []
+            for i in range(12):
+                c = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+                c.sendall(b"ping\n")
+                assert c.recv(100) == b"pong\n"
+                c.sendall(b"send 300000 chan\n" + b"x" * 250_000)
+                c.sendall(b"ping\n")                       # inside the message: no answer expected
+                conns.append(c)
+            # 8 x 250,005 bytes fit in 2,100,000: those are served (finish the message, ping);
+            # each later one went over: told in one line, closed
+            for c in conns[8:]:
+                c.settimeout(TIMEOUT)
+                got = b""
+                while chunk := c.recv(4096):
+                    got += chunk
+                told.append(got.decode(errors="replace").strip())
+            served = 0
+            for c in conns[:8]:
+                c.sendall(b"x" * (300_000 - 250_005) + b"ping\n")
+                c.settimeout(TIMEOUT)
+                served += c.recv(100) == b"pong\n"
+            return f"{len(told)} told, {served} served: {told[:1]}"
+
+        result = run_as(NOBODY, NOBODY, attack)
+        assert result.startswith("4 told, 8 served") and "--max-uid-bytes" in result, result
+        with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as owner:
+            owner.sendall(b"ping\n")
+            assert owner.recv(100) == b"pong\n"
+    finally:
+        gw.stop()

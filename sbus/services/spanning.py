@@ -273,7 +273,12 @@ class Tree:
             self._refuse("untrusted")
             return
         who = who.encode()
-        if bp.sessions.get(who) or any(w == who and now - t < self.node.max_age for w, t in bp.asked.values()):
+        if not bp.sessions.get(who):
+            self._ask(port, bp, who, now)
+
+    def _ask(self, port: int, bp: _BusPort, who: bytes, now: float) -> None:
+        """Challenge `who` (a trusted whoami): a nonce to its secret key (rate-limited)."""
+        if any(w == who and now - t < self.node.max_age for w, t in bp.asked.values()):
             return
         if bp.who is None or not bp.ask_bucket.take(now):
             self._refuse("throttled")
@@ -342,6 +347,8 @@ class Tree:
                 break
         else:
             self._refuse("unknown_session")
+            if self._trusts(bp, peer.decode("utf-8", "replace")):
+                self._ask(port, bp, peer, now)   # it knows us, we lost it (idle while it paused?)
             return
         want = hmac.new(key, b"\0".join((_LABEL, peer, bp.who, body)), hashlib.sha256).hexdigest().encode()
         if not hmac.compare_digest(mac, want):
@@ -404,7 +411,8 @@ class Tree:
         now = self.reactor.seconds()
         self.node.tick(now)
         for port, bp in self.bus_ports.items():
-            self._expire(bp, now)
+            if not self.node.ports[port].paused:   # not reading: the silence is ours
+                self._expire(bp, now)
             if bp.who is not None and now >= bp.next_announce:
                 self._announce(port, bp, now)
         self._flush()
