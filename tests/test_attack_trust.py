@@ -486,3 +486,49 @@ def test_gateway_memory_is_bounded_per_uid(start_bus, open_dir, tmp_path):
             assert owner.recv(100) == b"pong\n"
     finally:
         gw.stop()
+
+
+# ---------------------------------------------------------------- still open: the server's -u list
+
+
+@pytest.mark.xfail(strict=True, reason="needs the server to report its -u list in server/stats "
+                   "('allowed_uids', to root and its own uid): the lead's broker; the services read it")
+def test_gateway_honours_the_servers_user_list(start_bus, open_dir, tmp_path):
+    """The bus socket is 0777 but the server admits only root (-u 0): uid 65534 cannot use it.
+    The gateway judges from the mode bits alone, so it admits 65534, who then publishes on the
+    bus as the gateway's uid."""
+    import re
+
+    from test_bridge import TwistdProcess
+
+    bus = start_bus("-o", "-u", "0", address=os.path.join(open_dir, "bus.socket"))
+    os.chmod(bus.address, 0o777)
+    gw = TwistdProcess(["sbus-msgbus", "--bus", bus.address, "--port", "tcp:0:interface=127.0.0.1"], tmp_path)
+    try:
+        text = gw.wait_log(r"msgbus gateway listening on 127\.0\.0\.1:\d+")
+        port = int(re.search(r"listening on 127\.0\.0\.1:(\d+)", text).group(1))
+        gw.wait_log(r"connected to the bus")
+
+        def attack():
+            with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as c:
+                c.sendall(b"ping\n")
+                return c.recv(200).decode(errors="replace").strip()
+
+        assert run_as(NOBODY, NOBODY, attack).startswith("error uid 65534")
+    finally:
+        gw.stop()
+
+
+def test_access_takes_the_servers_user_list_when_reported(start_bus, open_dir):
+    """The service side of the test above: once the server's statistics name its -u list, a uid
+    the mode bits let in but the list does not is refused (root and our own uid always pass)."""
+    from sbus.services.access import BusAccess
+
+    bus = _open_bus(start_bus, open_dir, "bus.socket")
+    access = BusAccess(bus.address)
+    assert access.allows(NOBODY)
+    access.learn_server(b'{"clients": 1}')            # a server that does not say: modes decide
+    assert access.allows(NOBODY)
+    access.learn_server(b'{"allowed_uids": [0, 1000]}')
+    assert not access.allows(NOBODY) and access.allows(0) and access.allows(os.getuid())
+    assert "-u users 0,1000" in access.describe()

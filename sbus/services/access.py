@@ -148,12 +148,29 @@ class BusAccess:
         if addr is not None and addr.kind == "path":
             self.path = os.path.abspath(addr.value)  # twistd may chdir later
         self.own_uid = os.getuid()
+        #: The server's own allow-list (``-u``), when its ``server/stats`` reports one
+        #: (``allowed_uids``); None: not known, the modes alone decide.
+        self.server_users: frozenset[int] | None = None
+
+    def learn_server(self, payload: bytes) -> None:
+        """Take the allow-list from the bus's ``server/stats`` answer, if it reports one."""
+        import json
+
+        try:
+            stats = json.loads(payload)
+        except (TypeError, ValueError, UnicodeDecodeError):
+            return
+        users = stats.get("allowed_uids") if isinstance(stats, dict) else None
+        if isinstance(users, list) and all(type(u) is int for u in users):
+            self.server_users = frozenset(users)
 
     def allows(self, uid: int | None) -> bool:
         if uid is None:
             return False
         if uid == self.own_uid or uid == 0:
             return True
+        if self.server_users is not None and uid not in self.server_users:
+            return False
         return self.path is not None and may_connect(uid, self.path)
 
     def socket_mode(self) -> tuple[int, int | None, int | None]:
@@ -193,7 +210,9 @@ class BusAccess:
         if self.path is None:
             return "the service's own uid and root (the bus address has no file mode)"
         mode, uid, gid = self.socket_mode()
-        return f"uids that could open {self.path} (mode {mode:04o}, owner uid {uid}, gid {gid})"
+        users = "" if self.server_users is None else \
+            f", among the server's -u users {','.join(map(str, sorted(self.server_users)))}"
+        return f"uids that could open {self.path} (mode {mode:04o}, owner uid {uid}, gid {gid}{users})"
 
 
 # ---------------------------------------------------------------- who is at the other end

@@ -719,6 +719,8 @@ class MsgbusService(service.MultiService):
                              again="" if svc.connects == 1 else f" (reconnect {svc.connects - 1})")
 
                 proto.sync().addCallbacks(ready, lambda f: None)
+                # the server's -u list, if its statistics name it (access judged by modes and it)
+                proto.request(b"server/stats").addCallbacks(gateway.access.learn_server, lambda f: None)
 
             def connectionLost(self, reason):
                 if svc.running:
