@@ -360,7 +360,8 @@ class BridgeService(service.Service):
             # publishers instead of discarding what waits for us.
             client.flood(hard="block")
             client.subscribe(TOPOLOGY)
-            client.subscribe(PRIVATE_PATTERN)      # <our whoami>/sbus-topology/...: proven peers
+            if self.spanning_tree:
+                client.subscribe(PRIVATE_PATTERN)  # <our whoami>/sbus-topology/...: proven peers
             client.subscribe(STATS_REQUEST)
             seen = set()
             for route in self.routes[side]:

@@ -262,6 +262,8 @@ class Tree:
         return body if isinstance(body, dict) else None
 
     def _heard_announcement(self, port: int, bp: _BusPort, payload: bytes, now: float) -> None:
+        if bp.who is None:
+            return  # the port is not up: we would not know whom to say we are
         body = self._json(payload)
         if body is None or body.get("v") != 2:
             self._refuse("malformed")
@@ -280,7 +282,7 @@ class Tree:
         """Challenge `who` (a trusted whoami): a nonce to its secret key (rate-limited)."""
         if any(w == who and now - t < self.node.max_age for w, t in bp.asked.values()):
             return
-        if bp.who is None or not bp.ask_bucket.take(now):
+        if not bp.ask_bucket.take(now):
             self._refuse("throttled")
             return
         nonce = os.urandom(16).hex()
@@ -401,7 +403,7 @@ class Tree:
 
     def _expire(self, bp: _BusPort, now: float) -> None:
         idle = 4 * self.node.max_age
-        for peer in [p for p, ss in bp.sessions.items() if now - ss[0][2] > idle]:
+        for peer in [p for p, ss in bp.sessions.items() if now - max(x[2] for x in ss) > idle]:
             del bp.sessions[peer]
         for table in (bp.asked, bp.answered):
             for nonce in [n for n, v in table.items() if now - v[-1] > self.node.max_age]:
