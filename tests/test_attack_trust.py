@@ -8,28 +8,18 @@ from __future__ import annotations
 import encodings.idna  # noqa: F401  (uid 65534 cannot import it from the venv after the fork)
 import json
 import os
-import shutil
 import socket
-import tempfile
 
 import pytest
 
 from helpers import connect, msg, recv, run_as, send, sub, sync, whoami
+from test_attack_services import open_dir  # noqa: F401  (fixture)
 from test_bridge import TIMEOUT, start_bridge, twistd  # noqa: F401  (fixture)
 
 from sbus.core.credentials import owner_of
 from sbus.services.svcstats import reply_owner_uid
 
 NOBODY = 65534
-
-
-@pytest.fixture
-def open_dir():
-    """A fresh directory under /tmp that uid 65534 may traverse (tmp_path's parents are 0700)."""
-    d = tempfile.mkdtemp(prefix="sbus-trust-")
-    os.chmod(d, 0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _open_bus(start_bus, open_dir, name):

@@ -108,7 +108,7 @@ from sbus.core.patterns import matches
 from sbus.core.topology import RESERVED as TOPOLOGY
 from sbus.services.safeconnect import OwnerConnector, parse_user
 from sbus.services.shutdown import exit_zero_on_sigterm
-from sbus.services.spanning import PRIVATE_PATTERN, Tree, default_name, send_urgent
+from sbus.services.spanning import PRIVATE_PATTERN, Tree, default_name, opt_trust_uid, send_urgent
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder
 
 SERVER_ID = b"server/id"
@@ -660,14 +660,7 @@ class Options(usage.Options):
         self["rules"] = []
         self["trust-uids"] = []
 
-    def opt_trust_uid(self, value: str) -> None:
-        """Also believe spanning-tree hellos of services of this user (name or uid; repeatable). By
-        default only the service's own uid, its uids on each bus, and root (docs/security.md)."""
-        from sbus.server.sbusd import resolve_user
-        try:
-            self["trust-uids"].append(resolve_user(value))
-        except ValueError as e:
-            raise usage.UsageError(f"--trust-uid: {e}") from None
+    opt_trust_uid = opt_trust_uid
 
     def opt_rule(self, value: str) -> None:
         """A forwarding rule 'PATTERN DIRECTION [A_PREFIX B_PREFIX]' (repeatable)."""

@@ -113,7 +113,7 @@ from sbus.services import access as bus_access
 from sbus.services.linkauth import AUTH, PROOF, AuthError, Handshake, load_key
 from sbus.services.shutdown import exit_zero_on_sigterm
 from sbus.core.topology import HELLO_KEY, RESERVED as TOPOLOGY
-from sbus.services.spanning import Tree, default_name, send_urgent
+from sbus.services.spanning import Tree, default_name, opt_trust_uid, send_urgent
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder
 
 log = Logger(namespace="sbus.link")
@@ -367,14 +367,7 @@ class Options(usage.Options):
         self["patterns"] = []
         self["trust-uids"] = []
 
-    def opt_trust_uid(self, value: str) -> None:
-        """Also believe spanning-tree hellos of services of this user (name or uid; repeatable). By
-        default only the service's own uid, its uids on each bus, and root (docs/security.md)."""
-        from sbus.server.sbusd import resolve_user
-        try:
-            self["trust-uids"].append(resolve_user(value))
-        except ValueError as e:
-            raise usage.UsageError(f"--trust-uid: {e}") from None
+    opt_trust_uid = opt_trust_uid
 
     def opt_pattern(self, value: str) -> None:
         """Export local messages matching this pattern to the peer; repeatable (default: everything)."""

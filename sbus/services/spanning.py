@@ -459,5 +459,17 @@ class Tree:
         return st
 
 
+def opt_trust_uid(options, value: str) -> None:
+    """Also believe spanning-tree hellos of this user's services (name or uid; repeatable); by default only our own uids and root's."""  # noqa: E501
+    from twisted.python import usage
+
+    from sbus.server.sbusd import resolve_user
+
+    try:
+        options.setdefault("trust-uids", []).append(resolve_user(value))
+    except ValueError as e:
+        raise usage.UsageError(f"--trust-uid: {e}") from None
+
+
 def default_name(kind: str, detail: str) -> str:
     return f"{kind} pid {os.getpid()} ({detail})"
