@@ -17,7 +17,7 @@ import tempfile
 
 import pytest
 
-from helpers import connect, msg, recv, run_as, send, sub, sync
+from helpers import TwistdBus, connect, msg, recv, run_as, send, sub, sync
 from test_bridge import TIMEOUT, TwistdProcess
 from test_msgbus import MsgbusClient, gateway  # noqa: F401  (fixture)
 from pipeline_conftest import start_recorder  # noqa: F401  (fixture)
@@ -354,10 +354,12 @@ def test_recorder_on_a_full_disk_marks_every_lost_message(bus, start_recorder, s
 # ---------------------------------------------------------------- relay: a local client of another uid
 
 
-def test_another_uid_on_a_relay_cannot_get_the_relay_cut_off(start_twistd_bus, open_dir, tmp_path):
+def test_another_uid_on_a_relay_cannot_get_the_relay_cut_off(open_dir, tmp_path):
     from test_relay import Relay
 
-    master = start_twistd_bus("--max-subscriptions", "300")
+    # the master is open to every local user, so the relay may be too (issue 21 #4)
+    master = TwistdBus(os.path.join(open_dir, "master.socket"), tmp_path / "master.log",
+                       ("--max-subscriptions", "300", "--mode", "0777"))
     relay = Relay(master.address, os.path.join(open_dir, "relay.socket"), tmp_path, "--mode", "0777")
     try:
         victim = connect(relay.address)
@@ -395,6 +397,7 @@ def test_another_uid_on_a_relay_cannot_get_the_relay_cut_off(start_twistd_bus, o
         victim.close()
     finally:
         relay.stop()
+        master.stop()
 
 
 # ---------------------------------------------------------------- link: replaying a captured handshake

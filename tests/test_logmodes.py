@@ -51,7 +51,8 @@ def plugin_args(name: str, address: str, tmp_path) -> list[str]:
         return ["sbus-bridge", "--a", address, "--b", other, "--rule", "x/ a>b"]
     if name == "sbus-nats":
         pytest.importorskip("nats")
-        return ["sbus-nats", "--bus", address, "--server", "nats://127.0.0.1:1", "--reconnect-wait", "5", "--export", "x/*"]
+        return ["sbus-nats", "--bus", address, "--server", "nats://127.0.0.1:1", "--allow-unauthenticated",
+                "--reconnect-wait", "5", "--export", "x/*"]
     raise AssertionError(name)
 
 

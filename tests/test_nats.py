@@ -47,6 +47,10 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+#: The test clusters admit anyone on loopback: sbus-nats must be told it may connect to them.
+UNAUTH = "--allow-unauthenticated"
+
+
 class NatsNode(LoggedProcess):
     stop_signal = signal.SIGTERM
 
@@ -148,7 +152,7 @@ def mesh(tmp_path_factory):
             # each bridge knows the whole cluster, its own node first
             mine = [urls[i]] + [u for j, u in enumerate(urls) if j != i]
             extra = ["--import", "t/"] if i == 2 else []   # overlaps '': deduplicated
-            bridges.append(Twistd(["sbus-nats", "--bus", b.address, "--reconnect-wait", "0.2",
+            bridges.append(Twistd(["sbus-nats", UNAUTH, "--bus", b.address, "--reconnect-wait", "0.2",
                                    "--stats-interval", "1", *[a for u in mine for a in ("--server", u)],
                                    "--export", "", "--import", "", *extra], tmp))
         procs += bridges
@@ -274,7 +278,8 @@ def test_secret_keys_stay_home_unless_exported(mesh):
     tmp, buses, urls = mesh["tmp"], mesh["buses"], mesh["urls"]
     watcher = Watcher(urls[1])
     # a second bridge on bus 0 that exports only its own secret inbox
-    secret_bridge = start_bridge(tmp, buses[0].address, [urls[0]], "--export", "!/cred////inbox/")
+    secret_bridge = start_bridge(tmp, buses[0].address, [urls[0]], "--allow-unauthenticated",
+                                 "--export", "!/cred////inbox/")
     try:
         p = connect(buses[0].address, big=True)
         gid, uid = os.getgid(), os.getuid()
@@ -505,7 +510,9 @@ def run_twistd(*args, pre=""):
     (["sbus-nats", "--export", "a/"], 2, "--server"),
     (["sbus-nats", "--server", "nats://127.0.0.1:1", "--export", "a/", "--subject-prefix", "a..b"], 2,
      "--subject-prefix"),
-    (["--reactor=poll", "sbus-nats", "--server", "nats://127.0.0.1:1", "--export", "a/"], 2,
+    (["sbus-nats", "--server", "nats://127.0.0.1:4222", "--export", "a/"], 2, "--allow-unauthenticated"),
+    (["sbus-nats", "--server", "tls://127.0.0.1:4222", "--export", "a/"], 2, "--allow-unauthenticated"),
+    (["--reactor=poll", "sbus-nats", "--server", "nats://127.0.0.1:1", UNAUTH, "--export", "a/"], 2,
      "--reactor=asyncio"),
     (["sbus-nats", "--server", "nats://127.0.0.1:1", "--export", "a/", "--user", "u"], 2, "--password"),
 ])
@@ -518,7 +525,7 @@ def test_bad_command_lines_are_one_line(args, code, needle):
 
 def test_without_nats_py_one_line_names_the_extra(tmp_path):
     r = run_twistd("sbus-nats", "--bus", str(tmp_path / "x.sock"), "--server", "nats://127.0.0.1:1",
-                   "--export", "a/", pre="import sys; sys.modules['nats'] = None; ")
+                   UNAUTH, "--export", "a/", pre="import sys; sys.modules['nats'] = None; ")
     err = r.stderr.decode().strip()
     assert r.returncode != 0 and "pip install 'sbus[nats]'" in err and len(err.splitlines()) == 1, err
 
@@ -543,9 +550,9 @@ def test_started_before_nats_and_whole_cluster_restart(tmp_path):
             buses.append(SbusdProcess(["-f", "-a", addr], tmp_path / f"{name}.log", address=addr))
         procs += buses
         url = f"nats://127.0.0.1:{port}"
-        x = Twistd(["sbus-nats", "--bus", buses[0].address, "--server", url, "--reconnect-wait", "0.2",
+        x = Twistd(["sbus-nats", UNAUTH, "--bus", buses[0].address, "--server", url, "--reconnect-wait", "0.2",
                     "--export", "t/"], tmp_path)
-        y = Twistd(["sbus-nats", "--bus", buses[1].address, "--server", url, "--reconnect-wait", "0.2",
+        y = Twistd(["sbus-nats", UNAUTH, "--bus", buses[1].address, "--server", url, "--reconnect-wait", "0.2",
                     "--import", "t/"], tmp_path)
         procs += [x, y]
         for br in (x, y):
@@ -607,14 +614,14 @@ def test_static_imports_subscribe_without_local_interest(tmp_path):
         bus = SbusdProcess(["-f", "-a", str(tmp_path / "ours.socket")], tmp_path / "ours.log",
                            address=str(tmp_path / "ours.socket"))
         procs.append(bus)
-        z = Twistd(["sbus-nats", "--bus", bus.address, "--server", url, "--import", "u/",
+        z = Twistd(["sbus-nats", UNAUTH, "--bus", bus.address, "--server", url, "--import", "u/",
                     "--import", "u/v/", "--static-imports"], tmp_path)
         procs.append(z)
         z.wait_re(r"NATS: connected to .*; ready")
         wait_until(lambda: node.subscriptions() == [{"sbus.u.>"}],  # u/v/ is inside u/
                    "sbus.u.> subscribed with no local subscriber")
         # past --max-subscriptions held patterns, the import itself (a superset) is subscribed
-        w = Twistd(["sbus-nats", "--bus", bus.address, "--server", url, "--import", "v/",
+        w = Twistd(["sbus-nats", UNAUTH, "--bus", bus.address, "--server", url, "--import", "v/",
                     "--max-subscriptions", "2"], tmp_path)
         procs.append(w)
         w.wait_re(r"NATS: connected to .*; ready")
@@ -649,7 +656,7 @@ def test_interest_after_the_bus_is_killed_and_restarted(tmp_path):
         addr = str(tmp_path / "bus.socket")
         bus = SbusdProcess(["-f", "-a", addr], tmp_path / "bus1.log", address=addr)
         procs.append(bus)
-        y = Twistd(["sbus-nats", "--bus", addr, "--server", url, "--import", "t/",
+        y = Twistd(["sbus-nats", UNAUTH, "--bus", addr, "--server", url, "--import", "t/",
                     "--reconnect-wait", "0.2"], tmp_path)
         procs.append(y)
         y.wait_re(r"NATS: connected to .*; ready")
@@ -699,7 +706,7 @@ def test_a_server_without_the_interest_feed_gets_every_import(tmp_path):
         ref = LoggedProcess([os.environ["SBUS_REFERENCE"], "-f", "-a", addr], tmp_path / "ref.log")
         procs.append(ref)
         wait_until(lambda: os.path.exists(addr), "the reference server's socket")
-        y = Twistd(["sbus-nats", "--bus", addr, "--server", url, "--import", "t/"], tmp_path)
+        y = Twistd(["sbus-nats", UNAUTH, "--bus", addr, "--server", url, "--import", "t/"], tmp_path)
         procs.append(y)
         y.wait_re(r"does not report local interest")
         wait_until(lambda: node.subscriptions() == [{"sbus.t.>"}], "sbus.t.> subscribed")
@@ -759,4 +766,70 @@ def test_tls_with_client_certificates_and_a_token(tmp_path):
     finally:
         for pr in reversed(procs):
             pr.stop()
+        node.stop()
+
+
+def test_nats_without_authentication_is_refused(tmp_path):
+    """Issue 21 #3: a 0700 bus carried over a NATS server that admits anyone on loopback. The
+    service used to start (no warning) and uid 65534, connecting to that NATS server, read the
+    private bus's messages. Now: refused at start in one line naming --allow-unauthenticated."""
+    import encodings.idna  # noqa: F401  (uid 65534 cannot import it from the venv after the fork)
+
+    from helpers import run_as
+
+    port, cport = free_ports(2)
+    node = LoggedProcess([NATS_SERVER, "-a", "127.0.0.1", "-p", str(port)], tmp_path / "open-node.log")
+    addr = str(tmp_path / "private.socket")
+    bus = SbusdProcess(["-f", "-a", addr], tmp_path / "private.log", address=addr)   # 0700
+    svc = None
+    try:
+        node.wait_log("Server is ready")
+        argv = [*TWISTD, "sbus-nats", "--bus", addr, "--server", f"nats://127.0.0.1:{port}",
+                "--reconnect-wait", "0.2", "--export", "", "--import", ""]
+        svc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
+                               stdin=subprocess.DEVNULL)
+        try:
+            out, err = svc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:     # the old code: it runs; show what another uid reads
+            ready_r, ready_w = os.pipe()
+
+            def attacker():
+                s = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+                s.recv(4096)                                      # INFO
+                s.sendall(b"CONNECT {}\r\nSUB sbus.> 1\r\nPING\r\n")
+                got = b""
+                while b"PONG" not in got:
+                    got += s.recv(4096)
+                os.write(ready_w, b"x")
+                while b"payroll" not in got:
+                    chunk = s.recv(4096)
+                    if not chunk:
+                        break
+                    got += chunk
+                return got.decode(errors="replace")[-200:]
+
+            result = []
+            t = threading.Thread(target=lambda: result.append(run_as(65534, 65534, attacker)))
+            t.start()
+            import select
+            wait_until(lambda: result or select.select([ready_r], [], [], 0)[0], "the other uid subscribed")
+            p = connect(addr)
+
+            def published_and_read():     # until the export's subscription is in place
+                send(p, msg(b"payroll/1", b"salaries"))
+                sync(p)
+                return not t.is_alive()
+
+            wait_until(published_and_read, "the other uid reads the private bus over NATS", interval=0.2)
+            t.join(TIMEOUT)
+            p.close()
+            pytest.fail(f"sbus-nats runs without authentication; uid 65534 read: {result}")
+        err = err.decode().strip()
+        assert svc.returncode == 2 and len(err.splitlines()) == 1, err
+        assert "--allow-unauthenticated" in err and "every local user" in err, err
+    finally:
+        if svc is not None and svc.poll() is None:
+            svc.terminate()
+            svc.wait()
+        bus.stop()
         node.stop()

@@ -45,6 +45,29 @@ def secret_prefix(prefix: bytes, cred: Credentials) -> bytes:
     return whoami(prefix, cred) + b"/"
 
 
+def owner_of(key: bytes, prefix: bytes = b"") -> Credentials | None:
+    """Whose secret space `key` is in on a server with credential `prefix`: the first
+    ``!/cred/GID/UID/PID/`` link after the prefix, as the server delivers (ids in canonical
+    decimal, within 32 bits); None if the key reaches nobody there. Whatever follows that
+    link is free text the publisher wrote, never an identity."""
+    root = prefix + SECRET_ROOT
+    if not key.startswith(root):
+        return None
+    parts = key[len(root):].split(b"/", 3)
+    if len(parts) < 4:
+        return None
+    ids = []
+    for field in parts[:3]:
+        if not field.isdigit() or not field.isascii() or len(field) > 10:
+            return None
+        value = int(field)
+        if value >= 1 << 32 or b"%d" % value != field:
+            return None
+        ids.append(value)
+    gid, uid, pid = ids
+    return Credentials(pid, uid, gid)
+
+
 def is_secret(key: bytes) -> bool:
     return key.startswith(SECRET_ROOT)
 

@@ -15,8 +15,9 @@ The model is Ethernet's spanning tree (802.1D) with two-port bridges:
 * A **node** is a service with two **ports**: a bridge's sides ``a`` and
   ``b``; a link process's bus and its peer connection. Relays do not take
   part: they are inside segments.
-* Nodes send `Hello` messages (``MSG sbus/topology/hello`` on a bus,
-  ``CMSG link/stp`` on a link connection) on each port, every
+* Nodes send `Hello` messages (on a bus to each proven peer's secret key,
+  ``<whoami>/sbus-topology/hello``, see `sbus.services.spanning`; ``CMSG
+  link/stp`` on a link connection) on each port, every
   `HELLO_INTERVAL` and whenever their view changes, saying which role the
   port has; only a designated port's hello offers a path to the root.
   The node with the lowest id is the **root**; every other node's **root
@@ -33,7 +34,8 @@ The model is Ethernet's spanning tree (802.1D) with two-port bridges:
   (back-pressure: the silence is ours). A port that is down empties; a
   node with a port down sends ``bye`` and takes no part until it is up.
   ``sbus/topology/change`` (sent by a relay that lost or regained its master)
-  empties what was heard on that port, and everyone re-announces at once.
+  makes what was heard on that port expire within two hello intervals unless
+  heard again, and everyone re-announces at once.
 * **Block at once, unblock late.** A node stops forwarding the moment it
   should; it starts only after it should have forwarded for `FORWARD_DELAY`
   without a break, longer than the time the old path needs to hear the news
@@ -244,11 +246,16 @@ class Node:
         self._update(now, announce=False)
 
     def topology_changed(self, port: int, now: float) -> None:
-        """A relay on this port's segment lost or regained its master: forget, re-announce."""
+        """A relay on this port's segment lost or regained its master: what was heard there
+        expires within two hello intervals unless heard again (everyone re-announces at once,
+        so what is still reachable is); re-announce. Anyone may publish the notice, so it never
+        empties the port at once (that made a node designated there: a forged notice, a loop)."""
         p = self.ports[port]
         if not p.up:
             return
-        p.heard.clear()
+        soon = now + 2 * self.hello_interval
+        for entry in p.heard.values():
+            entry[1] = min(entry[1], soon)
         self._update(now, announce=True)
 
     def tick(self, now: float) -> None:
@@ -267,6 +274,10 @@ class Node:
             self._timers(now)
         if now >= self._next_hello:
             self._announce(now)
+
+    def hello_for(self, port: int) -> Hello | None:
+        """What we would announce on `port` now (for a peer just met); None while inactive."""
+        return self._hello(port) if self.active else None
 
     def goodbye(self) -> list[tuple[int, Hello]]:
         """Hellos saying we leave, for each port we are designated on (send them before closing)."""

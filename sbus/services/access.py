@@ -20,9 +20,13 @@ itself, and the sockets a service creates are no wider than the bus's.
   owner of the peer's socket in ``/proc/net/tcp`` and ``tcp6`` for a TCP
   connection whose peer is on this host (loopback, or one of our own
   addresses), ``None`` when it cannot be known (a remote host).
+* `BusAccess.wider(mode)`: the bits of a socket we would serve that let in
+  someone who could not open the bus (judged like `allows`: the whole path,
+  not only the socket's bits). The relay refuses to start with such a
+  ``--mode``; the endpoints below drop them.
 * `server_endpoint(...)`: a Twisted server endpoint from a description; a
   ``unix:`` one is created with the bus socket's mode (never wider, whatever
-  ``mode=`` says) under a restrictive umask (no window where it is 0666), and
+  ``mode=`` says, nor wider than the path to the bus lets in) under a restrictive umask (no window where it is 0666), and
   given to the bus socket's owner when we run as root; TCP and SSL get the
   service's default ``backlog=`` unless the description names one.
 """
@@ -111,7 +115,10 @@ def may_connect(uid: int, path: str) -> bool:
     """Could `uid` connect() to the unix socket at `path` (mode bits; ACLs are not read)?"""
     if uid == 0:
         return True
-    gids = user_groups(uid)
+    return _could_connect(path, uid, user_groups(uid))
+
+
+def _could_connect(path: str, uid: int, gids: set[int]) -> bool:
     try:
         real = _walk(os.path.abspath(path), uid, gids)
         if real is None:
@@ -120,6 +127,10 @@ def may_connect(uid: int, path: str) -> bool:
     except OSError:
         return False
     return stat.S_ISSOCK(st.st_mode) and _permits(st, uid, gids, 2)
+
+
+#: A uid no file belongs to: what the mode bits give "anyone else".
+_NOBODY_IN_PARTICULAR = -1
 
 
 class BusAccess:
@@ -137,12 +148,29 @@ class BusAccess:
         if addr is not None and addr.kind == "path":
             self.path = os.path.abspath(addr.value)  # twistd may chdir later
         self.own_uid = os.getuid()
+        #: The server's own allow-list (``-u``), when its ``server/stats`` reports one
+        #: (``allowed_uids``); None: not known, the modes alone decide.
+        self.server_users: frozenset[int] | None = None
+
+    def learn_server(self, payload: bytes) -> None:
+        """Take the allow-list from the bus's ``server/stats`` answer, if it reports one."""
+        import json
+
+        try:
+            stats = json.loads(payload)
+        except (TypeError, ValueError, UnicodeDecodeError):
+            return
+        users = stats.get("allowed_uids") if isinstance(stats, dict) else None
+        if isinstance(users, list) and all(type(u) is int for u in users):
+            self.server_users = frozenset(users)
 
     def allows(self, uid: int | None) -> bool:
         if uid is None:
             return False
         if uid == self.own_uid or uid == 0:
             return True
+        if self.server_users is not None and uid not in self.server_users:
+            return False
         return self.path is not None and may_connect(uid, self.path)
 
     def socket_mode(self) -> tuple[int, int | None, int | None]:
@@ -155,11 +183,36 @@ class BusAccess:
                 pass
         return 0o600, None, None
 
+    def wider(self, mode: int, gid: int | None = None) -> tuple[int, str | None]:
+        """The connect bits of a unix socket of `mode` and group `gid` (our own by default),
+        created by this process, that would let in a uid that could not open the bus, and why
+        (``(0, None)``: none). The one rule for every socket a service serves: the relay's,
+        the gateway's and the link's ``unix:`` sockets. Only write bits count (``connect``)."""
+        gid = os.getegid() if gid is None else gid
+        bits = 0
+        why = []
+        if mode & 0o002 and not self._admits(set()):
+            bits |= 0o007
+            why.append("every local user")
+        if mode & 0o020 and not self._admits({gid}):
+            bits |= 0o070
+            why.append(f"group {gid}")
+        if not bits:
+            return 0, None
+        return bits, (f"mode {mode:04o} would let {' and '.join(why)} connect, who could not open "
+                      f"the bus: {self.describe()}")
+
+    def _admits(self, gids: set[int]) -> bool:
+        """Could any uid with exactly these groups (owning nothing) open the bus?"""
+        return self.path is not None and _could_connect(self.path, _NOBODY_IN_PARTICULAR, gids)
+
     def describe(self) -> str:
         if self.path is None:
             return "the service's own uid and root (the bus address has no file mode)"
         mode, uid, gid = self.socket_mode()
-        return f"uids that could open {self.path} (mode {mode:04o}, owner uid {uid}, gid {gid})"
+        users = "" if self.server_users is None else \
+            f", among the server's -u users {','.join(map(str, sorted(self.server_users)))}"
+        return f"uids that could open {self.path} (mode {mode:04o}, owner uid {uid}, gid {gid}{users})"
 
 
 # ---------------------------------------------------------------- who is at the other end
@@ -321,6 +374,8 @@ class PrivateUNIXServerEndpoint:
             clear_path(self.path, False, lambda text: log.warn("{text}", text=text))
         except Exception:
             return defer.fail()
+        give_away = os.getuid() == 0 and owner is not None and owner != 0
+        mode &= ~self.access.wider(mode, group if give_away and group is not None else None)[0]
         old = os.umask(0o777 & ~mode)
         try:
             port = self.reactor.listenUNIX(self.path, factory, backlog=self.backlog, mode=mode,
@@ -329,7 +384,7 @@ class PrivateUNIXServerEndpoint:
             return defer.fail()
         finally:
             os.umask(old)
-        if os.getuid() == 0 and owner is not None and owner != 0:
+        if give_away:
             try:
                 os.lchown(self.path, owner, group if group is not None else -1)
             except OSError as e:

@@ -109,7 +109,7 @@ from sbus.core.topology import RESERVED as TOPOLOGY
 from sbus.options import MISSING_BUS_HELP
 from sbus.services.safeconnect import OwnerConnector, parse_user
 from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
-from sbus.services.spanning import Tree, default_name, hello_packet, send_urgent
+from sbus.services.spanning import PRIVATE_PATTERN, Tree, default_name, opt_trust_uid, send_urgent
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder
 
 SERVER_ID = b"server/id"
@@ -270,10 +270,12 @@ class BridgeService(service.Service):
     def __init__(self, a, b, rules: list[Rule], *, stats_interval: float = 60.0,
                  initial_delay: float = 0.1, max_delay: float = 10.0,
                  max_packet: int = MAX_PACKET, reactor=None, users: dict | None = None,
-                 spanning_tree: bool = True):
+                 spanning_tree: bool = True, trusted_uids=()):
         if not rules:
             raise ValueError("a bridge needs at least one rule")
         self.address = {"a": a, "b": b}
+        #: uids whose bridges and links we believe on the buses (besides ours and root)
+        self.trusted_uids = tuple(trusted_uids)
         #: Run as root, each side is connected as its user (sbus.services.safeconnect).
         self.connectors = {side: OwnerConnector((users or {}).get(side)) for side in SIDES}
         self.rules = list(rules)
@@ -359,6 +361,8 @@ class BridgeService(service.Service):
             # publishers instead of discarding what waits for us.
             client.flood(hard="block")
             client.subscribe(TOPOLOGY)
+            if self.spanning_tree:
+                client.subscribe(PRIVATE_PATTERN)  # <our whoami>/sbus-topology/...: proven peers
             client.subscribe(STATS_REQUEST)
             seen = set()
             for route in self.routes[side]:
@@ -368,7 +372,8 @@ class BridgeService(service.Service):
             client.echo(False)
             self.clients[side] = client
         self.tree = Tree(self.reactor, default_name("sbus-bridge", f"a={self.address['a']} b={self.address['b']}"),
-                         {1: "a", 2: "b"}, self._sendHello, log, enabled=self.spanning_tree)
+                         {1: "a", 2: "b"}, self._sendTree, log, enabled=self.spanning_tree,
+                         trusted_uids=self.trusted_uids)
         self.tree.start()
         self.responder = StatsResponder("sbus-bridge", self.tree.node.name, self.stats, self._publicStats)
         for rule in self.rules:
@@ -400,10 +405,10 @@ class BridgeService(service.Service):
 
     # -- connections
 
-    def _sendHello(self, port: int, hello) -> None:
+    def _sendTree(self, port: int, key: bytes, payload: bytes) -> None:
         proto = self.clients[SIDE_OF_PORT[port]].protocol
         if proto is not None and proto.connected:
-            send_urgent(proto.transport, hello_packet(hello))
+            send_urgent(proto.transport, b"MSG " + key + b"\0" + payload)
 
     def _serverId(self, side: str, proto, payload) -> None:
         if not payload or proto is not self.clients[side].protocol:
@@ -427,7 +432,7 @@ class BridgeService(service.Service):
             proto.request(SERVER_ID).addCallbacks(lambda p: self._serverId(side, proto, p), lambda f: None)
         except Exception:
             pass
-        self.tree.port_up(PORT[side])
+        self.tree.port_up(PORT[side], proto.credentials)
         proto.echo_filter = RecentPackets()  # until the probe shows echo/off is honoured
         # back-pressure: when this side's queue is full, stop reading the other side
         proto.transport.registerProducer(_Pauser(self, other), True)
@@ -482,11 +487,11 @@ class BridgeService(service.Service):
     # -- forwarding
 
     def _received(self, side: str, proto, key: bytes, payload: bytes, packet: bytes) -> None:
-        if key.startswith(TOPOLOGY):
+        if key.startswith(TOPOLOGY) or self.tree.owns(PORT[side], key):
             self.tree.received(PORT[side], key, payload)
             return  # never forwarded: each segment's hellos are its own
         if key == STATS_REQUEST:
-            answer = self.responder.answer(payload)
+            answer = self.responder.answer(payload, proto.credentials)
             if answer is not None and proto.connected:
                 proto.sendPacket(answer)
             return
@@ -649,6 +654,9 @@ class Options(usage.Options):
     def __init__(self):
         super().__init__()
         self["rules"] = []
+        self["trust-uids"] = []
+
+    opt_trust_uid = opt_trust_uid
 
     def opt_rule(self, value: str) -> None:
         """A forwarding rule 'PATTERN DIRECTION [A_PREFIX B_PREFIX]' (repeatable)."""
@@ -722,4 +730,5 @@ def makeService(options) -> BridgeService:
     return BridgeService(options["a"], options["b"], options["rules"],
                          stats_interval=options["stats-interval"], max_delay=options["max-delay"],
                          users={"a": options["a-user"], "b": options["b-user"]},
-                         spanning_tree=not options["no-spanning-tree"])
+                         spanning_tree=not options["no-spanning-tree"],
+                         trusted_uids=options["trust-uids"])

@@ -58,8 +58,12 @@ through a link who could not open its socket.
 * TLS with client certificates: on ``--listen``, ``ssl:`` takes
   ``caCertsDir=DIR`` (every ``*.pem`` in it is a trusted CA) and then requires
   and verifies a client certificate; on ``--connect``, ``ssl:`` takes
-  ``caCertsDir``, ``certKey`` and ``privateKey`` (and ``hostname`` to check the
-  server's name).
+  ``caCertsDir``, ``certKey``, ``privateKey`` and ``hostname`` (required: the
+  name or IP address the server's certificate must carry in its
+  subjectAltName). The connecting side sends and reads nothing until it has
+  checked that name itself after the handshake, failing closed on any error
+  (`verify_peer_name`; Twisted's own check let a certificate without
+  subjectAltName through with a log line).
 * A shared key, ``--key-file FILE`` (mode 0600, the same key on both ends):
   an HMAC challenge-response both ways before anything else crosses
   (`sbus.services.linkauth`). Plain TCP needs it, loopback included (any
@@ -88,7 +92,7 @@ from collections import Counter
 from twisted.application import service
 from twisted.application.internet import ClientService, StreamServerEndpointService, backoffPolicy
 from twisted.internet import defer, endpoints, protocol
-from twisted.internet.interfaces import IHandshakeListener, IPushProducer
+from twisted.internet.interfaces import IHandshakeListener, IPushProducer, ISSLTransport
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.protocols.basic import Int32StringReceiver
@@ -109,7 +113,7 @@ from sbus.services import access as bus_access
 from sbus.services.linkauth import AUTH, PROOF, AuthError, Handshake, load_key
 from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
 from sbus.core.topology import HELLO_KEY, RESERVED as TOPOLOGY
-from sbus.services.spanning import Tree, default_name, hello_packet, send_urgent
+from sbus.services.spanning import Tree, default_name, opt_trust_uid, send_urgent
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder
 
 log = Logger(namespace="sbus.link")
@@ -198,10 +202,25 @@ def check_endpoint(description: str, listen: bool, allow_plain: bool, has_key: b
                         f"same on both ends) or use ssl: with caCertsDir= and certificates")
 
 
+def peer_name(description: str) -> str | None:
+    """The name a ``--connect`` TLS endpoint must find in the peer's certificate: ``hostname=``
+    of ``ssl:``, the host of ``tls:``; None for other kinds."""
+    kind, args, kw = _kind(description)
+    if kind == "ssl":
+        return kw.get("hostname")
+    if kind == "tls":
+        return kw.get("host", args[0] if args else None)
+    return None
+
+
 def _check_network(description: str, listen: bool, allow_plain: bool) -> None:
     kind, args, kw = _kind(description)
     if kind in _TLS_KINDS:
         require_tls()
+    if kind == "ssl" and not listen and not kw.get("hostname"):
+        raise EndpointError(f"refusing {description}: ssl: without hostname= checks no name (any "
+                            "certificate the CA signed would do); add hostname=NAME, the name or IP "
+                            "address the peer's certificate carries")
     if kind == "unix" or allow_plain:
         return
     flag = "use ssl: with client certificates, a loopback address, or --allow-plain-tcp"
@@ -234,6 +253,24 @@ def _check_network(description: str, listen: bool, allow_plain: bool) -> None:
     if kind == "tls":
         return
     raise EndpointError(f"refusing {kind}: connections: not known to be loopback or TLS; {flag}")
+
+
+def verify_peer_name(connection, name: str) -> str | None:
+    """Why the peer certificate of an OpenSSL `connection` does not prove `name` (a DNS name
+    or an IP address), or None if it does. Fails closed: any error is a refusal (a certificate
+    without subjectAltName raises service_identity's CertificateError, not VerificationError)."""
+    try:
+        from service_identity.pyopenssl import verify_hostname, verify_ip_address
+
+        try:
+            ipaddress.ip_address(name.strip("[]"))
+        except ValueError:
+            verify_hostname(connection, name)
+        else:
+            verify_ip_address(connection, name.strip("[]"))
+    except Exception as e:  # noqa: BLE001 - every failure refuses
+        return f"{type(e).__name__}: {e}"[:300]
+    return None
 
 
 def _load_cas(directory: str) -> list:
@@ -316,7 +353,7 @@ class Options(usage.Options):
         ["bus", "b", None, "The local bus: PATH, /dev/unix/abstract/HEX or /dev/fd/N (default: $SBUS_SOCKET). "
                                  "--listen opens once the bus has answered. " + MISSING_BUS_HELP],
         ["listen", "l", None, "Server endpoint to accept the peer link on, e.g. ssl:7010:...:caCertsDir=DIR."],
-        ["connect", "c", None, "Client endpoint of the peer link, e.g. ssl:host=H:port=7010:caCertsDir=...:certKey=...:privateKey=..."],
+        ["connect", "c", None, "Client endpoint of the peer link, e.g. ssl:host=H:port=7010:hostname=H:caCertsDir=...:certKey=...:privateKey=... (ssl: needs hostname=, the name the peer's certificate carries)"],
         ["max-packet", None, str(MAX_PACKET), "Largest packet carried, bytes (frames above it close the link)."],
         ["initial-delay", None, "0.2", "First reconnection delay, seconds (bus and --connect peer)."],
         ["max-delay", None, "30", "Longest reconnection delay, seconds."],
@@ -329,6 +366,9 @@ class Options(usage.Options):
     def __init__(self):
         super().__init__()
         self["patterns"] = []
+        self["trust-uids"] = []
+
+    opt_trust_uid = opt_trust_uid
 
     def opt_pattern(self, value: str) -> None:
         """Export local messages matching this pattern to the peer; repeatable (default: everything)."""
@@ -401,6 +441,8 @@ class PeerProtocol(Int32StringReceiver, TimeoutMixin):
         #: The shared-key handshake (None: the transport authenticates the peer).
         self.auth: Handshake | None = None
         self.auth_timer = None
+        #: The name a TLS server's certificate must prove, until it has (client side).
+        self.unverified: str | None = None
 
     def connectionMade(self):
         peer = self.transport.getPeer()
@@ -410,7 +452,14 @@ class PeerProtocol(Int32StringReceiver, TimeoutMixin):
             self._ping = LoopingCall(self.sendFrame, b"CMSG " + PING)
             self._ping.clock = self.link.reactor
             self._ping.start(self.link.keepalive, now=False)
-        self.link.peerConnected(self)
+        # A TLS client sends nothing and reads nothing until it has checked the server's name
+        # itself (Twisted's check lets service_identity's CertificateError through: a
+        # certificate without subjectAltName was accepted with a log line).
+        self.unverified = self.link.peer_name if ISSLTransport.providedBy(self.transport) else None
+        if self.unverified is None:
+            self.link.peerConnected(self)
+        else:
+            self.setTimeout(AUTH_TIMEOUT)
 
     def handshakeCompleted(self):
         cert = None
@@ -420,12 +469,27 @@ class PeerProtocol(Int32StringReceiver, TimeoutMixin):
             pass
         subject = cert.get_subject().CN if cert is not None else None
         log.info("sbus-link: TLS handshake with {peer} done (certificate CN={cn})", peer=self.name, cn=subject)
+        if self.unverified is None:
+            return
+        name, self.unverified = self.unverified, None
+        why = verify_peer_name(self.transport.getHandle(), name)
+        if why is not None:
+            self.link.drops["peer_name_refused"] += 1
+            log.error("sbus-link: refusing {peer}: its certificate does not prove the name {name!r}: "
+                      "{why}; closing", peer=self.name, name=name, why=why)
+            self.transport.abortConnection()
+            return
+        self.setTimeout(self.link.keepalive * 3 if self.link.keepalive else None)
+        self.link.peerConnected(self)
 
     def sendFrame(self, frame: bytes) -> None:
         if self.transport is not None and self.transport.connected:
             self.sendString(frame)
 
     def stringReceived(self, frame: bytes):
+        if self.unverified is not None:   # cannot happen: TLS delivers data after the handshake
+            self.transport.abortConnection()
+            return
         self.resetTimeout()
         self.link.fromPeer(self, frame)
 
@@ -494,7 +558,8 @@ class Link(service.MultiService):
     def __init__(self, bus: str, listen: str | None = None, connect: str | None = None,
                  patterns=(b"",), max_packet: int = MAX_PACKET, initialDelay: float = 0.2,
                  maxDelay: float = 30.0, keepalive: float = 30.0, statsInterval: float = 60.0,
-                 reactor=None, key_file: str | None = None, spanning_tree: bool = True):
+                 reactor=None, key_file: str | None = None, spanning_tree: bool = True,
+                 trusted_uids=()):
         super().__init__()
         #: Who may reach the bus: a unix peer must be one of them (`sbus.services.access`).
         self.access = bus_access.BusAccess(bus)
@@ -508,6 +573,8 @@ class Link(service.MultiService):
         self.bus_address = bus
         self.listen = listen
         self.connect = connect
+        #: What a TLS server we connect to must prove it is (None: listening, or not TLS).
+        self.peer_name = peer_name(connect) if connect else None
         self.patterns = list(patterns)
         self.export_all = b"" in self.patterns
         self.max_packet = max_packet
@@ -533,7 +600,8 @@ class Link(service.MultiService):
         where = (listen or connect or "").split(":privateKey=")[0].split(":caCertsDir=")[0][:80]
         self.tree = Tree(reactor, default_name("sbus-link", f"bus={bus} {'listen' if listen else 'connect'}="
                                                             f"{where}"),
-                         {BUS_PORT: "bus", PEER_PORT: "peer"}, self._sendHello, log, enabled=spanning_tree)
+                         {BUS_PORT: "bus", PEER_PORT: "peer"}, self._sendTree, log, enabled=spanning_tree,
+                         trusted_uids=trusted_uids, transport_ports=(PEER_PORT,))
         self.responder = StatsResponder("sbus-link", self.tree.node.name, self.stats, self._publicStats)
 
         def localFactory():
@@ -613,12 +681,12 @@ class Link(service.MultiService):
         return {"bus_connected": self.local is not None, "peer_connected": self.peer is not None,
                 "forwarding": self.tree.forwarding}
 
-    def _sendHello(self, port: int, hello) -> None:
+    def _sendTree(self, port: int, key: bytes, payload: bytes) -> None:
         if port == BUS_PORT:
             if self.local is not None and self.local.connected:
-                send_urgent(self.local.transport, hello_packet(hello))
+                send_urgent(self.local.transport, b"MSG " + key + b"\0" + payload)
         elif self.peer is not None:
-            self.peer.sendFrame(b"CMSG " + STP + b"\0" + hello.encode())
+            self.peer.sendFrame(b"CMSG " + STP + b"\0" + payload)
 
     def logStats(self):
         log.info("sbus-link stats: {stats}", stats=json.dumps(self.stats(), separators=(",", ":")))
@@ -649,7 +717,9 @@ class Link(service.MultiService):
         log.info("sbus-link: connected to bus {bus} as {who}", bus=self.bus_address, who=_show(whoami))
         if self.listen and self.server.parent is None:
             self._listenNow()
-        self.tree.port_up(BUS_PORT)
+        self.tree.port_up(BUS_PORT, whoami)
+        # the server's -u list, if its statistics name it (a unix peer is judged by modes and it)
+        proto.request(b"server/stats").addCallbacks(self.access.learn_server, lambda f: None)
         if changed:
             for conn in self.conns:
                 if conn.auth is None or conn.auth.done:  # mid-handshake: its hello follows the proof
@@ -707,6 +777,9 @@ class Link(service.MultiService):
                 self.drops["foreign_secret"] += 1
                 return
             rest = key[len(own):]
+            if self.tree.owns(BUS_PORT, key):
+                self.tree.received(BUS_PORT, key, packet[end + 1:])
+                return  # the spanning tree's own keys: never carried across
             if rest == WHOAMI_REQUEST:
                 # <link>/sbus-link/whoami: only this process receives it (a secret key of ours)
                 self._answerChallenge(packet[end + 1:])
@@ -723,7 +796,7 @@ class Link(service.MultiService):
             self.tree.received(BUS_PORT, key, packet[end + 1:])
             return  # never carried across: each segment's hellos are its own
         elif key == STATS_REQUEST:
-            answer = self.responder.answer(packet[end + 1:])
+            answer = self.responder.answer(packet[end + 1:], self.whoami)
             if answer is not None and self.local is not None:
                 self.local.sendPacket(answer)
             return
@@ -969,6 +1042,7 @@ def makeService(options: Options) -> Link:
             keepalive=options["keepalive"], statsInterval=options["stats-interval"],
             key_file=options["key-file"],
             spanning_tree=not options["no-spanning-tree"],
+            trusted_uids=options["trust-uids"],
         )
     except EndpointError as e:
         raise usage.UsageError(str(e)) from None

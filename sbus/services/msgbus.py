@@ -82,7 +82,11 @@ Bounds per connection: a command line (``--max-line``, 64 KiB), a message
 (one bus packet), channel names (``--max-channel``, 4,096 bytes), channels
 held (``--max-channels``, 1,024) and their total bytes
 (``--max-channel-bytes``, 256 KiB), the output queue (``--queue-bytes``); and
-``--max-clients`` (4,096) connections. The listen backlog is ``--backlog``
+``--max-clients`` (4,096) connections; and per uid (other than the gateway's own)
+everything its connections hold together (``--max-uid-bytes``, 64 MiB: unfinished
+lines and messages, queued output, channel names; the connection that grows it
+over is closed with an ``error`` line, a message that would is dropped for that
+client). The listen backlog is ``--backlog``
 (1,024). A port that cannot be bound (taken by someone else) is a logged,
 fatal error: the gateway exits non-zero instead of running without a
 listener.
@@ -111,6 +115,7 @@ deliveries, publishes to the bus, drops, bus reconnects.
 
 from __future__ import annotations
 
+import os
 from collections import deque
 
 from twisted.application import service
@@ -139,6 +144,9 @@ DEFAULT_MAX_LINE = 64 * 1024
 DEFAULT_QUEUE_BYTES = 4 << 20
 DEFAULT_BACKLOG = 1024
 DEFAULT_MAX_CLIENTS = 4096
+#: What all connections of one uid (other than the gateway's own) may hold together: unfinished
+#: lines and messages, queued output, channel names.
+DEFAULT_MAX_UID_BYTES = 64 << 20
 DEFAULT_MAX_CHANNEL = 4096          # bytes in one channel name
 DEFAULT_MAX_CHANNELS = 1024         # channels one client may hold
 DEFAULT_MAX_CHANNEL_BYTES = 256 << 10  # their total bytes
@@ -282,6 +290,7 @@ class MsgbusProtocol(protocol.Protocol):
         self._pending: deque = deque()
         self._pending_bytes = 0
         self.peer = "?"
+        self.charged = 0                    # bytes counted against our uid (`MsgbusGateway.charge`)
 
     # -- connection
 
@@ -313,7 +322,12 @@ class MsgbusProtocol(protocol.Protocol):
         self._closing = True
         self._pending.clear()
         self._pending_bytes = 0
+        self._buf.clear()
         self.gateway.clientLost(self)
+
+    def held(self) -> int:
+        """Bytes this connection holds in the gateway: unfinished input, queued output, channels."""
+        return len(self._buf) + self._pending_bytes + self.channel_bytes
 
     # -- output
 
@@ -348,6 +362,11 @@ class MsgbusProtocol(protocol.Protocol):
             return False
         self._pending.append(data)
         self._pending_bytes += len(data)
+        if not self.gateway.charge(self):
+            self._pending.pop()
+            self._pending_bytes -= len(data)
+            self.gateway.charge(self)
+            return False
         return True
 
     # IPushProducer, driven by our own transport's write buffer
@@ -361,6 +380,7 @@ class MsgbusProtocol(protocol.Protocol):
             data = pending.popleft()
             self._pending_bytes -= len(data)
             self.transport.write(data)
+        self.gateway.charge(self)
 
     def stopProducing(self):
         self._pending.clear()
@@ -408,6 +428,11 @@ class MsgbusProtocol(protocol.Protocol):
             buf.clear()
         elif pos:
             del buf[:pos]
+        if not self._closing and not self.gateway.charge(self):
+            self.error(f"uid {self.uid}: its connections hold over {self.gateway.max_uid_bytes} bytes "
+                       f"in the gateway together (--max-uid-bytes); closing", close=True)
+            buf.clear()                         # released now, not when the close completes
+            self.gateway.charge(self)
 
     def lineReceived(self, line: bytes) -> None:
         words = line.split()
@@ -536,8 +561,13 @@ class MsgbusGateway(protocol.Factory):
                  max_clients: int = DEFAULT_MAX_CLIENTS, max_channel: int = DEFAULT_MAX_CHANNEL,
                  max_channels: int = DEFAULT_MAX_CHANNELS,
                  max_channel_bytes: int = DEFAULT_MAX_CHANNEL_BYTES,
-                 access: BusAccess | None = None, allow_remote: bool = False):
+                 access: BusAccess | None = None, allow_remote: bool = False,
+                 max_uid_bytes: int = DEFAULT_MAX_UID_BYTES):
         self.max_clients = max_clients
+        self.max_uid_bytes = max_uid_bytes
+        #: uid -> bytes its connections hold together (`charge`); the gateway's own uid is not held
+        self.uid_bytes: dict = {}
+        self.own_uid = os.getuid()
         self.max_channel = max_channel
         self.max_channels = max_channels
         self.max_channel_bytes = max_channel_bytes
@@ -589,6 +619,21 @@ class MsgbusGateway(protocol.Factory):
         for c in client.channels:
             self.trie.remove(c, client)
         client.channels.clear()
+        client.channel_bytes = 0
+        self.charge(client)
+
+    def charge(self, client: MsgbusProtocol) -> bool:
+        """Count what `client` holds now (unfinished input, queued output, channel names) against
+        its uid; False if its uid's connections together hold more than `max_uid_bytes`."""
+        now = client.held()
+        delta, client.charged = now - client.charged, now
+        uid = client.uid
+        total = self.uid_bytes.get(uid, 0) + delta
+        if total:
+            self.uid_bytes[uid] = total
+        else:
+            self.uid_bytes.pop(uid, None)
+        return uid == self.own_uid or total <= self.max_uid_bytes
 
     def deliver(self, channels, body: bytes, sender=None) -> int:
         recipients: set = set()
@@ -686,6 +731,8 @@ class MsgbusService(service.MultiService):
                              again="" if svc.connects == 1 else f" (reconnect {svc.connects - 1})")
 
                 proto.sync().addCallbacks(ready, lambda f: None)
+                # the server's -u list, if its statistics name it (access judged by modes and it)
+                proto.request(b"server/stats").addCallbacks(gateway.access.learn_server, lambda f: None)
 
             def connectionLost(self, reason):
                 if svc.running:
@@ -776,6 +823,10 @@ class Options(usage.Options):
         ["max-delay", None, "10", "Longest bus reconnect back-off, seconds."],
         ["backlog", None, str(DEFAULT_BACKLOG), "Listen backlog (connections waiting for accept)."],
         ["max-clients", None, str(DEFAULT_MAX_CLIENTS), "Clients served at once; more are refused."],
+        ["max-uid-bytes", None, str(DEFAULT_MAX_UID_BYTES),
+         "Bytes all connections of one uid (not the gateway's own) may hold together: unfinished "
+         "commands and messages, queued output, channel names. Over it: the connection that "
+         "grows it is closed, a message for it dropped."],
         ["max-channel", None, str(DEFAULT_MAX_CHANNEL), "Longest channel name, bytes."],
         ["max-channels", None, str(DEFAULT_MAX_CHANNELS), "Channels one client may hold."],
         ["max-channel-bytes", None, str(DEFAULT_MAX_CHANNEL_BYTES),
@@ -795,7 +846,7 @@ class Options(usage.Options):
             except AddressError as e:
                 raise usage.UsageError(f"--bus: {e}") from None
         for name in ("max-packet", "max-line", "queue-bytes", "backlog", "max-clients", "max-channel",
-                     "max-channels", "max-channel-bytes"):
+                     "max-channels", "max-channel-bytes", "max-uid-bytes"):
             self[name] = positive_int(name, self[name])
         if self["max-packet"] <= PACKET_OVERHEAD + 1:
             raise usage.UsageError(f"--max-packet: must be over {PACKET_OVERHEAD + 1}")
@@ -824,5 +875,5 @@ def makeService(options) -> MsgbusService:
         queue_bytes=options["queue-bytes"], backlog=options["backlog"],
         max_clients=options["max-clients"], max_channel=options["max-channel"],
         max_channels=options["max-channels"], max_channel_bytes=options["max-channel-bytes"],
-        allow_remote=bool(options["allow-remote"]),
+        allow_remote=bool(options["allow-remote"]), max_uid_bytes=options["max-uid-bytes"],
     )

@@ -66,8 +66,15 @@ NATS cannot be asked to wait: imported messages queue for the bus up to
 (``bus_slow``). Every drop is
 counted by reason in `stats()`; a stats line is logged every
 ``--stats-interval`` seconds if it changed, and at stop; the service also
-answers ``sbus/services/stats`` requests on the bus (`sbus.services.svcstats`
-when present, else the same protocol here).
+answers ``sbus/services/stats`` requests on the bus (`sbus.services.svcstats`).
+
+Authentication. A NATS server anyone can reach is a way into the bus: whoever
+connects to it reads what is exported and publishes what is imported, as the
+bus's owner. So the service refuses to start without an authentication of its
+own (``--creds``, ``--token``, ``--user``/``--password``, ``--tls-cert``, or
+credentials in every ``--server`` URL) unless ``--allow-unauthenticated`` names
+the risk; loopback is no exception (every local user can reach a loopback
+port, the rule ``sbus-link`` applies to plain TCP).
 """
 
 from __future__ import annotations
@@ -94,11 +101,11 @@ from sbus.core.natsmap import (MappingError, check_prefix, key_to_subject, patte
 from sbus.core.patterns import matches
 from sbus.options import MISSING_BUS_HELP
 from sbus.services.shutdown import exit_zero_on_sigterm
+from sbus.services.svcstats import STATS_REQUEST, StatsResponder
 
 log = Logger(namespace="sbus.nats")
 
 ORIGIN_HEADER = "Sbus-Origin"
-STATS_REQUEST = b"sbus/services/stats"
 #: Control keys of one bus's services (the spanning tree's announcements, stats requests):
 #: never exported nor imported, like a bridge or link never forwards them.
 RESERVED = (b"sbus/topology/", b"sbus/services/")
@@ -137,6 +144,24 @@ def check_servers(urls, tls: bool, allow_plain: bool) -> list[str]:
                 "loopback; use tls:// or --tls-ca, or --allow-plain")
         out.append(u.geturl())
     return out
+
+
+def check_authenticated(servers, options) -> None:
+    """Refuse a NATS connection that authenticates nobody unless --allow-unauthenticated says
+    so: whoever can reach the NATS server (on loopback: every local user, as for sbus-link's
+    plain TCP) could read what is exported and publish what is imported, as the bus's owner.
+    TLS without a client certificate authenticates the server, not us: it does not count."""
+    if options["allow-unauthenticated"]:
+        return
+    if options["creds"] or options["token"] or options["user"] or options["tls-cert"]:
+        return
+    if all(urlsplit(u).username for u in servers):   # nats://user:password@host, nats://token@host
+        return
+    raise usage.UsageError(
+        "refusing a NATS connection without authentication: anyone who can reach "
+        f"{', '.join(servers)} (on loopback: every local user) could read what is exported and "
+        "publish what is imported; give --creds, --token, --user/--password or --tls-cert, "
+        "or --allow-unauthenticated")
 
 
 def _drive(coro, failed):
@@ -740,16 +765,12 @@ class NatsService(service.Service):
         }
 
     def _answer_stats(self, proto, payload: bytes) -> None:
-        try:
-            from sbus.services.svcstats import StatsResponder
-        except ImportError:
-            StatsResponder = _StatsResponder
         responder = getattr(self, "_responder", None)
         if responder is None:
             responder = self._responder = StatsResponder(
                 "sbus-nats", lambda: f"{self.bus_id[:8]}->{','.join(self.servers)}", self.stats,
                 lambda: {"nats_connected": bool(self.nc is not None and self.nc.is_connected)})
-        packet = responder.answer(payload)
+        packet = responder.answer(payload, proto.credentials)
         if packet is not None and len(packet) <= self.max_packet:
             proto.sendPacket(packet)
 
@@ -761,31 +782,6 @@ class NatsService(service.Service):
         self._last_stats = st
         log.info("sbus-nats {what}: {stats}", what="stopped" if final else "stats",
                  stats=json.dumps(st, separators=(",", ":")))
-
-
-class _StatsResponder:
-    """The ``sbus/services/stats`` protocol (see sbus.services.svcstats when it is present):
-    the request's payload is a secret reply key of the asker; full counters go to our own
-    uid and root, others get the service's kind and state."""
-
-    def __init__(self, service_name, name, stats, public=None):
-        self.service, self.name, self.stats, self.public = service_name, name, stats, public
-
-    def answer(self, payload: bytes) -> bytes | None:
-        key = payload.strip()
-        if not key.startswith(SECRET_ROOT) or len(key) > 1024:
-            return None
-        try:
-            check_key(key)
-        except CredentialError:
-            return None
-        parts = key[len(SECRET_ROOT):].split(b"/", 3)
-        if len(parts) < 3 or not parts[1].isdigit():
-            return None
-        uid = int(parts[1])
-        body = {"service": self.service, "name": self.name(), "pid": os.getpid(), "uid": os.getuid()}
-        body["stats"] = self.stats() if uid in (0, os.getuid()) else self.public()
-        return b"MSG " + key + b"\0" + json.dumps(body, separators=(",", ":"), default=str).encode()
 
 
 # -- twistd options
@@ -815,7 +811,8 @@ class Options(usage.Options):
         "only to what clients of the bus hold (--static-imports: to every import). Keys map to "
         "subjects PREFIX.seg1.seg2 with bytes other than [A-Za-z0-9-] escaped as _XX "
         "(docs/deploy.md). !/cred/ keys cross only if a pattern names !/cred/. A plain "
-        "connection to a host that is not loopback needs --allow-plain. Needs nats-py: "
+        "connection to a host that is not loopback needs --allow-plain; a connection without "
+        "authentication (loopback too) needs --allow-unauthenticated. Needs nats-py: "
         f"{EXTRA}; runs on the asyncio reactor (installed unless another is chosen)."
     )
     optParameters = [
@@ -842,6 +839,10 @@ class Options(usage.Options):
     ]
     optFlags = [
         ["allow-plain", None, "Allow an unencrypted connection to a NATS server that is not loopback."],
+        ["allow-unauthenticated", None, "Connect to NATS without --creds, --token, --user or "
+                                        "--tls-cert: whoever can reach the NATS server (on "
+                                        "loopback: every local user) reads the exports and "
+                                        "publishes the imports."],
         ["static-imports", None, "Subscribe on NATS to every --import pattern for the life of the "
                                  "service. Default: only to what clients of the bus hold (as the "
                                  "server reports it), withdrawn when the last holder leaves."],
@@ -897,6 +898,7 @@ class Options(usage.Options):
                 raise usage.UsageError(f"--{name}: no such file: {self[name]}")
         tls = bool(self["tls-ca"] or self["tls-cert"])
         self["servers"] = check_servers(self["servers"], tls, self["allow-plain"])
+        check_authenticated(self["servers"], self)
         self["max-pending"] = positive_int("max-pending", self["max-pending"])
         self["import-buffer"] = positive_int("import-buffer", self["import-buffer"])
         self["reconnect-wait"] = positive_float("reconnect-wait", self["reconnect-wait"])

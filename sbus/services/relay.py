@@ -247,6 +247,11 @@ class Relay(service.Service):
         self._local_secret = prefix + SECRET_ROOT
         from sbus.server.service import BusService
 
+        wider = parse_address(self.address).kind == "path" and _wider_than_master(self.mode, self.upstream)
+        if wider:  # the master's socket did not exist at start-up: judged now that it answered
+            log.critical("sbus-relay: --mode: {why}; stopping", why=wider)
+            self.reactor.callLater(0, self.reactor.stop)
+            return False
         bus = BusService(self.address, self.config, mode=self.mode, reuse=self.reuse, reactor=self.reactor)
         try:
             bus.startService()
@@ -502,6 +507,14 @@ class Relay(service.Service):
         self.blocked.release()
 
 
+def _wider_than_master(mode: int, upstream: str) -> str | None:
+    """Why a socket of `mode` would let in someone who could not open the master (no service
+    serves a socket wider than the bus it stands on: `BusAccess.wider`), or None."""
+    from sbus.services.access import BusAccess
+
+    return BusAccess(upstream).wider(mode)[1]
+
+
 def makeService(options: Options) -> Relay:
     from sbus.options import StartupError
     from sbus.server.address import AddressError, check_bindable
@@ -510,6 +523,10 @@ def makeService(options: Options) -> Relay:
         check_bindable(options["socket"], bool(options["reuse"]))
     except AddressError as e:
         raise StartupError(str(e)) from None
+    if parse_address(options["socket"]).kind == "path" and os.path.exists(options["upstream"]):
+        wider = _wider_than_master(options["mode"], options["upstream"])
+        if wider:
+            raise StartupError(f"--mode: {wider}")
     return Relay(
         options["upstream"],
         options["socket"],

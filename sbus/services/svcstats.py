@@ -7,11 +7,14 @@ service connected to that bus answers once on REPLY KEY with a JSON object::
 
     {"service": "sbus-bridge", "name": "...", "pid": 1234, "uid": 1000, "stats": {...}}
 
-The asker's uid is the last ``!/cred/G/U/P`` link of REPLY KEY (whoever else
-publishes the request can only have the answer sent to that uid). Full
-counters go to the service's own uid and root; other uids get the service's
-kind, name and state only (counters would tell them about other users'
-traffic). A request whose reply key is not a valid secret key is ignored
+The asker's uid is the uid of the ``!/cred/G/U/P/`` link the server
+delivers REPLY KEY by: the first link after the bus's credential prefix (on
+a relay, keys outside its space go up to the master, which delivers by the
+first link after *its* prefix). Everything after that link is free text the
+asker wrote (``!/cred/1003/1003/P/!/cred/0/0/1/x`` reaches uid 1003, not
+root). Full counters go to the service's own uid and root; other uids get
+the service's kind, name and state only (counters would tell them about
+other users' traffic). A request whose reply key is not a valid secret key is ignored
 and counted. ``sbus stats --services`` asks and prints the answers.
 """
 
@@ -20,29 +23,35 @@ from __future__ import annotations
 import json
 import os
 
-from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key
+from sbus.client.twisted import parse_whoami
+from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key, owner_of
 
 STATS_REQUEST = b"sbus/services/stats"
 _MAX_REPLY_KEY = 1024
 
 
-def reply_owner_uid(key: bytes) -> int | None:
-    """The uid that a secret reply key reaches (the innermost link of its credential chain)."""
+def reply_owner_uid(key: bytes, whoami: bytes | None = None) -> int | None:
+    """The uid a secret reply key reaches, published by a client whose whoami is `whoami`.
+
+    The bus delivers a key under its own prefix + ``!/cred/`` by the first link after that
+    prefix; a relay sends any other secret key up to its master, whose prefix is ours minus
+    its last link, and so on up to the top (prefix empty). Text after the deciding link is
+    the asker's own and proves nothing.
+    """
     if not key.startswith(SECRET_ROOT) or len(key) > _MAX_REPLY_KEY:
         return None
     try:
         check_key(key)
     except CredentialError:
         return None
-    uid = None
-    rest = key
-    while rest.startswith(SECRET_ROOT):
-        parts = rest[len(SECRET_ROOT):].split(b"/", 3)
-        if len(parts) < 3 or not all(p.isdigit() for p in parts[:3]):
-            return uid
-        uid = int(parts[1])
-        rest = parts[3] if len(parts) == 4 else b""
-    return uid
+    mine = parse_whoami(whoami) if whoami else None
+    prefix = mine[0] if mine is not None else b""
+    while not key.startswith(prefix + SECRET_ROOT):
+        if not prefix:
+            return None
+        prefix = prefix[:prefix.rstrip(b"/").rfind(SECRET_ROOT)]   # the master's prefix
+    owner = owner_of(key, prefix)
+    return None if owner is None else owner.uid
 
 
 class StatsResponder:
@@ -56,10 +65,11 @@ class StatsResponder:
         self.answered = 0
         self.refused = 0
 
-    def answer(self, payload: bytes) -> bytes | None:
-        """The packet to publish for a request with this payload, or None (ignored)."""
+    def answer(self, payload: bytes, whoami: bytes | None = None) -> bytes | None:
+        """The packet to publish for a request with this payload, received on a connection
+        whose whoami is `whoami` (its prefix decides how the reply key is delivered), or None."""
         key = payload.strip()
-        uid = reply_owner_uid(key)
+        uid = reply_owner_uid(key, whoami)
         if uid is None:
             self.refused += 1
             return None
