@@ -196,6 +196,12 @@ class Requester:
     def pending(self) -> int:
         return len(self._pending)
 
+    def abandon(self) -> list:
+        """Forget every pending request (the connection ended); returns their waiters."""
+        waiters = [w for w in self._pending.values() if w is not None]
+        self._pending.clear()
+        return waiters
+
 
 class Responder:
     """The responder side: which requests to answer, and the reply packets (sans I/O)."""
