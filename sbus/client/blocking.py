@@ -377,14 +377,18 @@ class Client:
                 self._pending.append(packet)
         return waiter[0]
 
-    def serve(self, pattern, handler, count: int | None = None, timeout: float | None = None) -> int:
+    def serve(self, pattern, handler, count: int | None = None, timeout: float | None = None,
+              ready=None) -> int:
         """Answer requests on `pattern`: ``handler(key, body)`` returns the reply (bytes or str;
         None: no reply). Returns after `count` requests (default: until the connection ends,
         or `timeout` seconds without one: `TimeoutError`). Messages without a valid secret
-        reply key are ignored (counted in `responder.refused`). Returns the requests handled."""
+        reply key are ignored (counted in `responder.refused`). `ready()` is called once the
+        subscription is in place. Returns the requests handled."""
         pattern = codec.encode_sub(pattern, self.max_packet)[4:]
         self.subscribe(pattern)
         self.sync(timeout)
+        if ready is not None:
+            ready()
         responder = self.responder = Responder(self.max_packet)
         handled = 0
         while count is None or handled < count:
@@ -413,10 +417,13 @@ class Client:
         try:
             while True:
                 left = deadline - time.monotonic()
-                if left <= 0:
+                try:
+                    if left <= 0:
+                        raise TimeoutError
+                    m = self.receive(timeout=left)
+                except TimeoutError:
                     raise TimeoutError(f"no sbus-queue service answered for group {membership.group.decode()} "
-                                       f"within {timeout:g} s")
-                m = self.receive(timeout=left)
+                                       f"within {timeout:g} s") from None
                 what = membership.receive(m.key, m.payload) if type(m) is Message else None
                 if what == "hello":
                     break
