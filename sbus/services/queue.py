@@ -87,6 +87,8 @@ class QueueService(service.Service):
             def unsolicitedControl(self, key, payload):
                 if key == codec.INTEREST:
                     svc._send(svc.core.interest(payload))
+                    if payload == b"=":
+                        log.info("control: following the members ({n} now)", n=len(svc.core.members))
 
         class IntakeClient(ReconnectingClient):
             def connectionMade(self, protocol):
@@ -96,6 +98,9 @@ class QueueService(service.Service):
                 if svc.intake_connects > 1:
                     log.warn("intake: reconnected to the bus (what was queued for the old "
                              "connection is lost, uncounted)")
+                protocol.sync().addCallbacks(
+                    lambda _: log.info("intake: subscribed to {p}", p=", ".join(
+                        repr(g.pattern) for g in svc.core.groups.values())), lambda f: None)
 
             def connectionLost(self, reason):
                 if svc.running:
