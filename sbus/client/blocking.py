@@ -334,6 +334,12 @@ class Client:
 
     # -- request/reply with other clients (docs/request-reply.md; the core: sbus.core.reqrep)
 
+    @property
+    def requester(self) -> Requester | None:
+        """The request/reply state once `request()` was used: its counts (`sent`, `answered`,
+        `late`: replies after the first, dropped) and `inbox`, the reply key prefix."""
+        return self._reqrep
+
     def _requester(self, timeout: float | None) -> Requester:
         if self._reqrep is None:
             requester = Requester(self.whoami(timeout), self.max_packet)

@@ -48,6 +48,7 @@ class QueueService(service.Service):
         self.paused = False
         self.pauses = 0
         self.intake_connects = self.control_connects = 0
+        self.control_started = False
         self.responder = StatsResponder("sbus-queue", self._name, self.stats,
                                         lambda: {"groups": sorted(g.decode() for g in self.core.groups)})
         self._loop = None
@@ -98,9 +99,7 @@ class QueueService(service.Service):
                 if svc.intake_connects > 1:
                     log.warn("intake: reconnected to the bus (what was queued for the old "
                              "connection is lost, uncounted)")
-                protocol.sync().addCallbacks(
-                    lambda _: log.info("intake: subscribed to {p}", p=", ".join(
-                        repr(g.pattern) for g in svc.core.groups.values())), lambda f: None)
+                protocol.sync().addCallbacks(lambda _: svc._intakeReady(), lambda f: None)
 
             def connectionLost(self, reason):
                 if svc.running:
@@ -129,7 +128,8 @@ class QueueService(service.Service):
             self.intake.flood(hard="block")
         for g in self.core.groups.values():
             self.intake.subscribe(g.pattern)
-        self.control.start()
+        # the control connection (and with it the members' hello) only once the intake is
+        # subscribed: a member that was told hello can have work published for it at once
         self.intake.start()
         log.info("sbus-queue: groups {g}; at most {limit} waiting per group ({mode} beyond), "
                  "window {w} per member", g=self._name(), limit=next(iter(self.core.groups.values())).limit,
@@ -138,6 +138,12 @@ class QueueService(service.Service):
         self._loop.clock = self.reactor
         self._loop.start(self.stats_interval, now=False)
         exit_zero_on_sigterm(self.reactor)
+
+    def _intakeReady(self) -> None:
+        log.info("intake: subscribed to {p}", p=", ".join(repr(g.pattern) for g in self.core.groups.values()))
+        if self.running and not self.control_started:
+            self.control_started = True
+            self.control.start()
 
     def stopService(self):
         from twisted.internet import defer
