@@ -127,8 +127,15 @@ def _deliveries(packets):
     return out
 
 
+def online(*args, **kw) -> QueueCore:
+    """A core whose control connection is up (its first interest listing complete)."""
+    core = QueueCore(*args, **kw)
+    core.interest(b"=")
+    return core
+
+
 def test_core_round_robin_over_members_with_room():
-    core = QueueCore([("jobs", "j/")], window=2)
+    core = online([("jobs", "j/")], window=2)
     a, _ = _join(core, member=b"a")
     b, _ = _join(core, member=b"b")
     got = []
@@ -143,7 +150,7 @@ def test_core_round_robin_over_members_with_room():
 
 
 def test_core_a_departed_members_work_goes_first_marked_redelivered():
-    core = QueueCore([("jobs", "j/")], window=3)
+    core = online([("jobs", "j/")], window=3)
     a, _ = _join(core, member=b"a")
     for i in range(5):
         core.message(b"j/%d" % i, b"")  # a gets j/0-j/2 (its window), j/3 and j/4 wait
@@ -158,7 +165,7 @@ def test_core_a_departed_members_work_goes_first_marked_redelivered():
 
 
 def test_core_a_token_is_good_once_and_unknown_ones_are_counted():
-    core = QueueCore([("jobs", "j/")], window=5)
+    core = online([("jobs", "j/")], window=5)
     _join(core)
     ((_, _, token, _),) = _deliveries(core.message(b"j/1", b""))
     core.ack(token)
@@ -168,7 +175,7 @@ def test_core_a_token_is_good_once_and_unknown_ones_are_counted():
 
 
 def test_core_a_uid_not_allowed_is_refused_and_gets_nothing():
-    core = QueueCore([("jobs", "j/")], allowed_uids=())
+    core = online([("jobs", "j/")], allowed_uids=())
     key, packets = _join(core, uid=65534 if os.getuid() != 65534 else 65533)
     assert [codec.parse(p).key for p in packets] == [key + b"refused"]
     assert core.message(b"j/1", b"") == []
@@ -179,13 +186,27 @@ def test_core_a_uid_not_allowed_is_refused_and_gets_nothing():
 
 
 def test_core_a_new_listing_drops_the_members_it_does_not_name():
-    core = QueueCore([("jobs", "j/")])
+    core = online([("jobs", "j/")])
     a, _ = _join(core, member=b"a")
     b, _ = _join(core, member=b"b")
     core.relisting()
     core.interest(b"+\0" + b)
     core.interest(b"=")
     assert list(core.members) == [b]
+
+
+def test_core_delivers_nothing_while_the_control_connection_is_down():
+    """Deliveries made while the connection that publishes them is gone would be lost
+    unacknowledged forever: work waits, and what was in flight is redelivered after."""
+    core = online([("jobs", "j/")])
+    a, _ = _join(core, member=b"a")
+    ((_, _, token, _),) = _deliveries(core.message(b"j/1", b""))
+    core.control_lost()
+    assert core.message(b"j/2", b"") == []
+    core.relisting()
+    core.interest(b"+\0" + a)
+    assert [(k, n) for _, k, _, n in _deliveries(core.interest(b"="))] == [(b"j/1", 2), (b"j/2", 1)]
+    assert core.ack(token) == [] and core.stats()["acks_unknown"] == 1  # the old token is void
 
 
 def test_membership_reads_only_its_own_keys():

@@ -206,6 +206,9 @@ class QueueCore:
         self.members: dict[bytes, _Member] = {}
         self.tokens: dict[bytes, _Member] = {}
         self._listing: set[bytes] | None = None
+        #: Deliveries go out only while the control connection is up and its first interest
+        #: listing is complete (until then work waits in the backlogs).
+        self.online = False
         self.acks_unknown = 0
         self.ignored_keys = 0
         self.lost_intake = 0
@@ -252,6 +255,10 @@ class QueueCore:
             if listing is not None:
                 for key in [k for k in self.members if k not in listing]:
                     self._leave(key, out)
+            if not self.online:
+                self.online = True
+                for g in self.groups.values():
+                    self._pump(g, out)
             return out
         sign, _, pattern = payload.partition(b"\0")
         if sign == b"+":
@@ -272,6 +279,7 @@ class QueueCore:
         """The connection that publishes deliveries is gone: what it sent may not have reached
         the members, so every unacknowledged delivery goes back to the front of its group's
         backlog (redelivered to whoever is there once the listing is complete)."""
+        self.online = False
         for g in self.groups.values():
             for member in g.ring:
                 back = list(member.inflight.items())
@@ -355,7 +363,7 @@ class QueueCore:
 
     def _pump(self, g: _Group, out: list) -> None:
         backlog = g.backlog
-        while backlog:
+        while backlog and self.online:
             member = g.next_member()
             if member is None:
                 break
