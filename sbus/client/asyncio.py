@@ -32,7 +32,7 @@ from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, Control, Message, ProtocolError
 from sbus.core.patterns import matches
 from sbus.core.reqrep import RequestTimeout, Requester, Responder, parse_request
-from sbus.core.workqueue import Delivery, Membership, Refused
+from sbus.core.workqueue import Delivery, Membership, WorkerBase
 
 from .address import open_socket
 from .blocking import ConnectionClosed, PacketTooLarge, echo_packet, flood_packets
@@ -383,18 +383,14 @@ class Client:
         try:
             while True:
                 left = deadline - self._loop.time()
-                if left <= 0:
-                    raise TimeoutError(f"no sbus-queue service answered for group "
-                                       f"{membership.group.decode()} within {timeout:g} s")
                 try:
+                    if left <= 0:
+                        raise TimeoutError
                     m = await self.receive(timeout=left)
-                except asyncio.TimeoutError:
-                    continue
-                what = membership.receive(m.key, m.payload) if type(m) is Message else None
-                if what == "hello":
+                except (TimeoutError, asyncio.TimeoutError):
+                    raise membership.timeout_error(timeout) from None
+                if membership.joined(m):
                     break
-                if what == "refused":
-                    raise Refused(f"group {membership.group.decode()}: {membership.refused}")
                 held.append(m)
         except BaseException:
             if not self.closed:
@@ -405,27 +401,16 @@ class Client:
         return AsyncWorker(self, membership)
 
 
-class AsyncWorker:
+class AsyncWorker(WorkerBase):
     """A member of a work-queue group (`Client.join`): ``async for delivery in worker``."""
-
-    def __init__(self, client: Client, membership: Membership):
-        self.client = client
-        self.membership = membership
-        self.skipped = 0
-
-    @property
-    def info(self) -> dict:
-        return self.membership.info or {}
 
     async def next(self, timeout: float | None = None) -> Delivery:
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
-            m = await self.client.receive(timeout=left)
-            if type(m) is Message:
-                d = self.membership.receive(m.key, m.payload)
-                if type(d) is Delivery:
-                    return d
+            d = self.membership.delivery(await self.client.receive(timeout=left))
+            if d is not None:
+                return d
             self.skipped += 1
 
     def __aiter__(self):

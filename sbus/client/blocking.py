@@ -29,8 +29,8 @@ from collections import deque
 from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, Control, DisconnectNotice, DropNotice, Message, ProtocolError
 from sbus.core.patterns import matches
-from sbus.core.reqrep import NoResponders, RequestTimeout, Requester, Responder
-from sbus.core.workqueue import Delivery, Membership, Refused
+from sbus.core.reqrep import RequestTimeout, Requester, Responder
+from sbus.core.workqueue import Delivery, Membership, WorkerBase
 
 from .address import open_socket, size_buffers
 
@@ -428,13 +428,9 @@ class Client:
                         raise TimeoutError
                     m = self.receive(timeout=left)
                 except TimeoutError:
-                    raise TimeoutError(f"no sbus-queue service answered for group {membership.group.decode()} "
-                                       f"within {timeout:g} s") from None
-                what = membership.receive(m.key, m.payload) if type(m) is Message else None
-                if what == "hello":
+                    raise membership.timeout_error(timeout) from None
+                if membership.joined(m):
                     break
-                if what == "refused":
-                    raise Refused(f"group {membership.group.decode()}: {membership.refused}")
                 held.append(m)
         except BaseException:
             if not self.closed:
@@ -448,29 +444,17 @@ class Client:
         return Worker(self, membership)
 
 
-class Worker:
+class Worker(WorkerBase):
     """A member of a work-queue group (`Client.join`): iterate for `Delivery`s, `ack` each."""
-
-    def __init__(self, client: Client, membership: Membership):
-        self.client = client
-        self.membership = membership
-        #: Packets on the connection that were not deliveries (skipped).
-        self.skipped = 0
-
-    @property
-    def info(self) -> dict:
-        return self.membership.info or {}
 
     def next(self, timeout: float | None = None) -> Delivery:
         """The next delivery (`TimeoutError` after `timeout`, `ConnectionClosed` at the end)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            m = self.client.receive(timeout=left)
-            if type(m) is Message:
-                d = self.membership.receive(m.key, m.payload)
-                if type(d) is Delivery:
-                    return d
+            d = self.membership.delivery(self.client.receive(timeout=left))
+            if d is not None:
+                return d
             self.skipped += 1
 
     def __iter__(self):

@@ -39,7 +39,7 @@ from sbus.core.codec import MAX_PACKET, Control, Message, ProtocolError
 from sbus.core.credentials import CredentialError, Credentials, SECRET_ROOT, check_pattern
 from sbus.core.patterns import matches
 from sbus.core.reqrep import RequestTimeout, Requester, Responder, parse_request
-from sbus.core.workqueue import Delivery, Membership, Refused
+from sbus.core.workqueue import Delivery, Membership, Refused, WorkerBase
 from sbus.interfaces import IPacketProtocol
 from sbus.seqpacket import SeqPacketTransport
 from zope.interface import implementer
@@ -405,8 +405,7 @@ class SbusProtocol(Protocol):
 
         self.subscribe(membership.prefix, received)
         call = self._reactor().callLater(
-            timeout, lambda: ready.called or ready.errback(TimeoutError(
-                f"no sbus-queue service answered for group {membership.group.decode()} within {timeout:g} s")))
+            timeout, lambda: ready.called or ready.errback(membership.timeout_error(timeout)))
         try:
             return await ready
         except BaseException:
@@ -438,25 +437,17 @@ class SbusProtocol(Protocol):
             return pattern
 
 
-class TwistedWorker:
-    """A member of a work-queue group (`SbusProtocol.join`)."""
-
-    def __init__(self, protocol: SbusProtocol, membership: Membership):
-        self.protocol = protocol
-        self.membership = membership
-
-    @property
-    def info(self) -> dict:
-        return self.membership.info or {}
+class TwistedWorker(WorkerBase):
+    """A member of a work-queue group (`SbusProtocol.join`); `client` is the protocol."""
 
     def ack(self, *deliveries) -> None:
         """Acknowledge deliveries (handled: the service forgets them)."""
         if deliveries:
-            self.protocol.sendPacket(self.membership.ack_packet(*deliveries))
+            self.client.sendPacket(self.membership.ack_packet(*deliveries))
 
     def leave(self) -> None:
         """Leave the group: what is not acknowledged goes to another member, redelivered."""
-        self.protocol.unsubscribe(self.membership.prefix)
+        self.client.unsubscribe(self.membership.prefix)
 
 
 def _connect_socket(reactor, address, max_packet, timeout):

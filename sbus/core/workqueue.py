@@ -71,6 +71,20 @@ class Refused(Exception):
     """The queue service refused the join (unknown group, uid not allowed)."""
 
 
+class WorkerBase:
+    """What the clients' workers share: the connection, its `Membership`, the hello's `info`."""
+
+    def __init__(self, client, membership: "Membership"):
+        self.client = client
+        self.membership = membership
+        #: Packets on the connection that were not deliveries (skipped).
+        self.skipped = 0
+
+    @property
+    def info(self) -> dict:
+        return self.membership.info or {}
+
+
 class Membership:
     """A member's protocol state: its key, and what the packets addressed to it mean."""
 
@@ -115,6 +129,24 @@ class Membership:
             self.refused = payload.decode("utf-8", "replace")[:200]
             return "refused"
         return None
+
+    def joined(self, packet) -> bool:
+        """While joining: True for the service's hello; raises `Refused` for its refusal;
+        False for anything else (to be kept for the application)."""
+        what = self.receive(packet.key, packet.payload) if type(packet) is codec.Message else None
+        if what == "refused":
+            raise Refused(f"group {self.group.decode()}: {self.refused}")
+        return what == "hello"
+
+    def delivery(self, packet) -> Delivery | None:
+        """The `Delivery` a received packet is, or None."""
+        if type(packet) is not codec.Message:
+            return None
+        d = self.receive(packet.key, packet.payload)
+        return d if type(d) is Delivery else None
+
+    def timeout_error(self, timeout: float) -> TimeoutError:
+        return TimeoutError(f"no sbus-queue service answered for group {self.group.decode()} within {timeout:g} s")
 
     def ack_packet(self, *deliveries) -> bytes:
         tokens = b" ".join(d.token if isinstance(d, Delivery) else bytes(d) for d in deliveries)
@@ -282,13 +314,7 @@ class QueueCore:
         self.online = False
         for g in self.groups.values():
             for member in g.ring:
-                back = list(member.inflight.items())
-                member.inflight.clear()
-                for token, _ in back:
-                    self.tokens.pop(token, None)
-                for _, entry in reversed(back):
-                    g.backlog.appendleft(entry)
-                g.redelivered += len(back)
+                self._requeue(member)
 
     def _join(self, pattern: bytes, out: list) -> None:
         m = _MEMBER_PATTERN.match(pattern)
@@ -329,15 +355,19 @@ class QueueCore:
         else:
             g.rr = 0
         g.left += 1
+        self._requeue(member)
+        self._pump(g, out)
+
+    def _requeue(self, member: _Member) -> None:
+        """A member's unacknowledged work goes first, in the order it was delivered; its tokens die."""
+        g = member.group
         back = list(member.inflight.items())
         member.inflight.clear()
         for token, _ in back:
             self.tokens.pop(token, None)
-        # unacknowledged work goes first, in the order it was delivered
         for _, entry in reversed(back):
             g.backlog.appendleft(entry)
         g.redelivered += len(back)
-        self._pump(g, out)
 
     # -- acknowledgements
 
