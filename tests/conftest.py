@@ -9,6 +9,9 @@ runs `twistd sbus` with options. Each has `.address`, `.connect()`, `.log()`,
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import uuid
 
 import pytest
@@ -54,3 +57,13 @@ def start_twistd_bus(tmp_path):
 def bus(start_bus):
     """One running server process; `.address` is its socket path."""
     return start_bus()
+
+
+@pytest.fixture
+def shared_dir():
+    """A fresh directory under /tmp that uid 65534 may traverse (tmp_path's parents are 0700),
+    for a bus another uid uses (``start_bus("-o", address=...)``)."""
+    d = tempfile.mkdtemp(prefix="sbus-shared-")
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

@@ -12,12 +12,9 @@ import encodings.idna  # noqa: F401  (uid 65534 cannot import it from the venv a
 import json
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import time
 
 import pytest
 
@@ -77,7 +74,7 @@ def group_stats(address, group="jobs") -> dict:
     return service_stats(address)["groups"][group]
 
 
-def start_member(address, out, group="jobs", *extra, user=None) -> subprocess.Popen:
+def start_member(address, out, group="jobs", *extra) -> subprocess.Popen:
     p = subprocess.Popen([sys.executable, MEMBER, address, group, str(out), *extra], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, cwd=REPO)
     line = p.stdout.readline()
@@ -97,6 +94,16 @@ def lines(path) -> list[tuple[bytes, int]]:
             key, n = line.rsplit(b" ", 1)
             out.append((key, int(n)))
     return out
+
+
+def start_publisher(address, n: int, size: int) -> subprocess.Popen:
+    """A process that publishes jobs/0 .. jobs/N-1 (payloads of `size` bytes), then syncs."""
+    return subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]);"
+         "from sbus.client import Client\n"
+         "with Client(sys.argv[2]) as c:\n"
+         "    for i in range(int(sys.argv[3])): c.publish(b'jobs/%d' % i, b'x' * int(sys.argv[4]))\n"
+         "    c.sync(60)", REPO, address, str(n), str(size)])
 
 
 def publish(address, keys) -> None:
@@ -228,12 +235,7 @@ def test_kill9_member_under_load_loses_nothing_and_marks_the_redelivered(bus, st
     start_queue(bus, "--group", "jobs=jobs/", "--window", "64")
     outs = [tmp_path / f"member{i}.out" for i in range(3)]
     members = [start_member(bus.address, out) for out in outs]
-    publisher = subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]);"
-         "from sbus.client import Client\n"
-         "with Client(sys.argv[2]) as c:\n"
-         "    for i in range(int(sys.argv[3])): c.publish(b'jobs/%d' % i, b'x')\n"
-         "    c.sync(60)", REPO, bus.address, str(MESSAGES)])
+    publisher = start_publisher(bus.address, MESSAGES, 1)
     try:
         victim = members[1]
         wait_until(lambda: len(lines(outs[1])) >= MESSAGES // 10, "the victim to handle a tenth", timeout=60)
@@ -306,12 +308,7 @@ def test_over_the_limit_discard_and_error_drop_and_count(bus, start_queue, tmp_p
 def test_over_the_limit_block_holds_the_publisher_and_loses_nothing(bus, start_queue, tmp_path):
     start_queue(bus, "--group", "jobs=jobs/", "--limit", "10", "--full", "block")
     n = 3000
-    publisher = subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]);"
-         "from sbus.client import Client\n"
-         "with Client(sys.argv[2]) as c:\n"
-         "    for i in range(int(sys.argv[3])): c.publish(b'jobs/%d' % i, b'x' * 1000)\n"
-         "    c.sync(60)", REPO, bus.address, str(n)])
+    publisher = start_publisher(bus.address, n, 1000)
     try:
         wait_until(lambda: service_stats(bus.address)["intake_paused"], "the intake paused")
         out = tmp_path / "m.out"
@@ -326,15 +323,6 @@ def test_over_the_limit_block_holds_the_publisher_and_loses_nothing(bus, start_q
         publisher.wait()
         m.kill()
         m.wait()
-
-
-@pytest.fixture
-def open_dir():
-    """A directory under /tmp that uid 65534 may traverse (tmp_path's parents are 0700)."""
-    d = tempfile.mkdtemp(prefix="sbus-queue-")
-    os.chmod(d, 0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_other_uid_cannot_join_a_0700_bus(bus, start_queue):
@@ -352,11 +340,11 @@ def test_other_uid_cannot_join_a_0700_bus(bus, start_queue):
     assert group_stats(bus.address)["joined"] == 0
 
 
-def test_other_uid_on_a_shared_bus_is_refused_and_reads_nothing(start_bus, start_queue, open_dir):
+def test_other_uid_on_a_shared_bus_is_refused_and_reads_nothing(start_bus, start_queue, shared_dir):
     """On a bus every user may use (-o), uid 65534 is not in --allow-uid: its join is refused
     (by the credentials the server checked), it gets no work, and a tap on '' sees no delivery;
     it cannot subscribe to a member's key, and a forged ack does nothing."""
-    bus = start_bus("-o", address=os.path.join(open_dir, "bus.socket"))
+    bus = start_bus("-o", address=os.path.join(shared_dir, "bus.socket"))
     start_queue(bus, "--group", "jobs=jobs/", "--window", "100")
     with Client(bus.address) as member_conn:
         worker = member_conn.join("jobs")

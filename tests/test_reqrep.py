@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import socket
-import tempfile
 import threading
 
 import pytest
@@ -167,21 +165,13 @@ async def test_twisted_request_reply(bus):
 # ---------------------------------------------------------------- another uid
 
 
-@pytest.fixture
-def open_dir():
-    d = tempfile.mkdtemp(prefix="sbus-reqrep-")
-    os.chmod(d, 0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-def test_a_responder_of_another_uid_answers_and_a_tap_on_everything_sees_no_reply(start_bus, open_dir):
+def test_a_responder_of_another_uid_answers_and_a_tap_on_everything_sees_no_reply(start_bus, shared_dir):
     """On a bus every user may use (-o): uid 65534 serves, root asks (root sees every uid's
     interest, so the check finds the responder). A second uid-65534 connection subscribed to
     '' sees the request (an ordinary message) but not the reply (the requester's secret key).
     Then uid 65534 asks root's responder: by default it is told "no responders" (interest is
     scoped to its own uid), with check=False it gets the reply."""
-    bus = start_bus("-o", address=os.path.join(open_dir, "bus.socket"))
+    bus = start_bus("-o", address=os.path.join(shared_dir, "bus.socket"))
     ready_r, ready_w = os.pipe()
     got_r, got_w = os.pipe()
 
