@@ -387,3 +387,39 @@ def test_other_uid_on_a_shared_bus_is_refused_and_reads_nothing(start_bus, start
         assert d.key == b"jobs/secret" and not d.redelivered
     st = service_stats(bus.address)
     assert st["groups"]["jobs"]["refused"] == 1 and st["acks_unknown"] == 1
+
+
+@pytest.mark.parametrize("args, needle", [
+    ([], "give at least one --group NAME=PATTERN"),
+    (["--group", "jobs"], "--group: expected NAME=PATTERN"),
+    (["--group", "a b=x/"], "--group: bad group name"),
+    (["--group", "s=!/cred////x"], "may not name secret keys"),
+    (["--group", "a=x/", "--group", "a=y/"], "--group: a given twice"),
+    (["--group", "a=x/", "--full", "drop"], "--full: one of block, discard, error"),
+    (["--group", "a=x/", "--window", "0"], "--window: must be positive"),
+    (["--group", "a=x/", "--allow-uid", "no-such-user-here"], "--allow-uid: no such user"),
+])
+def test_bad_options_are_one_line(args, needle):
+    r = subprocess.run([sys.executable, "-m", "twisted", "sbus-queue", *args], capture_output=True, cwd=REPO,
+                       timeout=60)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_restarted_service_finds_its_members_and_serves_them(bus, start_queue, tmp_path):
+    """The service killed with kill -9 and started again: the members that stayed are in the new
+    service's first interest listing, get hello again (ignored) and the work published after."""
+    first = start_queue(bus, "--group", "jobs=jobs/")
+    out = tmp_path / "m.out"
+    m = start_member(bus.address, out)
+    try:
+        publish(bus.address, [b"jobs/before"])
+        wait_until(lambda: lines(out) == [(b"jobs/before", 1)], "the first message")
+        first.stop(signal.SIGKILL)
+        start_queue(bus, "--group", "jobs=jobs/")
+        assert group_stats(bus.address)["members"] == 1
+        publish(bus.address, [b"jobs/after"])
+        wait_until(lambda: lines(out)[1:] == [(b"jobs/after", 1)], "the message after the restart")
+    finally:
+        m.kill()
+        m.wait()
