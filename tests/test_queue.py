@@ -423,3 +423,68 @@ def test_a_restarted_service_finds_its_members_and_serves_them(bus, start_queue,
     finally:
         m.kill()
         m.wait()
+
+
+def test_asyncio_and_twisted_members(bus, start_queue):
+    """join/ack in the asyncio client and the Twisted one, against the real service: each
+    gets work, a refused join raises Refused, and the acks reach the service."""
+    import asyncio
+
+    import sbus.client.asyncio as aio
+
+    start_queue(bus, "--group", "jobs=jobs/")
+
+    async def main():
+        c = await aio.connect(bus.address)
+        with pytest.raises(Refused):
+            await c.join("nosuchgroup")
+        w = await c.join("jobs")
+        assert w.info["pattern"] == "jobs/"
+        publish(bus.address, [b"jobs/a1", b"jobs/a2"])
+        got = [await w.next(timeout=10), await w.next(timeout=10)]
+        await w.ack(*got)
+        await c.sync()
+        c.close()
+        return [d.key for d in got]
+
+    assert asyncio.run(main()) == [b"jobs/a1", b"jobs/a2"]
+    assert wait_until(lambda: group_stats(bus.address)["acked"] == 2, "the asyncio acks")
+    out = subprocess.run([sys.executable, "-c", TWISTED_MEMBER, REPO, bus.address], capture_output=True,
+                         timeout=60, cwd=REPO)
+    assert out.stdout == b"refused\n[b'jobs/t1', b'jobs/t2']\n", out.stderr.decode()[-2000:]
+    assert wait_until(lambda: group_stats(bus.address)["acked"] == 4, "the Twisted acks")
+
+
+TWISTED_MEMBER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from twisted.internet import defer, task
+from sbus.client import Client, Refused
+from sbus.client.twisted import connect
+
+async def main(reactor):
+    p = await connect(reactor, sys.argv[2])
+    try:
+        await p.join("nosuchgroup", lambda d: None)
+    except Refused:
+        print("refused")
+    got, done = [], defer.Deferred()
+
+    def delivered(d):
+        got.append(d)
+        worker.ack(d)
+        if len(got) == 2:
+            done.callback(None)
+
+    worker = await p.join("jobs", delivered)
+    with Client(sys.argv[2]) as c:
+        c.publish(b"jobs/t1", b"")
+        c.publish(b"jobs/t2", b"")
+        c.sync(10)
+    await done
+    await p.sync()
+    print([d.key for d in got])
+    await p.close()
+
+task.react(lambda r: defer.ensureDeferred(main(r)))
+"""
