@@ -4,8 +4,8 @@
     .venv/bin/python bench/reqrep.py [--count N] [--address PATH]
 
 Starts a bus (``python -m sbus.server.sbusd -f``) unless --address names one, then times,
-one message at a time, with the blocking client (each in a thread of its own, responder
-and echoer on connections of their own):
+one message at a time, with the blocking client (the responder and the echoer in a forked
+process of their own):
 
 * ``pubsub-self``: publish on a key the same client holds, wait for the echo (one crossing of
   the server: what `sbus ping` measures);
@@ -27,7 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
+import multiprocessing
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -57,22 +57,35 @@ def time_pubsub_self(address, n):
         return out
 
 
+def _other_process(target, *args):
+    """Run target(ready, *args) in a forked process; return it once `ready` is set."""
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    p = ctx.Process(target=target, args=(ready, *args), daemon=True)
+    p.start()
+    if not ready.wait(10):
+        raise TimeoutError("the other process did not start")
+    return p
+
+
+def _echoer(ready, address, n):
+    with Client(address) as e:
+        e.echo(False)
+        e.subscribe(b"bench/ping")
+        e.sync(5)
+        ready.set()
+        for _ in range(n):
+            m = e.receive(timeout=10)
+            e.publish(b"bench/pong", m.payload)
+
+
+def _responder(ready, address, n):
+    with Client(address) as r:
+        r.serve(b"bench/req", lambda k, b: b, count=n, ready=ready.set)
+
+
 def time_pubsub_pair(address, n):
-    ready = threading.Event()
-
-    def echoer():
-        with Client(address) as e:
-            e.echo(False)
-            e.subscribe(b"bench/ping")
-            e.sync(5)
-            ready.set()
-            for _ in range(n):
-                m = e.receive(timeout=10)
-                e.publish(b"bench/pong", m.payload)
-
-    t = threading.Thread(target=echoer, daemon=True)
-    t.start()
-    ready.wait(10)
+    t = _other_process(_echoer, address, n)
     with Client(address) as c:
         c.subscribe(b"bench/pong")
         c.sync(5)
@@ -90,12 +103,7 @@ def time_pubsub_pair(address, n):
 
 
 def time_request(address, n):
-    ready = threading.Event()
-    responder = Client(address)
-    t = threading.Thread(target=responder.serve, args=(b"bench/req", lambda k, b: b),
-                         kwargs={"count": n, "ready": ready.set}, daemon=True)
-    t.start()
-    ready.wait(10)
+    t = _other_process(_responder, address, n)
     with Client(address) as c:
         c.request(b"bench/req", b"warm-up-not-counted", timeout=10)  # the first sets up the reply inbox
         out = []
@@ -104,7 +112,6 @@ def time_request(address, n):
             c.request(b"bench/req", b"%d" % i, timeout=10)
             out.append((time.perf_counter_ns() - t0) / 1000)
     t.join(10)
-    responder.close()
     return out
 
 
