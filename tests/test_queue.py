@@ -488,3 +488,25 @@ async def main(reactor):
 
 task.react(lambda r: defer.ensureDeferred(main(r)))
 """
+
+
+def test_a_member_behind_a_relay(start_bus, start_queue, tmp_path):
+    """The service on the master, a member on a relay below it: the member's join pattern
+    reaches the master with the relay's credentials in front (the chain the server vouches
+    for, every uid of it allowed), deliveries go down, acknowledgements up."""
+    from test_relay import Relay
+
+    master = start_bus()
+    relay = Relay(master.address, str(tmp_path / "relay.sock"), tmp_path)
+    try:
+        start_queue(master, "--group", "jobs=jobs/")
+        with Client(relay.address) as c:
+            worker = c.join("jobs", timeout=10)
+            assert worker.membership.prefix.count(b"!/cred/") == 2
+            publish(master.address, [b"jobs/1"])
+            d = worker.next(timeout=10)
+            worker.ack(d)
+            assert (d.key, d.deliveries) == (b"jobs/1", 1)
+            wait_until(lambda: group_stats(master.address)["acked"] == 1, "the ack through the relay")
+    finally:
+        relay.stop()
