@@ -510,3 +510,27 @@ def test_a_member_behind_a_relay(start_bus, start_queue, tmp_path):
             wait_until(lambda: group_stats(master.address)["acked"] == 1, "the ack through the relay")
     finally:
         relay.stop()
+
+
+def test_sbus_work_a_failing_command_leaves_and_its_message_goes_to_another(bus, start_queue, tmp_path):
+    start_queue(bus, "--group", "jobs=jobs/")
+    failing = subprocess.Popen([sys.executable, "-m", "sbus.cli", "-s", bus.address, "work", "--ready-file",
+                                str(tmp_path / "ready"), "jobs", "--", "sh", "-c", "cat >/dev/null; exit 3"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    try:
+        wait_until(lambda: (tmp_path / "ready").exists() or failing.poll() is not None, "sbus work joined")
+        publish(bus.address, [b"jobs/1"])
+        out, err = failing.communicate(timeout=30)
+        assert failing.returncode == 1, err
+        assert err == (b"sbus: sh exited 3 on jobs/1: leaving the group (the message goes to another member, "
+                       b"marked redelivered)\n"), err
+    finally:
+        if failing.poll() is None:
+            failing.kill()
+            failing.wait()
+    r = subprocess.run([sys.executable, "-m", "sbus.cli", "-s", bus.address, "work", "-n", "1", "jobs", "--", "sh",
+                        "-c", 'echo "$SBUS_KEY $(cat) $SBUS_DELIVERIES $SBUS_REDELIVERED"'],
+                       capture_output=True, timeout=30, cwd=REPO)
+    assert r.returncode == 0 and r.stdout == b"jobs/1 x 2 1\n", r.stderr
+    st = group_stats(bus.address)
+    assert st["redelivered"] == 1 and st["acked"] == 1
