@@ -6,9 +6,10 @@ from zope.interface import Attribute, Interface
 class IPacketTransport(Interface):
     """A connected transport that keeps packet boundaries: one write, one packet.
 
-    The broker talks to its clients' transports through this and nothing else: send now,
-    queue under the client's flood policy, queue regardless (server replies), be told when
-    the queue has drained (`IPacketProtocol.outboxDrained`), pause and resume reading."""
+    It only moves bytes. What it sends comes from one queue (`sbus.core.flood.Outbox`): the
+    broker gives it its client's queue (`useQueue`), decides there what is queued, and asks
+    the transport to `flush`; the transport reports a full socket by returning False (and, if
+    it finds one while writing, through `IPacketProtocol.sendRefused`)."""
 
     peer = Attribute("The peer's `Credentials` (pid, uid, gid) from SO_PEERCRED.")
     connected = Attribute("False once the connection is gone.")
@@ -16,23 +17,18 @@ class IPacketTransport(Interface):
     packets_out = Attribute("Packets sent so far.")
     bytes_out = Attribute("Bytes sent so far.")
 
-    def trySend(packet):
-        """Send now if nothing is queued and the socket takes it; return True if sent.
+    def useQueue(outbox):
+        """Send from `outbox` from now on."""
 
-        Never queues: on False the caller decides (flood control)."""
-
-    def offer(packet):
-        """Queue `packet` under the flood policy; return `sbus.core.flood`'s decision
-        (QUEUED, QUEUED_BLOCK, DROPPED_SOFT/HARD, DISCONNECT_SOFT/HARD)."""
+    def flush():
+        """Send from the front of the queue until it is empty (True) or the socket is full
+        (False: the rest goes when the socket is writable)."""
 
     def write(packet):
         """Send one packet, queueing it (never dropping) if it cannot go now."""
 
     def sendLast(packet):
         """Send now, ahead of anything queued, if the socket takes it (before closing)."""
-
-    def notifyWritable():
-        """Have `outboxDrained` called once the socket is writable and nothing is queued."""
 
     def queued():
         """How many packets are queued."""
@@ -42,15 +38,6 @@ class IPacketTransport(Interface):
 
     def hasRoom():
         """Is the queue under its limits (its own, its uid's, the server's)?"""
-
-    def queueState():
-        """A `sbus.core.flood.QueueState` (packets, bytes, soft, hard, order) for statistics."""
-
-    def setFlood(soft=None, hard=None, order=None):
-        """Change the flood policy (None: unchanged); switching order keeps what is queued."""
-
-    def setBudget(budget):
-        """Charge queued bytes to this `sbus.core.flood.Budget` (and its parent)."""
 
     def peerPidfd():
         """A pidfd of the process that connected; raises OSError if there is none to take."""
@@ -76,6 +63,16 @@ class IPacketProtocol(Interface):
 
     def outboxDrained():
         """Everything queued has been sent."""
+
+
+class IQueueingProtocol(IPacketProtocol):
+    """A protocol that keeps its peer's queue with a flood policy (the broker's clients)."""
+
+    def readBatchDone():
+        """The packets of one wakeup have all been handed over (send what they routed)."""
+
+    def sendRefused():
+        """The socket refused packets the queue had not judged (`Outbox.refused`)."""
 
 
 class IRouter(Interface):

@@ -16,9 +16,15 @@ us; so a read error is not the end: packets are read until ``recv`` returns
 end of file. Likewise a failed ``send`` (the peer is gone) stops output but
 not input: what the peer sent before it went is read and delivered first.
 
-The per-packet work is in two places a batch accelerator may replace:
-`SeqPacketTransport.doRead` (one wakeup's reads) and `doWrite` (draining
-the queue); single sends go through `trySend`.
+The transport only moves bytes. What it sends comes from one queue
+(`sbus.core.flood.Outbox`, given by the protocol with `useQueue` or its own):
+`flush` sends from its front until it is empty or the socket is full, and
+when the socket refuses with packets left it tells the queue (`refused`),
+through the protocol's `sendRefused` if it has one, where the flood policy
+decides. After each wakeup's reads it calls the protocol's `readBatchDone`
+(if it has one): the server flushes there what the batch routed. A batch
+accelerator (`BatchSeqPacketTransport`: recvmmsg and sendmmsg) changes how
+many system calls that takes, never what is sent.
 """
 
 from __future__ import annotations
@@ -27,7 +33,6 @@ import errno
 import os
 import select
 import socket
-from itertools import islice
 
 from twisted.internet import error, interfaces, main
 from twisted.logger import Logger
@@ -96,7 +101,8 @@ class SeqPacketTransport:
         "socket", "protocol", "reactor", "peer", "outbox", "max_packet", "drain_cap",
         "connected", "disconnecting", "_fd", "_reading", "_writing", "_send", "_recv_into",
         "_buf", "_packetReceived", "_producer", "_producerPaused", "_streaming", "_host", "packets_out",
-        "bytes_out", "packets_unsendable", "_hungUp", "_watch", "_aborted", "_closing", "__weakref__",
+        "bytes_out", "packets_unsendable", "_aborted", "_closing", "_batchDone", "_sendRefused",
+        "_drainLeft", "__weakref__",
     )
 
     def __init__(self, sock, protocol, reactor, *, max_packet, drain_cap=DEFAULT_DRAIN_CAP,
@@ -127,10 +133,11 @@ class SeqPacketTransport:
         self.bytes_out = 0
         #: Packets dropped because the kernel refused them (EMSGSIZE), not because the peer left.
         self.packets_unsendable = 0
-        #: The peer hung up while we were not reading: read what it sent, pause or no pause.
-        self._hungUp = False
-        #: The reactor's HangupWatch once we used it (released when the connection ends).
-        self._watch = None
+        #: Optional protocol hooks, looked up once: after a wakeup's reads; when the socket refuses.
+        self._batchDone = getattr(protocol, "readBatchDone", None)
+        self._sendRefused = getattr(protocol, "sendRefused", None)
+        #: After a failed send: how many more packets the peer may still have us read.
+        self._drainLeft = 0
         self._aborted = False
         #: The delayed call that will finish the connection (abort, failed send), if any.
         self._closing = None
@@ -171,11 +178,13 @@ class SeqPacketTransport:
         buf = self._buf
         limit = self.max_packet
         deliver = self._packetReceived
+        why = None
+        got = 0
         for _ in range(self.drain_cap):
             try:
                 n = recv_into(buf, limit, _MSG_TRUNC)
             except BlockingIOError:
-                return None
+                break
             except InterruptedError:
                 continue
             except ConnectionResetError:
@@ -183,47 +192,63 @@ class SeqPacketTransport:
                 # packets it sent. The error is reported once; read on until end of file.
                 continue
             except OSError:
-                return main.CONNECTION_LOST
+                why = main.CONNECTION_LOST
+                break
             if n == 0:
                 # A zero-length packet reads exactly like end of file: treat it as the peer closing.
-                return main.CONNECTION_DONE
+                why = main.CONNECTION_DONE
+                break
+            got += 1
             if n > limit:
                 self.protocol.packetTooLarge(n)
             else:
                 deliver(buf[:n].tobytes())
             if not self._reading:
-                return None
-        return None
+                break
+        if got and self._batchDone is not None:
+            self._batchDone()
+        return why
 
     # -- writing
 
-    def trySend(self, packet: bytes) -> bool:
-        """Send `packet` now if nothing is queued before it. True: done with it (sent, or
-        there is no one to send it to); False: it would block, queue it."""
-        if self.outbox.nbytes:  # something queued (no packet is empty); not __bool__: ~70 ns less
-            return False
-        if self.disconnecting:
-            return True
-        try:
-            self._send(packet, _NOSIGNAL)
-        except BlockingIOError:
-            return False
-        except OSError as e:
-            if e.errno in _PACKET_ERRORS:
+    def useQueue(self, outbox) -> None:
+        """Send from `outbox` (the protocol's one queue for this peer) from now on."""
+        self.outbox = outbox
+
+    def flush(self) -> bool:
+        """Send from the front of the queue until it is empty (True) or the socket is full
+        (False: writing goes on when it is writable; the caller tells the queue, `refused`)."""
+        outbox = self.outbox
+        send = self._send
+        while outbox.nbytes:
+            packet = outbox.peek()
+            try:
+                send(packet, _NOSIGNAL)
+            except BlockingIOError:
+                self.startWriting()
+                return False
+            except InterruptedError:
+                continue
+            except OSError as e:
+                if e.errno not in _PACKET_ERRORS:
+                    self._sendFailed(e)
+                    return True
+                outbox.pop()
                 self._unsendable(packet, e)
-            else:
-                self._sendFailed(e)
-            return True
-        self.packets_out += 1
-        self.bytes_out += len(packet)
+                continue
+            outbox.pop()
+            self.packets_out += 1
+            self.bytes_out += len(packet)
         return True
 
-    def offer(self, packet: bytes) -> int:
-        """Queue `packet` under the client's flood policy; return what `Outbox.offer` decided."""
-        action = self.outbox.offer(packet)
-        if action <= QUEUED_BLOCK:
-            self.startWriting()
-        return action
+    def _refused(self) -> None:
+        """The socket is full with packets nobody judged yet: let the queue (through the
+        protocol, if it keeps one with a policy) decide about what it did not take."""
+        if not self.outbox.blocked:
+            if self._sendRefused is not None:
+                self._sendRefused()
+            else:
+                self.outbox.refused()
 
     def sendLast(self, packet: bytes) -> None:
         """Send now, ahead of anything queued, if the socket takes it (the connection is closing)."""
@@ -235,10 +260,6 @@ class SeqPacketTransport:
             self.packets_out += 1
             self.bytes_out += len(packet)
 
-    def notifyWritable(self) -> None:
-        """Call the protocol's `outboxDrained` once the socket is writable and nothing is queued."""
-        self.startWriting()
-
     def queued(self) -> int:
         return len(self.outbox)
 
@@ -248,21 +269,6 @@ class SeqPacketTransport:
     def hasRoom(self) -> bool:
         """Is the queue under its limits (and its uid's and the server's)?"""
         return not self.outbox.full()
-
-    def queueState(self):
-        return self.outbox.state()
-
-    def setFlood(self, soft=None, hard=None, order=None) -> None:
-        outbox = self.outbox
-        if soft is not None:
-            outbox.set_soft(soft)
-        if hard is not None:
-            outbox.set_hard(hard)
-        if order is not None:
-            outbox.set_order(order)
-
-    def setBudget(self, budget) -> None:
-        self.outbox.set_budget(budget)
 
     def peerPidfd(self) -> int:
         """A new pidfd (the caller closes it) of the process that connected: SO_PEERPIDFD, Linux
@@ -283,10 +289,24 @@ class SeqPacketTransport:
             raise ValueError("an empty SEQPACKET packet reads as end of file; refusing to send one")
         if not self.connected or self.disconnecting:
             return
-        if not self.trySend(packet):
-            self.enqueue(packet)
-        elif self._producer is not None and not self._streaming:
-            self.startWriting()  # a pull producer is asked for more from doWrite
+        if not self.outbox.nbytes:  # nothing queued before it (no packet is empty): try now
+            try:
+                self._send(packet, _NOSIGNAL)
+            except BlockingIOError:
+                pass
+            except OSError as e:
+                if e.errno in _PACKET_ERRORS:
+                    self._unsendable(packet, e)
+                else:
+                    self._sendFailed(e)
+                return
+            else:
+                self.packets_out += 1
+                self.bytes_out += len(packet)
+                if self._producer is not None and not self._streaming:
+                    self.startWriting()  # a pull producer is asked for more from doWrite
+                return
+        self.enqueue(packet)
 
     def writeSequence(self, seq):
         """The items of `seq` form ONE packet (SEQPACKET has no streams to join them into)."""
@@ -294,26 +314,10 @@ class SeqPacketTransport:
 
     def doWrite(self):
         """Send queued packets until the kernel says EAGAIN or the queue is empty."""
-        outbox = self.outbox
-        send = self._send
-        while outbox:
-            packet = outbox.peek()
-            try:
-                send(packet, _NOSIGNAL)
-            except BlockingIOError:
-                return None
-            except InterruptedError:
-                continue
-            except OSError as e:
-                if e.errno not in _PACKET_ERRORS:
-                    self._sendFailed(e)
-                    return None
-                outbox.pop()
-                self._unsendable(packet, e)
-                continue
-            outbox.pop()
-            self.packets_out += 1
-            self.bytes_out += len(packet)
+        if not self.flush():
+            self._refused()
+            return None
+        self.outbox.writable()
         self.stopWriting()
         if self.disconnecting:
             return main.CONNECTION_DONE if self.connected else None
@@ -348,32 +352,47 @@ class SeqPacketTransport:
             self.disconnecting = True
             self.outbox.clear()
             self.stopWriting()
+            self._drainLeft = _DRAIN_AFTER_SEND_FAILURE
             self._closing = self.reactor.callLater(
                 0, self._drainThenLose, failure.Failure(error.ConnectionLost(str(exc))))
 
     def _drainThenLose(self, reason):
+        """Read what the gone peer sent, `drain_cap` packets per reactor turn (others get theirs
+        in between), at most `_DRAIN_AFTER_SEND_FAILURE` in all: a peer that only shut its
+        reading side and keeps sending is cut off there."""
         self._closing = None
         if not self.connected:
             return
         recv_into = self._recv_into
         buf = self._buf
         limit = self.max_packet
-        # Bounded: a gone peer's queue is finite; one that only shut its reading side is cut off.
-        for _ in range(_DRAIN_AFTER_SEND_FAILURE):
+        done = False
+        got = 0
+        for _ in range(min(self.drain_cap, self._drainLeft)):
             if self._aborted or not self.connected:
+                done = True
                 break
             try:
                 n = recv_into(buf, limit, _MSG_TRUNC)
             except (InterruptedError, ConnectionResetError):
                 continue
             except OSError:  # BlockingIOError included: all it sent is read
+                done = True
                 break
             if n == 0:
+                done = True
                 break
+            got += 1
             if n > limit:
                 self.protocol.packetTooLarge(n)
             else:
                 self._packetReceived(buf[:n].tobytes())
+        self._drainLeft -= got
+        if got and self._batchDone is not None and self.connected:
+            self._batchDone()
+        if not done and self._drainLeft > 0 and self.connected and not self._aborted:
+            self._closing = self.reactor.callLater(0, self._drainThenLose, reason)
+            return
         self.stopReading()
         self._lose(reason)
 
@@ -412,10 +431,6 @@ class SeqPacketTransport:
     def connectionLost(self, reason):
         if not self.connected:
             return
-        watch, self._watch = self._watch, None
-        if watch is not None:
-            watch.unwatch(self)
-            _release_watch(watch)
         closing, self._closing = self._closing, None
         if closing is not None and closing.active():
             closing.cancel()
@@ -454,26 +469,13 @@ class SeqPacketTransport:
     # -- IPushProducer: pausing stops reading, which back-pressures the peer
 
     def pauseProducing(self):
-        if self._hungUp or not self.connected:
-            return
-        self.stopReading()
-        watch = self._watch
-        if watch is None:
-            watch = self._watch = _acquire_watch(self.reactor)
-        if watch is not None:
-            watch.watch(self)
+        """Stop reading. A peer that hangs up meanwhile is noticed when reading resumes: what it
+        sent waits in the kernel, where it waited before, not in anyone's queue (a held
+        publisher that goes away must not grow the queue that held it past its limits)."""
+        if self.connected:
+            self.stopReading()
 
     def resumeProducing(self):
-        watch = self._watch
-        if watch is not None:
-            watch.unwatch(self)
-        if self.connected and not self.disconnecting:
-            self.startReading()
-
-    def peerHungUp(self):
-        """While paused, the peer closed: what it sent before is all it will send, so read it
-        (it lands in subscribers' queues), then its end of file, and let the connection go."""
-        self._hungUp = True
         if self.connected and not self.disconnecting:
             self.startReading()
 
@@ -501,95 +503,6 @@ class SeqPacketTransport:
         self._streaming = True
 
 
-@implementer(interfaces.IReadDescriptor)
-class HangupWatch:
-    """Paused transports are out of the reactor, so nothing would notice their peer
-    leaving; one epoll set per reactor watches them for EPOLLRDHUP/EPOLLHUP instead.
-
-    Shared by the ports and transports of one reactor (see `_acquire_watch`); the
-    epoll descriptor is closed when the last of them lets go.
-    """
-
-    def __init__(self, reactor):
-        self.reactor = reactor
-        self.epoll = select.epoll()
-        self.transports: dict[int, SeqPacketTransport] = {}
-        self.reading = False
-        #: Ports listening and transports that paused, on this reactor.
-        self.users = 0
-
-    def watch(self, transport: SeqPacketTransport):
-        fd = transport.fileno()
-        if fd < 0 or fd in self.transports:
-            return
-        self.epoll.register(fd, select.EPOLLRDHUP)
-        self.transports[fd] = transport
-        if not self.reading:
-            self.reading = True
-            self.reactor.addReader(self)
-
-    def unwatch(self, transport: SeqPacketTransport):
-        fd = transport.fileno()
-        if self.transports.get(fd) is transport:
-            del self.transports[fd]
-            self.epoll.unregister(fd)
-            self._idle()
-
-    def _idle(self):
-        # Out of the reactor when there is nothing to watch: no stray reader left behind.
-        if not self.transports and self.reading:
-            self.reading = False
-            self.reactor.removeReader(self)
-
-    def close(self):
-        self.transports.clear()
-        self._idle()
-        self.epoll.close()
-
-    def fileno(self):
-        return self.epoll.fileno()
-
-    def logPrefix(self):
-        return "HangupWatch"
-
-    def doRead(self):
-        for fd, _events in self.epoll.poll(0):
-            transport = self.transports.pop(fd, None)
-            if transport is not None:
-                self.epoll.unregister(fd)
-                transport.peerHungUp()
-        self._idle()
-
-    def connectionLost(self, reason):
-        self.reading = False
-
-
-#: One watch per reactor in use, by id (an entry holds its reactor, so the id is not reused).
-_watches: dict[int, HangupWatch] = {}
-
-
-def _acquire_watch(reactor) -> HangupWatch | None:
-    """The reactor's watch, created on first use (ports take it when they start listening,
-    before descriptors can run out); None if it cannot be created (out of descriptors).
-    Each successful call is paired with one `_release_watch`."""
-    watch = _watches.get(id(reactor))
-    if watch is None:
-        try:
-            watch = _watches[id(reactor)] = HangupWatch(reactor)
-        except OSError as e:
-            log.warn("cannot watch paused connections for hang-ups: {err}", err=e.strerror)
-            return None
-    watch.users += 1
-    return watch
-
-
-def _release_watch(watch: HangupWatch) -> None:
-    watch.users -= 1
-    if watch.users <= 0 and _watches.get(id(watch.reactor)) is watch:
-        del _watches[id(watch.reactor)]
-        watch.close()
-
-
 @implementer(interfaces.IListeningPort, interfaces.IReadDescriptor)
 class SeqPacketPort:
     """Accepts SEQPACKET connections on a bound socket and hands them to a factory.
@@ -608,7 +521,6 @@ class SeqPacketPort:
         self.reactor = reactor
         self.connected = False
         self._backoff = None
-        self._watch = None
         self._fd = sock.fileno()
         # Per-connection settings: explicit ones win, else the factory's ServerConfig, else defaults.
         cfg = getattr(factory, "config", None)
@@ -626,8 +538,8 @@ class SeqPacketPort:
         sock.setblocking(False)
         if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
             sock.listen(socket.SOMAXCONN)
-        if self._watch is None:
-            self._watch = _acquire_watch(self.reactor)
+        if ServerTransport is not SeqPacketTransport:
+            lean_dispatch(self.reactor)
         self.factory.doStart()
         self.connected = True
         self.reactor.addReader(self)
@@ -642,9 +554,6 @@ class SeqPacketPort:
                 self._backoff.cancel()
             self.socket.close()
             self._fd = -1
-            watch, self._watch = self._watch, None
-            if watch is not None:
-                _release_watch(watch)
             self.factory.doStop()
         return defer.succeed(None)
 
@@ -777,41 +686,19 @@ if BATCH_IO:
     _recv_batch = _speedups.recv_batch
     _send_batch = _speedups.send_batch
 
-#: Set while a batch is being routed: `BatchSeqPacketTransport.trySend` then collects.
-_collecting = False
-#: The protocol whose packets are being routed (the feeder flood control may pause).
-_feeder = None
-#: Transports holding collected packets, flushed when the batch is routed.
-_dirty: list = []
 
 
-def _key_of(packet: bytes) -> bytes:
-    """The routing key of a delivered (MSG) packet, for flood control's drop notices."""
-    end = packet.find(b"\0", 4)
-    return packet[4:end] if end >= 0 else packet[4:]
-
-
-def _flush_dirty():
-    global _dirty
-    dirty = _dirty
-    _dirty = []
-    feeder = _feeder
-    for transport in dirty:
-        pending = transport._pending
-        if pending is not None:
-            transport._pending = None
-            transport._sendPending(pending, feeder)
-
-
-def _lean_dispatch(reactor) -> None:
-    """Let the epoll reactor hand events of batch transports straight to its `_doReadOrWrite`.
+def lean_dispatch(reactor) -> None:
+    """The one seam where the accelerator touches the reactor: let Twisted's own, unmodified
+    EPollReactor hand events of batch transports straight to its `_doReadOrWrite`.
 
     Twisted wraps every event in `log.callWithLogger` (a `logPrefix` call, two dict copies and a
     context push and pop), which profiles as the largest Python cost of a wakeup that reads one
     packet (a round trip). Our transports log through `twisted.logger` (namespaces, not the
     legacy context), and `_doReadOrWrite` itself catches and logs whatever `doRead`/`doWrite`
-    raise, so for them the wrapper adds nothing. Other descriptors keep it. Only Twisted's own
-    EPollReactor, unmodified, is touched, once.
+    raise, so for them the wrapper adds nothing. Other descriptors keep it. Called by the
+    server's port when it starts listening with batch I/O; does nothing for any other reactor,
+    or a second time. SBUS_PURE_PYTHON=1 leaves the reactor alone.
     """
     try:
         from twisted.internet.epollreactor import EPollReactor
@@ -847,43 +734,28 @@ def _lean_dispatch(reactor) -> None:
 
 
 class BatchSeqPacketTransport(SeqPacketTransport):
-    """The server's transport with batch receive and batch send.
+    """The server's transport with batch receive and batch send; nothing else differs.
 
-    `doRead` takes up to `drain_cap` packets with one recvmmsg and routes them with deliveries
-    collected: while it runs, `trySend` (the broker's delivery path) appends to the recipient's
-    pending list instead of sending. When the batch is routed, every recipient's list goes out
-    with one sendmmsg. Replies (`write`) are never collected: they first flush what is pending
-    for that client, so order holds.
-
-    What a recipient's socket refuses goes through its protocol's `deliver` (flood control:
-    queue, drop, block, disconnect) in order, exactly as a refused send does on the pure path,
-    until flood control pauses the publisher. From then on, the pure path would not have read
-    the publisher's later packets at all; here they are read already, so the publisher's
-    transport holds them (`_held`: recipient and packet), off every queue and limit, and hands
-    them over first when it resumes. Likewise, if the publisher is paused in the middle of a
-    batch, the rest of the batch waits on its transport (`_stash`), unrouted, as unread packets
-    wait in the kernel. So queues, limits, drops and pauses are what the pure path gives.
+    `doRead` takes up to `drain_cap` packets with one recvmmsg and hands them to the protocol
+    one by one, then calls its `readBatchDone` (the server sends what the batch routed then).
+    If the protocol is paused in the middle of a batch (flood control holds this publisher),
+    the rest of the batch waits here unrouted (`_stash`), as unread packets wait in the kernel,
+    and is handed over first when reading resumes. `flush` sends from the queue with sendmmsg,
+    `drain_cap` packets a call, when it drains front to back.
     """
 
-    __slots__ = ("_pending", "_stash", "_held")
+    __slots__ = ("_stash",)
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self._pending = None
         self._stash = None
-        self._held = None
-        if "doIteration" not in vars(self.reactor):
-            _lean_dispatch(self.reactor)
-
-    def _paused(self) -> bool:
-        """Held back by flood control (not reading, yet neither closing nor hung up)."""
-        return not self._reading and self.connected and not self.disconnecting
 
     # -- reading
 
     def doRead(self):
-        if self._held is not None or self._stash is not None:
-            why = self._catchUp()
+        if self._stash is not None:
+            stash, self._stash = self._stash, None
+            why = self._route(stash)
             if why is not None or not self._reading:
                 return why
         for _ in range(2):
@@ -896,206 +768,79 @@ class BatchSeqPacketTransport(SeqPacketTransport):
                 return main.CONNECTION_LOST
             if not packets:
                 return None
-            if len(packets) == 1 and packets[0].__class__ is bytes and packets[0]:
-                # One packet (a round trip, a quiet bus): nothing to batch, send as it routes.
-                self._packetReceived(packets[0])
-                return None
             return self._route(packets)
         return None
 
-    def _catchUp(self):
-        """Hand over what waited while this publisher was paused: held deliveries, then the
-        unrouted rest of its last batch. None, or why the connection ended."""
-        held = self._held
-        if held is not None:
-            self._held = None
-            protocol = self.protocol
-            for k, (client, packet) in enumerate(held):
-                t = client.transport
-                if t.connected and not t.disconnecting:
-                    client.deliver(packet, protocol, _key_of(packet))
-                if self._paused():
-                    rest = held[k + 1:]
-                    if rest:
-                        self._held = rest + (self._held or [])
-                    return None
-        stash = self._stash
-        if stash is not None and self._reading:
-            self._stash = None
-            return self._route(stash)
-        return None
-
-    def _hold(self, client, packets: list) -> None:
-        held = self._held
-        if held is None:
-            held = self._held = []
-        held.extend([(client, p) for p in packets])
-
     def _route(self, packets: list):
-        global _collecting, _feeder
         deliver = self._packetReceived
         protocol = self.protocol
-        _collecting = True
-        _feeder = protocol
+        why = None
         i = 0
-        try:
-            for packet in packets:
-                i += 1
-                if packet.__class__ is int:
-                    protocol.packetTooLarge(packet)
-                elif not packet:
-                    # A zero-length packet reads exactly like end of file: the peer closed.
-                    return main.CONNECTION_DONE
-                else:
-                    if packet[0] != 77 and _dirty:
-                        # Not a MSG ("M"): a request, maybe for stats or whoami, whose answer must
-                        # see every delivery routed before it as done (sent, queued or dropped).
-                        _flush_dirty()
-                    deliver(packet)
-                if not self._reading:
-                    if self._paused() and i < len(packets):
-                        self._stash = packets[i:]  # paused: the rest waits, as unread packets do
-                    return None
-            return None
-        finally:
-            _collecting = False
-            if _dirty:
-                _flush_dirty()
-            _feeder = None
+        for packet in packets:
+            i += 1
+            if packet.__class__ is int:
+                protocol.packetTooLarge(packet)
+            elif not packet:
+                # A zero-length packet reads exactly like end of file: the peer closed.
+                why = main.CONNECTION_DONE
+                break
+            else:
+                deliver(packet)
+            if not self._reading:
+                if i < len(packets) and self.connected and not self.disconnecting:
+                    self._stash = packets[i:]  # paused: the rest waits, as unread packets do
+                break
+        if self._batchDone is not None:
+            self._batchDone()
+        return why
 
     def resumeProducing(self):
         SeqPacketTransport.resumeProducing(self)
-        if (self._held is not None or self._stash is not None) and self._reading:
+        if self._stash is not None and self._reading:
             # The socket may have nothing more to read, so the reactor would not call doRead.
             self.reactor.callLater(0, self._resumed)
 
     def _resumed(self):
-        if self._reading and self.connected:
-            why = self._catchUp()
+        if self._reading and self.connected and self._stash is not None:
+            stash, self._stash = self._stash, None
+            why = self._route(stash)
             if why is not None:
                 self.connectionLost(failure.Failure(why))
 
     # -- writing
 
-    def trySend(self, packet: bytes) -> bool:
-        # outbox.nbytes == 0 is "nothing queued" (no packet is empty) without a Python __bool__ call.
-        if _collecting and not self.outbox.nbytes and not self.disconnecting:
-            pending = self._pending
-            if pending is None:
-                self._pending = [packet]
-                _dirty.append(self)
-            else:
-                pending.append(packet)
-            return True
-        return SeqPacketTransport.trySend(self, packet)
-
-    def _sendPending(self, pending: list, feeder) -> None:
-        if not self.connected or self.disconnecting:
-            return
-        total = len(pending)
-        fd = self._fd
-        i = 0
-        while i < total:
-            try:
-                n = _send_batch(fd, pending, i)
-            except OSError as e:
-                if e.errno in _PACKET_ERRORS:  # this packet's fault (EMSGSIZE): drop it, go on
-                    self._unsendable(pending[i], e)
-                    i += 1
-                    continue
-                self._sendFailed(e)
-                return
-            if n == 0:
-                break  # EAGAIN: the socket is full
-            self.packets_out += n
-            self.bytes_out += sum(map(len, pending[i:i + n])) if i or n < total else sum(map(len, pending))
-            i += n
-        if i == total:
-            return
-        # The socket is full: the rest goes through flood control, in order, as refused sends
-        # do; once that pauses the publisher, the rest waits with it (see the class doc).
-        global _collecting
-        saved, _collecting = _collecting, False
-        try:
-            client = self.protocol
-            deliver = client.deliver
-            source = getattr(feeder, "transport", None)
-            paused = getattr(source, "_paused", None)
-            for j in range(i, total):
-                if self.disconnecting:
-                    break
-                if paused is not None and paused():
-                    source._hold(client, pending[j:])
-                    break
-                deliver(pending[j], feeder, _key_of(pending[j]))
-        finally:
-            _collecting = saved
-
-    def doWrite(self):
-        """Drain the queue with sendmmsg, up to `drain_cap` packets a call, when it drains
-        oldest first (order/queue); other orders, and the end of the drain (producers,
-        `outboxDrained`), are the pure transport's."""
+    def flush(self) -> bool:
         outbox = self.outbox
-        if outbox.__class__ is not Outbox or outbox.order is not FIFO:  # (random: a dual outbox)
-            return SeqPacketTransport.doWrite(self)
-        items = outbox._items
         fd = self._fd
         cap = self.drain_cap
-        while items:
-            batch = list(islice(items, cap))
+        while outbox.nbytes:
+            batch = outbox.head(cap)
+            if batch is None:  # another order: one packet at a time
+                return SeqPacketTransport.flush(self)
             try:
                 n = _send_batch(fd, batch)
+            except InterruptedError:
+                continue
             except OSError as e:
-                if e.errno in _PACKET_ERRORS:
+                if e.errno in _PACKET_ERRORS:  # the first packet's fault (EMSGSIZE): drop it, go on
                     outbox.pop()
                     self._unsendable(batch[0], e)
                     continue
                 self._sendFailed(e)
-                return None
-            pop = outbox.pop
-            for _ in range(n):
-                pop()
+                return True
+            if n == 0:  # EAGAIN: the socket is full
+                self.startWriting()
+                return False
             self.packets_out += n
-            self.bytes_out += sum(map(len, batch if n == len(batch) else batch[:n]))
-            if n < len(batch):
-                return None  # the socket is full (an error, if any, comes with the next call)
-        return SeqPacketTransport.doWrite(self)  # empty: stop writing, resume producers, ...
-
-    def _flushPending(self):
-        pending = self._pending
-        if pending is not None:
-            self._pending = None
-            self._sendPending(pending, _feeder)
-
-    def write(self, packet: bytes) -> None:
-        """A reply (never collected). Everything routed before it goes out first, to every
-        client: a reply is a barrier (a client's whoami after its MSG means: routed)."""
-        global _collecting
-        if _dirty:
-            _flush_dirty()
-        saved, _collecting = _collecting, False
-        try:
-            SeqPacketTransport.write(self, packet)
-        finally:
-            _collecting = saved
-
-    # -- closing: what was routed before is sent first, as on the pure path
-
-    def loseConnection(self, _reason=None):
-        self._flushPending()
-        SeqPacketTransport.loseConnection(self, _reason)
-
-    def sendLast(self, packet: bytes) -> None:
-        self._flushPending()  # the last word comes after what was routed to this client before
-        SeqPacketTransport.sendLast(self, packet)
+            self.bytes_out += outbox.sent(n)
+        return True
 
     def abortConnection(self):
-        self._flushPending()
-        self._stash = self._held = None
+        self._stash = None
         SeqPacketTransport.abortConnection(self)
 
     def connectionLost(self, reason):
-        self._pending = self._stash = self._held = None
+        self._stash = None
         SeqPacketTransport.connectionLost(self, reason)
 
 

@@ -85,7 +85,10 @@ def set_big_buffers(sock: socket.socket, size: int = BIG_BUF) -> None:
                 pass
 
 
-def connect(address: str, big: bool = False, timeout: float = 5.0, sndbuf: int | None = None) -> socket.socket:
+def connect(address: str, big: bool = False, timeout: float = 5.0, sndbuf: int | None = None,
+            extensions: bool = True) -> socket.socket:
+    """A raw client socket. `extensions`: ask for the server's notices (`server/dropped`,
+    `server/disconnect`) as the project's own clients do; False is a reference-protocol client."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     if big:
         set_big_buffers(s)
@@ -93,6 +96,11 @@ def connect(address: str, big: bool = False, timeout: float = 5.0, sndbuf: int |
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     s.settimeout(timeout)
     s.connect(address)
+    if extensions:
+        try:
+            s.send(b"CMSG server/extensions")
+        except OSError:
+            pass  # refused at accept: the caller's next operation says so
     return s
 
 

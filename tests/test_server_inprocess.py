@@ -129,6 +129,7 @@ def test_every_interface_is_declared_and_verified(mem_bus):
     sock, proto = bus.connect()
     verifyObject(interfaces.IPacketTransport, proto.transport)
     verifyObject(interfaces.IPacketProtocol, proto)
+    verifyObject(interfaces.IQueueingProtocol, proto)
     verifyObject(interfaces.IRouter, Router())
     from sbus.client.twisted import SbusProtocol
     verifyClass(interfaces.IPacketProtocol, SbusProtocol)
@@ -139,7 +140,7 @@ def test_every_interface_is_declared_and_verified(mem_bus):
     verifyObject(interfaces.IBus, BusService("/nonexistent", ServerConfig()))
     declared = {name for name in dir(interfaces)
                 if isinstance(getattr(interfaces, name), type(interfaces.IRouter)) and name.startswith("I")}
-    checked = {"IPacketTransport", "IPacketProtocol", "IRouter", "IUpstream", "IBus"}
+    checked = {"IPacketTransport", "IPacketProtocol", "IQueueingProtocol", "IRouter", "IUpstream", "IBus"}
     assert declared <= checked | {"Interface"}, f"interfaces without a verifyObject test: {declared - checked}"
 
 

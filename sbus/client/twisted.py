@@ -112,7 +112,8 @@ class SbusProtocol(Protocol):
     # -- connection
 
     def connectionMade(self):
-        pass
+        # Ask for the server's notices (docs/protocol.md "Extensions"); others ignore the key.
+        self.transport.write(b"CMSG " + codec.EXTENSIONS)
 
     def connectionLost(self, reason=None):
         self.connected = False

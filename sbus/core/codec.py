@@ -149,6 +149,15 @@ DROPPED = b"server/dropped"
 DISCONNECT = b"server/disconnect"
 #: Asked for by a watcher; then sent by the server as patterns become held and released.
 INTEREST = b"server/interest"
+#: A client asks for the notices above (docs/protocol.md "Extensions"); a client that never
+#: sends it sees only packets the reference server would send.
+EXTENSIONS = b"server/extensions"
+
+
+def msg_key(packet: bytes) -> bytes:
+    """The routing key of a MSG packet (bytes 4 up to the first NUL)."""
+    end = packet.find(b"\0", 4)
+    return packet[4:end] if end >= 0 else packet[4:]
 
 
 class DropNotice(NamedTuple):

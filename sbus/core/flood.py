@@ -15,12 +15,24 @@ of entries in arrival order plus a heap of the same entries by size; a
 packet sent through one of them is marked dead and skipped (and let go) by
 the other, and each is compacted when its dead entries outnumber the live
 ones, so every packet costs O(log n) amortised whatever the toggling.
+
+This queue is the one place that decides what a client gets (docs/protocol.md "Flood
+control"). Everything the server sends a client goes through it: messages by `offer`
+(the flood policy decides), replies and notices by `push_control` (never dropped,
+bounded by their own small budget). The transport only moves bytes: it takes packets
+from the front (`peek`/`pop`, or `head` and `sent` for a sendmmsg batch) and, when the
+socket refuses with packets left, calls `refused`, which applies the soft mode to the
+messages the socket did not take. "Cannot be delivered without blocking" is `blocked`:
+the socket refused a send and the queue has not emptied since. While it is not blocked,
+the queue holds only what was offered since the transport last emptied it (the current
+batch), all of which the socket may still take.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
+from itertools import islice
 from typing import NamedTuple
 
 # Modes, as named by the protocol's control keys.
@@ -38,6 +50,9 @@ DROPPED_SOFT = 2  # discarded by the soft mode (`soft_discard`)
 DROPPED_HARD = 3  # discarded by the hard mode (`hard_discard`)
 DISCONNECT_SOFT = 4  # the client misbehaves: disconnect it (`soft_error`)
 DISCONNECT_HARD = 5  # (`hard_error`)
+#: Not decided yet: the queue holds half its limits of packets the socket may still take; send
+#: them first (the transport's `flush`), then ask again with `decide` (never FLUSH).
+FLUSH = -1
 DROPPED = DROPPED_SOFT  # any value <= DROPPED_HARD and >= DROPPED is a drop
 DISCONNECT = DISCONNECT_SOFT  # any value >= DISCONNECT is a disconnection
 
@@ -48,6 +63,16 @@ SOFT_ERROR = "soft_error"
 HARD_ERROR = "hard_error"
 
 _COMPACT_SLACK = 64
+
+#: Replies and notices one client may have queued beyond its message limits before the server
+#: stops reading that client until they drain (a client that asks without reading).
+DEFAULT_CONTROL_BYTES = 1 << 20
+
+
+class Control(bytes):
+    """A server reply or notice in a client's queue: flood control never drops it."""
+
+    __slots__ = ()
 
 
 class Budget:
@@ -83,20 +108,25 @@ _UNLIMITED = Budget(1 << 62, Budget(1 << 62))
 
 
 class Outbox:
-    """Packets waiting for one client, with that client's flood settings.
+    """Everything waiting for one client, with that client's flood settings.
 
     This class serves `queue` and `stack` from one deque of packets; the first switch to
-    `random` turns the instance into a `_DualOutbox` (same slots) for the rest of its life."""
+    `random` turns the instance into a `_DualOutbox` (same slots) for the rest of its life.
+    Control packets (`Control`) share the deque in `queue` order, keeping their place, and
+    the heap in `random` order, by their size; in `stack` order they wait in `_ctl` and go out
+    before any message (the newest first is the client's choice)."""
 
     __slots__ = ("soft", "hard", "order", "max_bytes", "max_packets", "nbytes", "_items", "_heap",
-                 "_seq", "_n", "_dead_items", "_dead_heap", "reason", "budget", "_server", "_charged")
+                 "_seq", "_n", "_dead_items", "_dead_heap", "reason", "budget", "_server", "_charged",
+                 "blocked", "_ctl", "ctl_bytes", "ctl_limit", "_batch_bytes", "_batch_packets")
 
-    def __init__(self, max_bytes: int, max_packets: int):
+    def __init__(self, max_bytes: int, max_packets: int, ctl_limit: int = DEFAULT_CONTROL_BYTES):
         self.soft = QUEUE
         self.hard = DISCARD
         self.order = FIFO
         self.max_bytes = max_bytes
         self.max_packets = max_packets
+        #: Bytes queued, messages and control packets.
         self.nbytes = 0
         #: Packets in arrival order (dual mode: entries ``[packet]``, ``[None]`` once sent).
         self._items: deque = deque()
@@ -115,6 +145,16 @@ class Outbox:
         #: What is charged to the budgets: `nbytes` as of the last push (sends are settled at the
         #: next push or when the queue empties, so the budgets never count less than is queued).
         self._charged = 0
+        #: The socket refused a send and the queue has not emptied since.
+        self.blocked = False
+        #: Control packets waiting ahead of every message (orders other than `queue`).
+        self._ctl: deque | None = None
+        #: Bytes of control packets queued, and how many may be before the client is not read.
+        self.ctl_bytes = 0
+        self.ctl_limit = ctl_limit
+        #: While not blocked: past half the limits, send what is queued before deciding more.
+        self._batch_bytes = max(1, max_bytes // 2)
+        self._batch_packets = max(1, max_packets // 2)
 
     def set_budget(self, budget: Budget) -> None:
         """Charge to `budget` (and its parent) from now on, moving what is queued there."""
@@ -127,33 +167,53 @@ class Outbox:
         self._server.used += self.nbytes
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._items) + (len(self._ctl) if self._ctl else 0)
 
     def __bool__(self) -> bool:
-        return bool(self._items)
+        return self.nbytes != 0  # no packet is empty
 
     def full(self) -> bool:
-        """Is the queue at or over one of its limits (its own, its uid's, the server's)?"""
-        return (self.nbytes >= self.max_bytes or len(self) >= self.max_packets
+        """Are the messages at or over one of the limits (their own, the uid's, the server's)?"""
+        return (self.nbytes - self.ctl_bytes >= self.max_bytes or len(self) >= self.max_packets
                 or self.budget.used >= self.budget.limit or self._server.used >= self._server.limit)
 
     def state(self) -> QueueState:
         return QueueState(len(self), self.nbytes, self.soft, self.hard, self.order)
 
     def offer(self, packet: bytes) -> int:
-        """Decide the fate of a packet that cannot be sent right now (and queue it if kept)."""
-        soft = self.soft
-        if soft is DISCARD:
-            self.reason = SOFT_DISCARD
-            return DROPPED_SOFT
-        if soft is ERROR:
-            self.reason = SOFT_ERROR
-            return DISCONNECT_SOFT
+        """Decide the fate of a message for this client (and queue it if kept).
+
+        While the socket is not known to be full (`blocked` is False) a message is queued for
+        the transport's next send, within the client's own limits; once it is, the soft mode
+        decides, and the uid's and the server's budgets count too. (What waits for the next
+        send of a socket that took everything so far, at most one read batch, is charged to
+        those budgets only if the socket refuses it: `refused`.)"""
+        if self.blocked or self._heap is not None:
+            return self.decide(packet)
+        nbytes = self.nbytes + len(packet)
+        if nbytes - self.ctl_bytes > self._batch_bytes or len(self._items) >= self._batch_packets:
+            return FLUSH  # much is waiting to be sent: find out whether the socket takes it
+        self.nbytes = nbytes
+        self._items.append(packet)
+        return QUEUED
+
+    def decide(self, packet: bytes) -> int:
+        """`offer` without FLUSH: what the limits and the soft mode say now."""
+        blocked = self.blocked
+        if blocked:
+            soft = self.soft
+            if soft is DISCARD:
+                self.reason = SOFT_DISCARD
+                return DROPPED_SOFT
+            if soft is ERROR:
+                self.reason = SOFT_ERROR
+                return DISCONNECT_SOFT
         n = len(packet)
         budget = self.budget
         server = self._server
-        if (self.nbytes + n > self.max_bytes or len(self._items) - self._dead_items >= self.max_packets
-                or budget.used + n > budget.limit or server.used + n > server.limit):
+        extra = self.nbytes - self._charged + n  # what pushing it would add to the budgets
+        if (self.nbytes - self.ctl_bytes + n > self.max_bytes or len(self._items) - self._dead_items >= self.max_packets
+                or (blocked and (budget.used + extra > budget.limit or server.used + extra > server.limit))):
             hard = self.hard
             if hard is DISCARD:
                 self.reason = HARD_DISCARD
@@ -163,8 +223,22 @@ class Outbox:
                 return DISCONNECT_HARD
             self.push(packet)
             return QUEUED_BLOCK
-        self.push(packet)
-        return QUEUED_BLOCK if soft is BLOCK else QUEUED
+        if blocked:
+            self.push(packet)
+            return QUEUED_BLOCK if self.soft is BLOCK else QUEUED
+        self._push_uncharged(packet)
+        return QUEUED
+
+    def _push_uncharged(self, packet: bytes) -> None:
+        self.nbytes += len(packet)
+        self._items.append(packet)
+
+    def _charge(self) -> None:
+        """Charge the budgets with everything queued (the socket refused it)."""
+        charge = self.nbytes - self._charged
+        self._charged = self.nbytes
+        self.budget.used += charge
+        self._server.used += charge
 
     def push(self, packet: bytes) -> None:
         """Queue unconditionally."""
@@ -176,30 +250,184 @@ class Outbox:
         self._server.used += charge
         self._items.append(packet)
 
+    def push_control(self, packet: bytes) -> bool:
+        """Queue a reply or notice, whatever the flood mode and the message limits; False if
+        control packets are now over their own budget (then stop reading the client until
+        its queue drains)."""
+        if packet.__class__ is not Control:
+            packet = Control(packet)
+        n = len(packet)
+        if (self.order is FIFO and not self._ctl) or self._heap is not None:
+            self.push(packet)  # in `queue` order it keeps its place; in `random` it has its size
+        else:
+            nbytes = self.nbytes + n
+            self.nbytes = nbytes
+            charge = nbytes - self._charged
+            self._charged = nbytes
+            self.budget.used += charge
+            self._server.used += charge
+            if self._ctl is None:
+                self._ctl = deque()
+            self._ctl.append(packet)
+        self.ctl_bytes += n
+        return self.ctl_bytes <= self.ctl_limit
+
     def _settle(self) -> None:
-        """The queue is empty: nothing is charged any more."""
+        """The queue is empty: nothing is charged any more, the socket took the last packet."""
         charged, self._charged = self._charged, 0
         self.budget.used -= charged
         self._server.used -= charged
+        self.blocked = False
+
+    def writable(self) -> None:
+        """The socket took everything queued (it was writable): it is not full any more."""
+        if not self.nbytes:
+            self.blocked = False
 
     def peek(self) -> bytes:
         """The packet to send next."""
-        return self._items[-1] if self.order is STACK else self._items[0]
+        if self._ctl:
+            return self._ctl[0]
+        # The order applies to what waits for a full socket; a batch the socket may take goes in order.
+        return self._items[-1] if self.order is STACK and self.blocked else self._items[0]
 
     def pop(self) -> bytes:
         """Remove the packet `peek` returns (it has been sent)."""
-        items = self._items
-        packet = items.pop() if self.order is STACK else items.popleft()
-        self.nbytes -= len(packet)
-        if not items:
+        ctl = self._ctl
+        if ctl:
+            packet = ctl.popleft()
+        else:
+            items = self._items
+            packet = items.pop() if self.order is STACK and self.blocked else items.popleft()
+        n = len(packet)
+        self.nbytes -= n
+        if packet.__class__ is Control:
+            self.ctl_bytes -= n
+        if not self.nbytes:
             self._settle()
         return packet
+
+    def head(self, cap: int) -> list | None:
+        """Up to `cap` packets from the front, in sending order, for one sendmmsg; None when the
+        queue does not drain front to back as one deque (another order, control packets apart)."""
+        if (self.order is not FIFO and self.blocked) or self._ctl or self._heap is not None:
+            return None
+        items = self._items
+        return list(items) if len(items) <= cap else list(islice(items, cap))
+
+    def sent(self, n: int) -> int:
+        """The first `n` packets of `head` were sent: remove them; return their bytes."""
+        items = self._items
+        if n == len(items):
+            nbytes = self.nbytes
+            items.clear()
+            self.nbytes = self.ctl_bytes = 0
+            self._settle()
+            return nbytes
+        total = ctl = 0
+        popleft = items.popleft
+        for _ in range(n):
+            packet = popleft()
+            total += len(packet)
+            if packet.__class__ is Control:
+                ctl += len(packet)
+        self.nbytes -= total
+        self.ctl_bytes -= ctl
+        if not self.nbytes:
+            self._settle()
+        return total
+
+    def refused(self) -> tuple[int, list | None]:
+        """The socket refused a send with packets left: from now on the queue is `blocked`.
+        If it was not before, the messages left are ones the socket could not take now, and
+        the soft mode decides for them, then the uid's and the server's budgets (the hard mode
+        for what is over them): (QUEUED, None) keep them; (QUEUED_BLOCK, None) keep them and
+        hold whoever fed them; (DISCONNECT_SOFT or _HARD, None); (DROPPED_SOFT or _HARD,
+        dropped): those are thrown away (control packets stay), in the order they came."""
+        if self.blocked:
+            return QUEUED, None
+        self.blocked = True
+        soft = self.soft
+        if not self._has_messages():
+            self._charge()
+            return QUEUED, None
+        if soft is DISCARD:
+            self.reason = SOFT_DISCARD
+            dropped = self._drop_messages(1 << 62)
+            self._charge()
+            return DROPPED_SOFT, dropped
+        if soft is ERROR:
+            self.reason = SOFT_ERROR
+            self._charge()
+            return DISCONNECT_SOFT, None
+        extra = self.nbytes - self._charged
+        over = max(self.budget.used + extra - self.budget.limit, self._server.used + extra - self._server.limit)
+        if over > 0 and self.hard is not BLOCK:
+            if self.hard is ERROR:
+                self.reason = HARD_ERROR
+                self._charge()
+                return DISCONNECT_HARD, None
+            self.reason = HARD_DISCARD
+            dropped = self._drop_messages(over)
+            self._charge()
+            return DROPPED_HARD, dropped
+        self._charge()
+        return (QUEUED_BLOCK, None) if soft is BLOCK or over > 0 else (QUEUED, None)
+
+    def _has_messages(self) -> bool:
+        return self.nbytes != self.ctl_bytes
+
+    def _drop_messages(self, nbytes: int) -> list:
+        """Remove the newest messages, at least `nbytes` of them or all (control packets
+        stay); return them in arrival order."""
+        live = self._live_items()
+        dropped = []
+        freed = 0
+        for i in range(len(live) - 1, -1, -1):
+            if freed >= nbytes:
+                break
+            p = live[i]
+            if p.__class__ is not Control:
+                dropped.append(p)
+                freed += len(p)
+                live[i] = None
+        dropped.reverse()
+        ctl = self._ctl
+        self._ctl = None
+        self._items = deque()
+        self._reset_views()
+        self.nbytes = self.ctl_bytes = 0
+        charged, self._charged = self._charged, 0
+        self.budget.used -= charged
+        self._server.used -= charged
+        for p in live:
+            if p is not None:
+                if p.__class__ is Control:
+                    self.ctl_bytes += len(p)
+                self._push_uncharged(p)
+        if ctl:
+            self._ctl = ctl
+            self.nbytes += sum(map(len, ctl))
+            self.ctl_bytes += sum(map(len, ctl))
+        return dropped
+
+    def _live_items(self) -> list:
+        return list(self._items)
+
+    def _reset_views(self) -> None:
+        pass
 
     def set_order(self, order: str) -> None:
         """Switch draining order, keeping what is queued: O(1) (amortised, see the module's text)."""
         if order not in ORDERS:
             raise ValueError(f"unknown order {order!r}")
         order = ORDERS_BY_NAME[order]
+        if order is STACK and self._heap is None and self.ctl_bytes and not self._ctl:
+            # Control packets leave the message deque: in the other orders they go first.
+            ctl = deque(p for p in self._items if p.__class__ is Control)
+            if ctl:
+                self._items = deque(p for p in self._items if p.__class__ is not Control)
+                self._ctl = ctl
         if order is LARGEST and self._heap is None:
             # Once per outbox: from now on it keeps both views.
             entries = deque([p] for p in self._items)
@@ -223,33 +451,31 @@ class Outbox:
         """Forget everything queued; return how many packets that was."""
         n = len(self)
         self._items = deque()
+        self._ctl = None
         if self._heap is not None:
             self._heap = []
         self._settle()
-        self._n = self.nbytes = self._dead_items = self._dead_heap = 0
+        self._n = self.nbytes = self._dead_items = self._dead_heap = self.ctl_bytes = 0
         return n
 
 
 class _DualOutbox(Outbox):
     """An `Outbox` that has used `random`: a deque of entries in arrival order plus a heap of
-    the same entries by size; what one of them sends is dead in the other."""
+    the same entries by size; what one of them sends is dead in the other. Control packets
+    are entries like messages (`_ctl` holds those queued in `stack` order before the switch)."""
 
     __slots__ = ()
 
     def __len__(self) -> int:
-        return self._n
-
-    def __bool__(self) -> bool:
-        return self._n != 0
+        return self._n + (len(self._ctl) if self._ctl else 0)
 
     def push(self, packet: bytes) -> None:
+        self._push_uncharged(packet)
+        self._charge()
+
+    def _push_uncharged(self, packet: bytes) -> None:
         n = len(packet)
-        nbytes = self.nbytes + n
-        self.nbytes = nbytes
-        charge = nbytes - self._charged
-        self._charged = nbytes
-        self.budget.used += charge
-        self._server.used += charge
+        self.nbytes += n
         self._n += 1
         entry = [packet]
         self._items.append(entry)
@@ -257,14 +483,17 @@ class _DualOutbox(Outbox):
         heapq.heappush(self._heap, (-n, self._seq, entry))
 
     def peek(self) -> bytes:
-        if self.order is LARGEST:
+        if self._ctl:
+            return self._ctl[0]
+        order = self.order if self.blocked else FIFO
+        if order is LARGEST:
             heap = self._heap
             while heap[0][2][0] is None:
                 heapq.heappop(heap)
                 self._dead_heap -= 1
             return heap[0][2][0]
         items = self._items
-        if self.order is STACK:
+        if order is STACK:
             while items[-1][0] is None:
                 items.pop()
                 self._dead_items -= 1
@@ -275,18 +504,21 @@ class _DualOutbox(Outbox):
         return items[0][0]
 
     def pop(self) -> bytes:
+        if self._ctl:
+            return Outbox.pop(self)
         self.peek()  # skips dead entries at the end we take from
-        if self.order is LARGEST:
+        order = self.order if self.blocked else FIFO
+        if order is LARGEST:
             entry = heapq.heappop(self._heap)[2]
             self._dead_items += 1
         else:
-            entry = self._items.pop() if self.order is STACK else self._items.popleft()
+            entry = self._items.pop() if order is STACK else self._items.popleft()
             self._dead_heap += 1
         packet = entry[0]
         entry[0] = None
         self.nbytes -= len(packet)
         self._n -= 1
-        if not self._n:
+        if not self.nbytes:
             self._settle()
         live = self._n + _COMPACT_SLACK
         if self._dead_items > live:
@@ -297,6 +529,13 @@ class _DualOutbox(Outbox):
             heapq.heapify(heap)
             self._dead_heap = 0
         return packet
+
+    def _live_items(self) -> list:
+        return [e[0] for e in self._items if e[0] is not None]
+
+    def _reset_views(self) -> None:
+        self._heap = []
+        self._n = self._dead_items = self._dead_heap = 0
 
     def set_order(self, order: str) -> None:
         if order not in ORDERS:

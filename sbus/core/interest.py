@@ -122,8 +122,12 @@ class InterestTable:
             return
         dirty, told = w.dirty, w.told
         while dirty:
-            pattern = next(iter(dirty))
-            del dirty[pattern]
+            # popitem: O(1). Taking from the front (next(iter(dirty))) scans the slots of every
+            # key deleted before, which a dict keeps: quadratic over a listing, and O(patterns
+            # ever listed) for each later change (issue 20, faults 4 and 8).
+            pattern = dirty.popitem()[0]
+            if not dirty:
+                dirty = w.dirty = {}  # let the emptied table's slots go
             now = self._visible(w, pattern)
             if now == (pattern in told):
                 continue

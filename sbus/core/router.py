@@ -218,6 +218,10 @@ class Router:
         self._prefix[client] = secret_prefix
         self._client_patterns[client] = {}
 
+    def secret_prefix_of(self, client) -> bytes | None:
+        """What a secret key must start with to reach `client` (None: none ever, or unknown)."""
+        return self._prefix.get(client)
+
     def remove_client(self, client) -> list[bytes]:
         """Forget a client and every instance of every pattern it held;
         return the patterns nobody holds any more."""

@@ -27,7 +27,7 @@ from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key, check
 from sbus.core.interest import InterestTable
 from sbus.core.pausing import HoldBudget, Holds, Pauses
 from sbus.core.router import Router
-from sbus.interfaces import IPacketProtocol
+from sbus.interfaces import IQueueingProtocol
 from sbus.server.config import SEGMENT_COST, ServerConfig, allowed_uid_set
 
 log = Logger()
@@ -77,7 +77,7 @@ def _overflow_ids() -> tuple[int, int] | None:
         return 65534, 65534
 
 
-@implementer(IPacketProtocol)
+@implementer(IQueueingProtocol)
 class BrokerProtocol(protocol.Protocol):
     """One connected client: its credentials, subscriptions, echo and flood settings."""
 
@@ -86,8 +86,8 @@ class BrokerProtocol(protocol.Protocol):
         "pauses", "holds", "whoami_reply", "reason", "subscriptions", "subscription_bytes",
         "_stall", "_budget",
         "owner", "_match", "_prefix", "_secret_root",
-        "dropped", "_dropFirst", "_dropLast", "_dropWait", "_queuedSinceNotice",
-        "_replyHeld", "_statsWanted", "_watching",
+        "dropped", "_dropFirst", "_dropLast", "_queuedSinceNotice",
+        "_replyHeld", "statsWanted", "_watching", "outbox", "dirty", "extensions", "_waitingReplies",
     )
 
     def __init__(self, factory: "BrokerFactory", cred):
@@ -116,23 +116,41 @@ class BrokerProtocol(protocol.Protocol):
         self._match = factory.router.match
         self._prefix = factory.config.cred_prefix
         self._secret_root = self._prefix + SECRET_ROOT
-        #: Drops not yet told to the client (`server/dropped`), and the keys that began and ended them.
+        #: Drops not yet told to the client (`server/dropped`, only to a client that asked for
+        #: extensions), and the keys that began and ended them.
         self.dropped = 0
         self._dropFirst = self._dropLast = b""
-        self._dropWait = False
         self._queuedSinceNotice = True
         #: Whether this client's reading is paused until its replies drain.
         self._replyHeld = False
-        self._statsWanted = 0
+        #: `server/stats` requests waiting for the next rendering (see `BrokerFactory.statsRequested`).
+        self.statsWanted = 0
         #: Whether it asked for `server/interest` (see `_interest`).
         self._watching = False
+        #: Everything the server will send this client, in one queue (`sbus.core.flood.Outbox`).
+        config = factory.config
+        self.outbox = flood.Outbox(config.queue_bytes, config.queue_packets)
+        #: Whether it is in the factory's list of queues to send from at the end of the batch.
+        self.dirty = False
+        #: Whether it asked for the server's notices (`CMSG server/extensions`).
+        self.extensions = False
+        #: Replies that wait for its interest listing to be queued (see `reply`).
+        self._waitingReplies: list | None = None
 
     def __repr__(self):
         return f"<client {self.label}>"
 
+    def setCredPrefix(self, prefix: bytes) -> None:
+        """This bus's credential prefix changed (a relay renamed on its master): whoami answers
+        and secret keys follow it."""
+        self._prefix = prefix
+        self._secret_root = prefix + SECRET_ROOT
+        self.whoami_reply = _WHOAMI_REPLY + whoami(prefix, self.cred)
+
     # -- connection life
 
     def connectionMade(self):
+        self.transport.useQueue(self.outbox)
         self.pauses = Pauses(self.transport)
         self.factory.clientConnected(self)
 
@@ -187,61 +205,104 @@ class BrokerProtocol(protocol.Protocol):
     def packetTooLarge(self, size: int):
         self.misbehaved(OVERSIZE, f"packet of {size} bytes exceeds the {self.factory.config.max_packet}-byte limit")
 
-    # -- outgoing
+    def readBatchDone(self):
+        """The transport has handed over one wakeup's packets: send what they routed."""
+        self.factory.flushDirty(self)
+
+    # -- outgoing: everything goes through `self.outbox`, where flood control decides
 
     def deliver(self, packet: bytes, feeder: "BrokerProtocol | None", key: bytes = b"") -> None:
-        """Hand a routed packet to this client under its flood-control settings."""
+        """Offer a routed message to this client's queue; it is sent when the batch is done."""
         if self.dropped:
             self._tellDrops()
-        transport = self.transport
-        if transport.trySend(packet) or transport.disconnecting:
+        if self.transport.disconnecting:
             return
-        action = transport.offer(packet)
+        out = self.outbox
+        action = out.offer(packet)
         if action == flood.QUEUED:
             self._queuedSinceNotice = True
-        elif action == flood.QUEUED_BLOCK:
+            if not self.dirty:
+                self.dirty = True
+                self.factory.dirty.append(self)
+            return
+        if action == flood.FLUSH:  # half its limits wait to be sent: does the socket take them?
+            self.flush(feeder)
+            if self.transport.disconnecting:
+                return
+            action = out.decide(packet)
+            if action == flood.QUEUED:
+                self._queuedSinceNotice = True
+                self._markDirty()
+                return
+        self._decided(action, feeder, (packet,))
+
+    def _decided(self, action: int, feeder, packets) -> None:
+        """Act on what the queue decided for `packets` (not plainly queued)."""
+        if action == flood.QUEUED_BLOCK:
             self._queuedSinceNotice = True
+            self._markDirty()
             if feeder is not None:
                 self._block(feeder)
         elif action <= flood.DROPPED_HARD:
             drops = self.drops
             if drops is None:
                 drops = self.drops = Counter()
-            drops[_OFFER_REASON[action]] += 1
-            if not self.dropped:
-                self._dropFirst = key
-            self._dropLast = key
-            self.dropped += 1
-            if not transport.queued() and not self._dropWait:
-                # Nothing queued to wake us when the socket drains: ask to be told.
-                self._dropWait = True
-                transport.notifyWritable()
+            drops[_OFFER_REASON[action]] += len(packets)
+            if self.extensions:
+                if not self.dropped:
+                    self._dropFirst = codec.msg_key(packets[0])
+                self._dropLast = codec.msg_key(packets[-1])
+                self.dropped += len(packets)
+                if not self.outbox:
+                    self._tellDrops()  # nothing queued: the notice is next
         else:
             reason = _OFFER_REASON[action]
-            packets, nbytes = transport.queued(), transport.queuedBytes()
+            out = self.outbox
             self.misbehaved(reason, f"cannot keep up ({reason.replace('_', '/')} mode, "
-                                    f"{packets} packets / {nbytes} bytes queued)")
+                                    f"{len(out)} packets / {out.nbytes} bytes queued)")
 
-    def _tellDrops(self, now: bool = False) -> None:
-        """Send the pending `server/dropped` notice if the client has room for it.
+    def _markDirty(self) -> None:
+        if not self.dirty and not self.outbox.blocked:
+            self.dirty = True
+            self.factory.dirty.append(self)
 
-        Room: an empty queue and a socket that takes it, or a queue under its limits into which a
-        packet went since the last notice (so that a client whose every packet is dropped gets one
-        notice per drained queue, not one per packet). The notice is queued regardless of the flood
-        mode and never counted as a drop."""
-        transport = self.transport
-        if transport.disconnecting:
+    def flush(self, feeder=None) -> None:
+        """Send from the queue now (the end of a batch); if the socket is full, flood control
+        decides about the messages it did not take, and `feeder` is who fed them."""
+        self.dirty = False
+        out = self.outbox
+        if not out.blocked and not self.transport.flush() and not out.blocked:
+            self.refused(feeder)
+
+    def sendRefused(self) -> None:
+        """The transport's socket refused packets nobody judged yet (see `flush`)."""
+        self.refused(None)
+
+    def refused(self, feeder) -> None:
+        action, dropped = self.outbox.refused()
+        if action != flood.QUEUED:
+            self._decided(action, feeder, dropped)
+
+    def _queueControl(self, packet: bytes) -> None:
+        """Queue a reply or notice: never dropped; past the control budget this client is not
+        read until its queue drains (a client that asks without reading pins one queue)."""
+        if not self.outbox.push_control(packet) and not self._replyHeld:
+            self._replyHeld = True
+            self.pauses.hold()
+        self._markDirty()
+
+    def _tellDrops(self) -> None:
+        """Queue the pending `server/dropped` notice if the client has room for it: an empty
+        queue, or a queue under its limits into which a message went since the last notice (so a
+        client whose every message is dropped gets one notice per drained queue, not one per
+        message). Only a client that asked for extensions counts `dropped`."""
+        if self.transport.disconnecting:
             return
-        if not transport.queued():
-            if self._dropWait and not now:
-                return
-            if transport.trySend(self._dropNotice()):
-                self._dropsTold()
-                return
-            self._dropWait = True
-            transport.notifyWritable()
-        elif self._queuedSinceNotice and transport.hasRoom():
-            transport.write(self._dropNotice())
+        out = self.outbox
+        if out.blocked and not out:
+            return  # the socket is full: the notice goes when it drains (`outboxDrained`)
+        if not out or (self._queuedSinceNotice and not out.full()):
+            self._queueControl(self._dropNotice())
             self._queuedSinceNotice = False
             self._dropsTold()
 
@@ -259,40 +320,42 @@ class BrokerProtocol(protocol.Protocol):
         self._dropFirst = self._dropLast = b""
 
     def reply(self, packet: bytes) -> None:
-        """Server replies are never dropped: they are queued whatever the flood mode, count against
-        the client's queue limits, and once the queue is full the client is not read any further
-        until it drains (a client that asks without reading pins one queue, not the server)."""
-        transport = self.transport
-        if transport.disconnecting:
+        """Answer a request: after everything routed to this client before it, never dropped
+        (docs/protocol.md "Replies and notices"). A watcher's interest changes come first; if
+        they do not all fit its control budget, the reply waits with them, and the client is
+        not read meanwhile."""
+        if self.transport.disconnecting:
             return
-        if self._watching:
-            self.tellInterest(everything=True)
+        if self._watching and (self._waitingReplies is not None or not self.tellInterest()):
+            if self._waitingReplies is None:
+                self._waitingReplies = []
+                self.pauses.hold()
+            self._waitingReplies.append(packet)
+            return
         if self.dropped:
-            # The notice goes before the reply, whatever the room (the reply is queued regardless
-            # too): a client that syncs must hear of every drop that happened before its request.
-            notice = self._dropNotice()
-            if not transport.trySend(notice):
-                transport.write(notice)
+            # The notice goes before the reply, whatever the room: a client that syncs must hear
+            # of every drop that happened before its request.
+            self._queueControl(self._dropNotice())
             self._queuedSinceNotice = False
             self._dropsTold()
-        if transport.trySend(packet):
-            return
-        transport.write(packet)
-        if not self._replyHeld and not transport.hasRoom():
-            self._replyHeld = True
-            self.pauses.hold()
+        self._queueControl(packet)
+
+    def notify(self, packet: bytes) -> None:
+        """A notice the server sends of its own accord: only to a client that asked for them."""
+        if self.extensions and not self.transport.disconnecting:
+            self._queueControl(packet)
 
     def outboxDrained(self):
         self._releaseFeeders()
         if self._replyHeld:
             self._replyHeld = False
             self.pauses.release()
-        self._dropWait = False
         self._queuedSinceNotice = True
         if self.dropped:
             self._tellDrops()
         if self._watching:
             self.tellInterest()
+        self.factory.flushDirty()
 
     # -- block modes and their hold budget
 
@@ -325,7 +388,7 @@ class BrokerProtocol(protocol.Protocol):
         timeout = self.factory.config.stall_timeout
         self.misbehaved(STALLED, f"held publishers paused for {timeout:g} s more than "
                                  f"{'its uid' if self._budget.shared else 'it'} let them run "
-                                 f"({self.transport.queued()} packets queued)")
+                                 f"({len(self.outbox)} packets queued)")
 
     def _releaseFeeders(self):
         stall = self._stall
@@ -482,9 +545,11 @@ class BrokerProtocol(protocol.Protocol):
             return
         self.reason = reason
         log.warn("disconnecting client {client}: {detail}", client=self.label, detail=detail)
-        text = detail.encode("utf-8", "replace").replace(b"\0", b" ").replace(b"\n", b" ")
-        notice = _DISCONNECT + reason.encode() + b"\0" + text
-        transport.sendLast(notice[:self.factory.config.max_packet])
+        if self.extensions:
+            text = detail.encode("utf-8", "replace").replace(b"\0", b" ").replace(b"\n", b" ")
+            notice = _DISCONNECT + reason.encode() + b"\0" + text
+            transport.sendLast(notice[:self.factory.config.max_packet])
+        self.outbox.clear()
         transport.abortConnection()
 
     # -- control messages
@@ -500,30 +565,41 @@ class BrokerProtocol(protocol.Protocol):
 
     def _interest(self):
         """Start telling this client which patterns are held (`sbus.core.interest`); asking again
-        changes nothing. The first listing is queued whole: its end comes before any reply."""
+        changes nothing. The first listing ends with `=`, which comes before any later reply."""
         if not self._watching:
             self._watching = True
             self.factory.watchInterest(self)
-            self.tellInterest(everything=True)
+            self.tellInterest()
 
-    def tellInterest(self, everything: bool = False) -> None:
-        """Send the interest changes this client has not been told, while its socket takes them
-        without queueing; one more is queued when it does not, and the rest wait for the queue to
-        drain (`outboxDrained`), so a watcher that does not read pins no growing queue.
+    def _extensions(self):
+        """`CMSG server/extensions`: from now on send this client the server's notices
+        (`server/dropped`, `server/disconnect`, `relay/whoami`); no reply (docs/protocol.md)."""
+        self.extensions = True
 
-        `everything`: queue them all (at most one per distinct pattern), for the first listing and
-        ahead of a reply, so that the answer to a request (a sync) comes after every change made
-        before it."""
+    def tellInterest(self) -> bool:
+        """Queue the interest changes this client has not been told, as control packets, while
+        its socket may take them (the queue is not blocked) and its control budget has room;
+        the rest wait, coalesced in the table, until its queue drains (`outboxDrained`): a
+        watcher that does not read is told the outcome, not every change. True when it has
+        been told everything; then the replies that waited for that are queued."""
         table = self.factory.interest
-        transport = self.transport
-        if table is None or transport.disconnecting or (transport.queued() and not everything):
-            return
-        for payload in table.changes(self):
-            packet = _INTEREST + payload
-            if not transport.trySend(packet):
-                transport.write(packet)
-                if not everything:
-                    return
+        if table is None or self.transport.disconnecting:
+            return True
+        out = self.outbox
+        if not out.blocked and out.ctl_bytes < out.ctl_limit:
+            for payload in table.changes(self):
+                self._queueControl(_INTEREST + payload)
+                if out.blocked or out.ctl_bytes >= out.ctl_limit:
+                    break
+        if table.pending(self):
+            return False
+        waiting = self._waitingReplies
+        if waiting is not None:
+            self._waitingReplies = None
+            for packet in waiting:
+                self._queueControl(packet)
+            self.pauses.release()
+        return True
 
     def _echo_on(self):
         self.echo = True
@@ -620,6 +696,7 @@ def _pidfd_of_old_process(pid: int, accepted: float) -> int:
 
 def _control_table():
     table = {
+        codec.EXTENSIONS: BrokerProtocol._extensions,
         codec.WHOAMI: BrokerProtocol._whoami,
         codec.STATS: BrokerProtocol._stats,
         codec.SERVER_ID: BrokerProtocol._id,
@@ -628,11 +705,11 @@ def _control_table():
         codec.ECHO_OFF: BrokerProtocol._echo_off,
     }
     for mode in flood.SOFT_MODES:
-        table[b"blocking/soft/" + mode.encode()] = lambda self, m=mode: self.transport.setFlood(soft=m)
+        table[b"blocking/soft/" + mode.encode()] = lambda self, m=mode: self.outbox.set_soft(m)
     for mode in flood.HARD_MODES:
-        table[b"blocking/hard/" + mode.encode()] = lambda self, m=mode: self.transport.setFlood(hard=m)
+        table[b"blocking/hard/" + mode.encode()] = lambda self, m=mode: self.outbox.set_hard(m)
     for order in flood.ORDERS:
-        table[b"order/" + order.encode()] = lambda self, o=order: self.transport.setFlood(order=o)
+        table[b"order/" + order.encode()] = lambda self, o=order: self.outbox.set_order(o)
     return table
 
 
@@ -682,8 +759,12 @@ class BrokerFactory(protocol.Factory):
         self._stats_next = 0.0
         self._stats_waiting: list[BrokerProtocol] = []
         self._stats_call = None
-        #: `server/interest`: who holds which pattern, kept only while someone watches.
+        #: `server/interest`: who holds which pattern; built when the first watcher asks, then kept
+        #: up to date for the life of the server (building it is O(patterns held): once, not per
+        #: watcher that comes and goes).
         self.interest: InterestTable | None = None
+        #: Clients whose queues got packets since they were last sent from (`flushDirty`).
+        self.dirty: list[BrokerProtocol] = []
         self._interest_room = self.config.max_packet - len(_INTEREST) - 2
 
     def stopFactory(self):
@@ -693,7 +774,8 @@ class BrokerFactory(protocol.Factory):
             transport = client.transport
             if transport is not None and transport.connected and not transport.disconnecting:
                 client.reason = SHUTDOWN
-                transport.sendLast(notice)
+                if client.extensions:
+                    transport.sendLast(notice)
 
     def buildProtocol(self, addr):
         cred = addr.cred
@@ -735,18 +817,24 @@ class BrokerFactory(protocol.Factory):
         if budget is None:
             budget = self.uid_queue_budgets[uid] = flood.Budget(self.config.max_uid_queue_bytes,
                                                                 self.queue_budget)
-        client.transport.setBudget(budget)
+        client.outbox.set_budget(budget)
         alive = client.watchOwner()
         self.router.add_client(client, secret_prefix(self.config.cred_prefix, client.cred) if alive else None)
         log.info("client connected: {client}", client=client.label)
 
+    def flushDirty(self, feeder=None) -> None:
+        """Send from every queue that got packets since it was last sent from: the end of a
+        read batch (`feeder` is the publisher whose batch it was), or of anything else that
+        queued packets outside one (timers, a client leaving)."""
+        dirty = self.dirty
+        if dirty:
+            self.dirty = []
+            for client in dirty:
+                client.flush(feeder)
+
     def clientGone(self, client: BrokerProtocol):
         if self.interest is not None:
-            touched = self.interest.forget(client)
-            if not self.interest:
-                self.interest = None
-            else:
-                self.tellInterest(touched)
+            self.tellInterest(self.interest.forget(client))
         released = self.router.remove_client(client)
         if released and self.upstream is not None:
             for pattern in released:
@@ -777,6 +865,7 @@ class BrokerFactory(protocol.Factory):
             self.uid_drops.setdefault(uid, Counter()).update(client.drops)
         self.uid_disconnects.setdefault(uid, Counter())[client.reason] += 1
         log.info("client disconnected: {client} ({reason})", client=client.label, reason=client.reason)
+        self.flushDirty()
         if not self.clients and self.on_empty is not None:
             self.on_empty()
 
@@ -829,11 +918,11 @@ class BrokerFactory(protocol.Factory):
     def statsRequested(self, client: BrokerProtocol) -> None:
         """Answer now if rendering is allowed now; else hold the asker (not reading it keeps its
         later packets after the answer) until the next rendering, which answers everyone waiting."""
-        if client._statsWanted == 0 and not self._stats_waiting and self.reactor.seconds() >= self._stats_next:
+        if client.statsWanted == 0 and not self._stats_waiting and self.reactor.seconds() >= self._stats_next:
             client.reply(_STATS_REPLY + self._statsFor({}, client.cred.uid))
             return
-        client._statsWanted += 1
-        if client._statsWanted == 1:
+        client.statsWanted += 1
+        if client.statsWanted == 1:
             self._stats_waiting.append(client)
             client.pauses.hold()
         if self._stats_call is None:
@@ -845,12 +934,13 @@ class BrokerFactory(protocol.Factory):
         waiting, self._stats_waiting = self._stats_waiting, []
         rendered: dict = {}
         for client in waiting:
-            n, client._statsWanted = client._statsWanted, 0
+            n, client.statsWanted = client.statsWanted, 0
             if client.transport.connected and not client.transport.disconnecting:
                 reply = _STATS_REPLY + self._statsFor(rendered, client.cred.uid)
                 for _ in range(n):
                     client.reply(reply)
             client.pauses.release()
+        self.flushDirty()
 
     def _statsFor(self, rendered: dict, viewer_uid: int) -> bytes:
         """The JSON for this viewer; one rendering per scope per batch. Rendering may take at most
@@ -898,7 +988,7 @@ class BrokerFactory(protocol.Factory):
             subscriptions += c.subscriptions
             if c.drops:
                 drops.update(c.drops)
-            q = t.queueState()
+            q = c.outbox.state()
             queues.append({
                 "pid": c.cred.pid, "uid": c.cred.uid, "gid": c.cred.gid,
                 "subscriptions": c.subscriptions,

@@ -71,7 +71,6 @@ def _cost(pattern: bytes) -> int:
     return len(pattern) + SEGMENT_COST * (pattern.count(b"/") + pattern.count(b"*") + 1)
 
 _ECHO_OFF = b"CMSG echo/off"
-_WHOAMI_REPLY = b"CMSG !/cred/whoami\0"
 #: Sent by a relay to each local client whose name changed (its own name on the master changed).
 RELAY_WHOAMI = b"relay/whoami"
 _WHOAMI_NOTICE = b"CMSG " + RELAY_WHOAMI + b"\0"
@@ -144,6 +143,12 @@ class UpstreamProtocol(SbusProtocol):
 
     def outboxDrained(self) -> None:
         self.relay.upstreamDrained(self)
+
+    def readBatchDone(self) -> None:
+        """What the master sent in one wakeup is queued for local clients: send it."""
+        factory = self.relay.factory
+        if factory is not None:
+            factory.flushDirty(self)
 
     def unsolicitedControl(self, key: bytes, payload: bytes | None) -> None:
         if key == RELAY_WHOAMI and payload:
@@ -372,6 +377,7 @@ class Relay(service.Service):
     def _topologyChange(self, why: str) -> None:
         packet = b"MSG " + CHANGE_KEY + b"\0" + why.encode()
         self.factory.deliverLocally(packet, CHANGE_KEY)
+        self.factory.flushDirty()
         if self.up is not None:
             self.up.sendPacket(packet)
 
@@ -397,8 +403,7 @@ class Relay(service.Service):
         for client in list(factory.clients):
             cred = client.cred
             name = whoami(prefix, cred)
-            prefixes = getattr(router, "_prefix", {})
-            if prefixes.get(client, b"") is not None:  # None: its owner exited, it gets no secret key
+            if router.secret_prefix_of(client) is not None:  # None: its owner exited, no secret key
                 router.add_client(client, secret_prefix(prefix, cred))
             for pattern, n in list(router.patterns_of(client).items()):
                 if not pattern.startswith(old + SECRET_ROOT):
@@ -415,12 +420,9 @@ class Relay(service.Service):
                 if interest is not None:  # watchers of server/interest see the move
                     factory.tellInterest(interest.released(client, factory.interestForm(pattern)))
                     factory.tellInterest(interest.held(client, cred.uid, factory.interestForm(new)))
-            client.whoami_reply = _WHOAMI_REPLY + name
-            try:
-                client._prefix = prefix
-            except AttributeError:
-                pass
-            client.reply(_WHOAMI_NOTICE + name)
+            client.setCredPrefix(prefix)
+            client.notify(_WHOAMI_NOTICE + name)
+        factory.flushDirty()
         log.warn("sbus-relay: our name on the master is now {new} (was {old}); {n} local clients have "
                  "new names under it ({m} secret subscriptions moved) and were told (CMSG relay/whoami)",
                  new=_show(prefix[:-1]), old=_show(old[:-1]), n=len(factory.clients), m=moved)
