@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
+import sys
 import threading
 
 import pytest
 import pytest_twisted
 
-from helpers import run_as
+from helpers import REPO, run_as, wait_until
 from sbus.client import Client, NoResponders, RequestTimeout
 from sbus.core import codec
 from sbus.core.reqrep import Interest, Requester, Responder, encode_request, parse_request
@@ -223,3 +225,39 @@ def test_a_responder_of_another_uid_answers_and_a_tap_on_everything_sees_no_repl
     assert out["asker"] == "no responders / from root", out["asker"]
     for fd in (ready_r, ready_w, got_r, got_w, ready2_r, ready2_w):
         os.close(fd)
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def sbus_cli(address, *args, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sbus.cli", "-s", address, *args], capture_output=True,
+                          timeout=60, cwd=REPO, **kw)
+
+
+def test_cli_request_timeout_bad_use_and_a_failing_serve_command(bus, tmp_path):
+    r = sbus_cli(bus.address, "request", "--no-check", "-t", "0.2", "nobody/x")
+    assert (r.returncode, r.stderr) == (124, b"sbus: no reply to nobody/x within 0.2 s\n"), r
+    r = sbus_cli(bus.address, "serve", "svc/")
+    assert r.returncode == 2 and r.stderr == b"sbus: give the command to run after --\n", r
+    r = sbus_cli(bus.address, "serve", "svc/", "-n", "1", "--", "cat")
+    assert r.returncode == 2 and b"options go before the pattern" in r.stderr and r.stderr.count(b"\n") == 1
+    # a command that fails sends no reply (the asker times out) and says so; one that works answers,
+    # with the body from the asker's stdin
+    ready = tmp_path / "ready"
+    serve = subprocess.Popen([sys.executable, "-m", "sbus.cli", "-s", bus.address, "serve", "-n", "2",
+                              "--ready-file", str(ready), "svc/", "--", "sh", "-c",
+                              'body=$(cat); [ "$body" = fail ] && exit 3; printf "%s!" "$body"'],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    try:
+        wait_until(lambda: ready.exists() or serve.poll() is not None, "sbus serve ready")
+        r = sbus_cli(bus.address, "request", "-t", "1", "svc/a", "fail")
+        assert r.returncode == 124, r
+        r = sbus_cli(bus.address, "request", "svc/a", "-", input=b"from stdin")
+        assert (r.returncode, r.stdout) == (0, b"from stdin!\n"), r
+        assert serve.wait(30) == 0
+        assert serve.stderr.read() == b"sbus: sh exited 3 on svc/a: no reply\n"
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
