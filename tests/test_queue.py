@@ -534,3 +534,28 @@ def test_sbus_work_a_failing_command_leaves_and_its_message_goes_to_another(bus,
     assert r.returncode == 0 and r.stdout == b"jobs/1 x 2 1\n", r.stderr
     st = group_stats(bus.address)
     assert st["redelivered"] == 1 and st["acked"] == 1
+
+
+def test_the_bus_restarted_under_the_service(start_bus, start_queue, tmp_path):
+    """kill -9 of the bus and a new one on the same path: the service reconnects both
+    connections by itself, learns that the old members are gone, and serves new ones
+    (hello only once its intake is subscribed again)."""
+    address = str(tmp_path / "bus.socket")
+    bus = start_bus(address=address)
+    service = start_queue(bus, "--group", "jobs=jobs/")
+    m = start_member(address, tmp_path / "old.out")
+    bus.stop(signal.SIGKILL)
+    m.wait(30)  # its connection ended with the bus
+    bus = start_bus(address=address)
+    service.wait_log("intake: subscribed", count=2)
+    service.wait_log("control: following the members", count=2)
+    out = tmp_path / "new.out"
+    m = start_member(address, out)
+    try:
+        publish(address, [b"jobs/after"])
+        wait_until(lambda: lines(out) == [(b"jobs/after", 1)], "the message after the restart")
+        st = group_stats(address)
+        assert (st["members"], st["joined"], st["left"]) == (1, 2, 1), st
+    finally:
+        m.kill()
+        m.wait()

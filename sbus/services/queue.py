@@ -49,6 +49,8 @@ class QueueService(service.Service):
         self.pauses = 0
         self.intake_connects = self.control_connects = 0
         self.control_started = False
+        self.intake_ready = False   # the intake is connected and subscribed
+        self.following = False      # the control connection asked for the interest feed
         self.responder = StatsResponder("sbus-queue", self._name, self.stats,
                                         lambda: {"groups": sorted(g.decode() for g in self.core.groups)})
         self._loop = None
@@ -102,19 +104,21 @@ class QueueService(service.Service):
                 protocol.sync().addCallbacks(lambda _: svc._intakeReady(), lambda f: None)
 
             def connectionLost(self, reason):
+                svc.intake_ready = False
                 if svc.running:
                     log.warn("intake: lost the bus ({why}); reconnecting", why=_why(reason))
 
         class ControlClient(ReconnectingClient):
             def connectionMade(self, protocol):
                 svc.control_connects += 1
-                svc.core.relisting()
-                protocol.sendControl(codec.INTEREST)
+                svc.following = False
+                svc._follow()
                 log.info("control: connected to {bus} as {who}", bus=svc.bus or "(default bus)",
                          who=(protocol.credentials or b"").decode("utf-8", "replace"))
 
             def connectionLost(self, reason):
                 svc.core.control_lost()
+                svc.following = False
                 if svc.running:
                     log.warn("control: lost the bus ({why}); reconnecting", why=_why(reason))
 
@@ -128,8 +132,7 @@ class QueueService(service.Service):
             self.intake.flood(hard="block")
         for g in self.core.groups.values():
             self.intake.subscribe(g.pattern)
-        # the control connection (and with it the members' hello) only once the intake is
-        # subscribed: a member that was told hello can have work published for it at once
+        # the control connection once the intake is subscribed (and see _follow)
         self.intake.start()
         log.info("sbus-queue: groups {g}; at most {limit} waiting per group ({mode} beyond), "
                  "window {w} per member", g=self._name(), limit=next(iter(self.core.groups.values())).limit,
@@ -141,9 +144,21 @@ class QueueService(service.Service):
 
     def _intakeReady(self) -> None:
         log.info("intake: subscribed to {p}", p=", ".join(repr(g.pattern) for g in self.core.groups.values()))
+        self.intake_ready = True
         if self.running and not self.control_started:
             self.control_started = True
             self.control.start()
+        self._follow()
+
+    def _follow(self) -> None:
+        """Ask for the interest feed (and so learn the members, tell them hello and deliver) only
+        while the intake is subscribed: a member told hello can have work published for it at
+        once, after a start as after the bus came back."""
+        if self.following or not self.intake_ready or self.control is None or not self.control.connected:
+            return
+        self.following = True
+        self.core.relisting()
+        self.control.protocol.sendControl(codec.INTEREST)
 
     def stopService(self):
         from twisted.internet import defer
