@@ -274,6 +274,12 @@ def test_member_that_never_acks_holds_only_its_window(bus, start_queue, tmp_path
         st = wait_until(lambda: (s := group_stats(bus.address))["acked"] == 500 and s, "the stuck member's 8 redone")
         assert st["redelivered"] == 8 and st["lost"]["full"] == 0
         assert sorted(n for _, n in lines(good_out))[-8:] == [2] * 8
+        # what an operator sees
+        r = subprocess.run([sys.executable, "-m", "sbus.cli", "-s", bus.address, "stats", "--services"],
+                           capture_output=True, timeout=60, cwd=REPO)
+        (answer,) = [a for a in json.loads(r.stdout) if a["service"] == "sbus-queue"]
+        jobs = answer["stats"]["groups"]["jobs"]
+        assert (jobs["redelivered"], jobs["lost"], jobs["acked"]) == (8, {"full": 0, "too_big": 0}, 500), jobs
     finally:
         for p in (stuck, good):
             p.kill()
