@@ -216,6 +216,16 @@ def test_core_delivers_nothing_while_the_control_connection_is_down():
     assert core.ack(token) == [] and core.stats()["acks_unknown"] == 1  # the old token is void
 
 
+def test_core_a_delivery_that_would_not_fit_a_packet_is_counted_too_big():
+    """The original key and payload plus the member's key and a token can exceed the bus's
+    packet limit (which would get the service disconnected): dropped and counted instead."""
+    core = online([("jobs", "j/")], max_packet=200)
+    _join(core)
+    assert _deliveries(core.message(b"j/big", b"x" * 150)) == []
+    assert len(_deliveries(core.message(b"j/small", b"x"))) == 1
+    assert core.groups[b"jobs"].stats()["lost"] == {"full": 0, "too_big": 1}
+
+
 def test_membership_reads_only_its_own_keys():
     m = Membership(b"!/cred/1/2/3", "jobs")
     assert m.prefix.startswith(b"!/cred/1/2/3/sbus/services/queue/jobs/")
