@@ -216,6 +216,22 @@ def test_core_delivers_nothing_while_the_control_connection_is_down():
     assert core.ack(token) == [] and core.stats()["acks_unknown"] == 1  # the old token is void
 
 
+def test_core_the_window_is_bounded_in_bytes_too():
+    """Big messages: a member gets at most --window-bytes of them unacknowledged (at least one),
+    so its queue in the server (4 MiB by default) never overflows and drops a delivery."""
+    core = online([("jobs", "j/")], window=64, window_bytes=1000)
+    a, _ = _join(core, member=b"a")
+    got = []
+    for i in range(5):
+        got += _deliveries(core.message(b"j/%d" % i, b"x" * 400))
+    assert len(got) == 3  # 3 x ~480 bytes: the third crosses 1,000, a fourth would start over it
+    assert len(_deliveries(core.ack(got[0][2]))) == 1
+    huge = online([("jobs", "j/")], window_bytes=10)
+    _join(huge)
+    assert len(_deliveries(huge.message(b"j/1", b"x" * 100))) == 1  # one of any size
+    assert _deliveries(huge.message(b"j/2", b"x")) == []
+
+
 def test_core_a_delivery_that_would_not_fit_a_packet_is_counted_too_big():
     """The original key and payload plus the member's key and a token can exceed the bus's
     packet limit (which would get the service disconnected): dropped and counted instead."""
@@ -575,3 +591,26 @@ def test_the_bus_restarted_under_the_service(start_bus, start_queue, tmp_path):
     finally:
         m.kill()
         m.wait()
+
+
+def test_big_messages_to_a_slow_member_are_not_dropped_by_the_server(bus, start_queue, extra=()):
+    """100 messages of 200 KB for a member that does not read for a while: the service holds
+    back what would overflow the member's queue in the server (4 MiB); with only the window of
+    64 messages, the server dropped deliveries (unacknowledged until the member left)."""
+    start_queue(bus, "--group", "jobs=jobs/", *extra)
+    with Client(bus.address) as conn:
+        worker = conn.join("jobs")
+        with Client(bus.address) as p:
+            for i in range(100):
+                p.publish(b"jobs/%d" % i, b"x" * 200_000)
+            p.sync(30)
+        # the member has not read anything: the service stops at its byte window (1 MiB)
+        wait_until(lambda: group_stats(bus.address)["received"] == 100, "all received")
+        assert group_stats(bus.address)["in_flight"] == 6
+        seen = set()
+        while len(seen) < 100:
+            d = worker.next(timeout=30)
+            seen.add(d.key)
+            worker.ack(d)
+        assert conn.dropped == 0 and worker.skipped == 0
+    assert group_stats(bus.address)["acked"] == 100

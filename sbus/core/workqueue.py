@@ -157,7 +157,7 @@ class Membership:
 
 
 class _Entry:
-    __slots__ = ("key", "payload", "deliveries")
+    __slots__ = ("key", "payload", "deliveries", "size")
 
     def __init__(self, key: bytes, payload: bytes):
         self.key = key
@@ -166,7 +166,7 @@ class _Entry:
 
 
 class _Member:
-    __slots__ = ("key", "group", "uids", "pid", "inflight")
+    __slots__ = ("key", "group", "uids", "pid", "inflight", "inflight_bytes")
 
     def __init__(self, key: bytes, group: "_Group", uids: tuple, pid: int):
         self.key = key
@@ -174,15 +174,17 @@ class _Member:
         self.uids = uids
         self.pid = pid
         self.inflight: dict[bytes, _Entry] = {}
+        self.inflight_bytes = 0  # of the delivery packets in `inflight`
 
 
 class _Group:
-    def __init__(self, name: bytes, pattern: bytes, limit: int, full: str, window: int):
+    def __init__(self, name: bytes, pattern: bytes, limit: int, full: str, window: int, window_bytes: int):
         self.name = name
         self.pattern = pattern
         self.limit = limit
         self.full = full
         self.window = window
+        self.window_bytes = window_bytes
         self.backlog: deque[_Entry] = deque()
         self.ring: list[_Member] = []
         self.rr = 0
@@ -192,19 +194,21 @@ class _Group:
         self.lost = {"full": 0, "too_big": 0}
 
     def next_member(self) -> _Member | None:
-        """Round robin over the members whose window has room."""
-        ring, n, window = self.ring, len(self.ring), self.window
+        """Round robin over the members whose window has room: fewer than `window` deliveries
+        and `window_bytes` bytes unacknowledged (one delivery of any size when it has none)."""
+        ring, n, window, window_bytes = self.ring, len(self.ring), self.window, self.window_bytes
         for i in range(n):
             j = (self.rr + i) % n
             m = ring[j]
-            if len(m.inflight) < window:
+            if len(m.inflight) < window and (m.inflight_bytes < window_bytes or not m.inflight):
                 self.rr = (j + 1) % n
                 return m
         return None
 
     def stats(self) -> dict:
         return {"pattern": self.pattern.decode("utf-8", "replace"), "mode": self.full,
-                "limit": self.limit, "window": self.window, "members": len(self.ring),
+                "limit": self.limit, "window": self.window, "window_bytes": self.window_bytes,
+                "members": len(self.ring),
                 "backlog": len(self.backlog), "in_flight": sum(len(m.inflight) for m in self.ring),
                 "received": self.received, "delivered": self.delivered, "acked": self.acked,
                 "redelivered": self.redelivered, "lost": dict(self.lost),
@@ -215,7 +219,8 @@ class QueueCore:
     """The groups, their members and their work; every method returns packets to publish.
 
     ``groups``: (name, pattern) pairs. ``limit``: messages waiting per group (not counting
-    those delivered and not yet acknowledged, at most ``window`` per member). ``full``: what
+    those delivered and not yet acknowledged, at most ``window`` deliveries and about
+    ``window_bytes`` bytes per member). ``full``: what
     happens to a message over the limit (block: accepted, and `should_pause` tells the
     service to stop reading its intake; discard: dropped and counted; error: dropped,
     counted, and ``MSG sbus/services/queue/full/GROUP\\0COUNT`` published once per episode).
@@ -223,7 +228,7 @@ class QueueCore:
     one)."""
 
     def __init__(self, groups, *, limit: int = 10000, full: str = "block", window: int = 64,
-                 allowed_uids=(), max_packet: int = MAX_PACKET):
+                 window_bytes: int = 1 << 20, allowed_uids=(), max_packet: int = MAX_PACKET):
         if full not in MODES:
             raise ValueError(f"unknown mode {full!r}; one of {', '.join(MODES)}")
         self.groups: dict[bytes, _Group] = {}
@@ -232,7 +237,7 @@ class QueueCore:
             pattern = pattern.encode() if isinstance(pattern, str) else bytes(pattern)
             if name in self.groups:
                 raise ValueError(f"group {name.decode()} given twice")
-            self.groups[name] = _Group(name, pattern, limit, full, window)
+            self.groups[name] = _Group(name, pattern, limit, full, window, window_bytes)
         self.allowed = set(allowed_uids) | {os.getuid(), 0}
         self.max_packet = max_packet
         self.members: dict[bytes, _Member] = {}
@@ -339,7 +344,7 @@ class QueueCore:
         g.ring.append(member)
         g.joined += 1
         hello = json.dumps({"group": group.decode(), "pattern": g.pattern.decode("utf-8", "replace"),
-                            "window": g.window}).encode()
+                            "window": g.window, "window_bytes": g.window_bytes}).encode()
         out.append(codec.encode_msg(pattern + b"hello", hello, self.max_packet))
         self._pump(g, out)
 
@@ -363,6 +368,7 @@ class QueueCore:
         g = member.group
         back = list(member.inflight.items())
         member.inflight.clear()
+        member.inflight_bytes = 0
         for token, _ in back:
             self.tokens.pop(token, None)
         for _, entry in reversed(back):
@@ -380,7 +386,7 @@ class QueueCore:
                 if token:
                     self.acks_unknown += 1
                 continue
-            del member.inflight[token]
+            member.inflight_bytes -= member.inflight.pop(token).size
             g = member.group
             g.acked += 1
             if not touched or touched[-1] is not g:
@@ -405,7 +411,9 @@ class QueueCore:
             if len(key) + len(payload) + 5 > self.max_packet:
                 g.lost["too_big"] += 1
                 continue
+            entry.size = len(key) + len(payload) + 5
             member.inflight[token] = entry
+            member.inflight_bytes += entry.size
             self.tokens[token] = member
             g.delivered += 1
             out.append(b"MSG " + key + b"\0" + payload)

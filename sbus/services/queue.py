@@ -35,10 +35,10 @@ log = Logger()
 
 class QueueService(service.Service):
     def __init__(self, bus, groups, *, limit: int = 10000, full: str = "block", window: int = 64,
-                 allowed_uids=(), max_packet: int = MAX_PACKET, stats_interval: float = 60.0,
-                 reactor=None):
+                 window_bytes: int = 1 << 20, allowed_uids=(), max_packet: int = MAX_PACKET,
+                 stats_interval: float = 60.0, reactor=None):
         self.bus = bus
-        self.core = QueueCore(groups, limit=limit, full=full, window=window,
+        self.core = QueueCore(groups, limit=limit, full=full, window=window, window_bytes=window_bytes,
                               allowed_uids=allowed_uids, max_packet=max_packet)
         self.full = full
         self.max_packet = max_packet
@@ -244,6 +244,10 @@ class Options(usage.Options):
                                 "flood control), discard (drop, counted lost) or error (drop, count, "
                                 "and publish sbus/services/queue/full/GROUP once)."],
         ["window", None, "64", "Unacknowledged deliveries per member at most."],
+        ["window-bytes", None, str(1 << 20), "Bytes of unacknowledged deliveries per member at most "
+                                             "(one delivery of any size when it has none): under the "
+                                             "server's 4 MiB queue per client, so the server never "
+                                             "drops a slow member's deliveries."],
         ["max-packet", None, str(MAX_PACKET), "The bus's packet size limit (a delivery that would "
                                               "not fit is dropped and counted too_big)."],
         ["stats-interval", None, "60", "Seconds between stats lines in the log (only if changed)."],
@@ -298,6 +302,7 @@ class Options(usage.Options):
             raise usage.UsageError(f"--full: one of {', '.join(MODES)}, not {self['full']!r}")
         self["limit"] = positive_int("limit", self["limit"])
         self["window"] = positive_int("window", self["window"])
+        self["window-bytes"] = positive_int("window-bytes", self["window-bytes"])
         self["max-packet"] = positive_int("max-packet", self["max-packet"])
         self["stats-interval"] = positive_float("stats-interval", self["stats-interval"])
         if self["bus"]:
@@ -310,5 +315,5 @@ class Options(usage.Options):
 
 def makeService(options) -> QueueService:
     return QueueService(options["bus"], options["groups"], limit=options["limit"], full=options["full"],
-                        window=options["window"], allowed_uids=options["allow-uids"],
+                        window=options["window"], window_bytes=options["window-bytes"], allowed_uids=options["allow-uids"],
                         max_packet=options["max-packet"], stats_interval=options["stats-interval"])
