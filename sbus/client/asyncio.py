@@ -68,6 +68,8 @@ class Client:
         self.dropped = 0
         self.disconnect_reason: codec.DisconnectNotice | None = None
         self._reqrep: Requester | None = None  # request/reply state, made at the first request()
+        #: The counts of the last `serve()` (answered, refused).
+        self.responder: Responder | None = None
         # Ask for the server's notices (docs/protocol.md "Extensions"): a new socket's buffer has room.
         sock.send(b"CMSG " + codec.EXTENSIONS)
         self._start_reading()

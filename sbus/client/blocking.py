@@ -108,6 +108,8 @@ class Client:
         #: The server's `server/disconnect` notice, once it has sent one.
         self.disconnect_reason: DisconnectNotice | None = None
         self._reqrep: Requester | None = None  # request/reply state, made at the first request()
+        #: The counts of the last `serve()` (answered, refused).
+        self.responder: Responder | None = None
         # Ask for the server's notices (`server/dropped`, `server/disconnect`): a server that does not
         # know the key ignores it (docs/protocol.md "Extensions").
         sock.send(b"CMSG " + codec.EXTENSIONS)
