@@ -6,6 +6,9 @@
     sbus stats                     the server's statistics (--json)
     sbus ping                      round trips through the bus
     sbus top                       a live view of the bus (sbus/top.py)
+    sbus request KEY [PAYLOAD]     request/reply (sbus/cliwork.py, docs/request-reply.md)
+    sbus serve PATTERN -- CMD      answer requests with a command
+    sbus work GROUP -- CMD         take messages of a work-queue group (docs/queues.md)
 
 The bus is `--socket ADDRESS`, else ``$SBUS_SOCKET``, else ``/run/sbus.socket`` (where the server listens by default) in
 the working directory. Errors are one line on stderr (``sbus: ...``) and a
@@ -642,6 +645,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--iterations", type=COUNT, metavar="N",
                    help="exit after N refreshes (default: until q)")
     p.set_defaults(func=_cmd_top)
+
+    from types import SimpleNamespace
+
+    from .cliwork import add_commands  # request, serve, work
+
+    add_commands(sub, common, SimpleNamespace(
+        connect=_connect, error=CliError, printable=_printable, escape=escape, signal_ready=_signal_ready,
+        abandon_ready=_abandon_ready, EXIT_TIMEOUT=EXIT_TIMEOUT, COUNT=COUNT, SECONDS=SECONDS))
     return parser
 
 

@@ -9,6 +9,9 @@ runs `twistd sbus` with options. Each has `.address`, `.connect()`, `.log()`,
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import uuid
 
 import pytest
@@ -65,3 +68,13 @@ def both_paths(request, start_bus, start_twistd_bus, monkeypatch):
     def start(*options):
         return start_twistd_bus(*options) if options else start_bus()
     return start
+
+
+@pytest.fixture
+def shared_dir():
+    """A fresh directory under /tmp that uid 65534 may traverse (tmp_path's parents are 0700),
+    for a bus another uid uses (``start_bus("-o", address=...)``)."""
+    d = tempfile.mkdtemp(prefix="sbus-shared-")
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

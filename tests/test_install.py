@@ -143,7 +143,7 @@ class Venv:
         r = self.run("twistd", "sbus", "--help")
         assert r.returncode == 0 and "Usage: twistd [options] sbus" in r.stdout, (what, r.stdout, r.stderr)
         r = self.run("twistd", "--help")
-        for plugin in ("sbus-relay", "sbus-bridge", "sbus-link", "sbus-msgbus", "sbus-record"):
+        for plugin in ("sbus-relay", "sbus-bridge", "sbus-link", "sbus-msgbus", "sbus-record", "sbus-queue"):
             assert plugin in r.stdout, (what, plugin, r.stdout)
         r = self.run("sbus", "--help")
         assert r.returncode == 0 and "pub" in r.stdout and "top" in r.stdout, (what, r.stdout, r.stderr)

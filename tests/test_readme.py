@@ -199,3 +199,55 @@ def test_sbus_man_page_has_every_command_and_option():
             for opt in action.option_strings:
                 if opt not in ("-h", "--help", "-s", "--socket"):
                     assert opt in page, (name, opt)
+
+
+# ---------------------------------------------------------------- docs/queues.md, docs/request-reply.md
+
+
+def _on_path(root, env) -> dict:
+    return dict(env, SBUS_SOCKET=str(root / "sbus.socket"))
+
+
+def test_request_reply_doc_examples(clone, tmp_path):
+    """docs/request-reply.md's shell and Python examples, verbatim."""
+    root, bus, env, tmp = clone
+    doc = Path(REPO) / "docs" / "request-reply.md"
+    (script,) = [b for b in blocks(doc, "sh") if "sbus serve" in b]
+    before = _files(root)
+    r = _run(script, root, env)
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout == b"it is 12 o clock (time/now)\nstatus 1\n", r.stdout
+    assert r.stderr == b"sbus: no responders: nobody is subscribed to time/now\n", r.stderr
+    assert _files(root) == before and not list(tmp.iterdir()), "left files behind"
+    (code,) = blocks(doc, "python")
+    r = subprocess.run([str(root / ".venv" / "bin" / "python"), "-c", code], cwd=tmp_path, env=_on_path(root, env),
+                       capture_output=True, timeout=TIMEOUT)
+    assert r.returncode == 0 and r.stdout == b"b'42'\n", r.stderr.decode()
+
+
+def test_queues_doc_examples(clone, tmp_path):
+    """docs/queues.md's shell example (it starts and stops its own sbus-queue) and its Python
+    example (against a service with the group it names), verbatim."""
+    from helpers import LoggedProcess
+
+    root, bus, env, tmp = clone
+    doc = Path(REPO) / "docs" / "queues.md"
+    (script,) = [b for b in blocks(doc, "sh") if "sbus work" in b]
+    before = _files(root)
+    r = _run(script, root, env)
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout == (b"images/a.png: 1 (delivery 1)\nimages/b.png: 2 (delivery 1)\n"
+                        b"images/c.png: 3 (delivery 1)\n"), r.stdout
+    assert _files(root) == before and not list(tmp.iterdir()), "left files behind"
+    (code,) = blocks(doc, "python")
+    run = [str(root / ".venv" / "bin" / "python"), "-c", code]
+    r = subprocess.run(run, cwd=tmp_path, env=_on_path(root, env), capture_output=True, timeout=TIMEOUT)
+    assert r.returncode == 1 and r.stderr == b"no twistd sbus-queue serves the group thumbnails\n", r.stderr
+    service = LoggedProcess([sys.executable, "-m", "twisted", "--log-format", "text", "sbus-queue", "--bus",
+                             bus.address, "--group", "thumbnails=images/"], tmp_path / "queue.log")
+    try:
+        service.wait_log("control: following the members")
+        r = subprocess.run(run, cwd=tmp_path, env=_on_path(root, env), capture_output=True, timeout=TIMEOUT)
+        assert r.returncode == 0 and r.stdout == b"b'images/x.png' False\n", r.stderr.decode()
+    finally:
+        service.stop()

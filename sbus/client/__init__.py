@@ -10,7 +10,10 @@
 from sbus.core.codec import MAX_PACKET, Control, DisconnectNotice, DropNotice, Message, ProtocolError
 
 from .address import DEFAULT_ADDRESS, ENV_VAR, Address, AddressError, open_socket, parse, resolve
-from .blocking import Client, ConnectionClosed, PacketTooLarge, SbusError, connect
+from sbus.core.reqrep import NoResponders, RequestError, RequestTimeout
+from sbus.core.workqueue import Delivery, Refused
+
+from .blocking import Client, ConnectionClosed, PacketTooLarge, SbusError, Worker, connect
 
 __all__ = [
     "MAX_PACKET",
@@ -22,6 +25,12 @@ __all__ = [
     "DisconnectNotice",
     "DropNotice",
     "DEFAULT_ADDRESS",
+    "Delivery",
+    "NoResponders",
+    "Refused",
+    "RequestError",
+    "RequestTimeout",
+    "Worker",
     "ENV_VAR",
     "Message",
     "PacketTooLarge",

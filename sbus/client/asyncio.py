@@ -30,11 +30,14 @@ from collections import deque
 
 from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, Control, Message, ProtocolError
+from sbus.core.patterns import matches
+from sbus.core.reqrep import RequestTimeout, Requester, Responder, parse_request
+from sbus.core.workqueue import Delivery, Membership, WorkerBase
 
 from .address import open_socket
 from .blocking import ConnectionClosed, PacketTooLarge, echo_packet, flood_packets
 
-__all__ = ["Client", "connect", "ConnectionClosed", "Message", "Control"]
+__all__ = ["Client", "AsyncWorker", "connect", "ConnectionClosed", "Message", "Control"]
 
 _MSG_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 _MSG_TRUNC = socket.MSG_TRUNC
@@ -64,6 +67,9 @@ class Client:
         #: `receive()` returns as `DropNotice`s), and its `server/disconnect` notice if any.
         self.dropped = 0
         self.disconnect_reason: codec.DisconnectNotice | None = None
+        self._reqrep: Requester | None = None  # request/reply state, made at the first request()
+        #: The counts of the last `serve()` (answered, refused).
+        self.responder: Responder | None = None
         # Ask for the server's notices (docs/protocol.md "Extensions"): a new socket's buffer has room.
         sock.send(b"CMSG " + codec.EXTENSIONS)
         self._start_reading()
@@ -98,10 +104,12 @@ class Client:
         self._closed = exc
         self._stop_reading()
         requests, self._requests = self._requests, {}
-        for queue in requests.values():
-            for fut in queue:
-                if not fut.done():
-                    fut.set_exception(ConnectionClosed(str(exc)) if not isinstance(exc, ConnectionClosed) else exc)
+        waiters = [fut for queue in requests.values() for fut in queue]
+        if self._reqrep is not None:
+            waiters += self._reqrep.abandon()
+        for fut in waiters:
+            if not fut.done():
+                fut.set_exception(ConnectionClosed(str(exc)) if not isinstance(exc, ConnectionClosed) else exc)
         self._wake()
         w = self._write_waiter
         if w is not None and not w.done():
@@ -167,6 +175,15 @@ class Client:
             if type(packet) is Control and packet.key == codec.DISCONNECT:
                 self.disconnect_reason = codec.parse_disconnect(packet.payload)
                 continue
+            if self._reqrep is not None:
+                if type(packet) is Control and packet.key == codec.INTEREST:
+                    self._reqrep.interest.feed(packet.payload)
+                    continue
+                if type(packet) is Message and self._reqrep.is_reply(packet.key):
+                    got = self._reqrep.receive(packet.key, packet.payload)
+                    if got is not None and not got[0].done():
+                        got[0].set_result(got[1])
+                    continue
             if type(packet) is Control:
                 queue = self._requests.get(packet.key)
                 if queue:
@@ -280,7 +297,7 @@ class Client:
     async def send_control(self, key, payload=None) -> None:
         await self.send_packet(codec.encode_cmsg(key, payload, self.max_packet))
 
-    async def request(self, key, payload=None, timeout: float | None = None) -> bytes | None:
+    async def server_request(self, key, payload=None, timeout: float | None = None) -> bytes | None:
         """Send `CMSG key` and return the payload of the server's `CMSG key` reply."""
         packet = codec.encode_cmsg(key, payload, self.max_packet)
         key = codec.classify(packet, self.max_packet)[1]
@@ -303,14 +320,14 @@ class Client:
             raise TimeoutError(f"no reply to {key.decode('utf-8', 'replace')} within {timeout} s") from None
 
     async def whoami(self, timeout: float | None = None) -> bytes:
-        return (await self.request(codec.WHOAMI, timeout=timeout)) or b""
+        return (await self.server_request(codec.WHOAMI, timeout=timeout)) or b""
 
     async def sync(self, timeout: float | None = None) -> None:
         """Return once the server has processed everything sent before."""
         await self.whoami(timeout)
 
     async def stats(self, timeout: float | None = None) -> dict:
-        return json.loads((await self.request(codec.STATS, timeout=timeout)) or b"{}")
+        return json.loads((await self.server_request(codec.STATS, timeout=timeout)) or b"{}")
 
     async def echo(self, on: bool = True) -> None:
         await self.send_packet(echo_packet(on))
@@ -318,6 +335,119 @@ class Client:
     async def flood(self, soft=None, hard=None, order=None) -> None:
         for packet in flood_packets(soft, hard, order):
             await self.send_packet(packet)
+
+
+    # -- request/reply with other clients (docs/request-reply.md; the core: sbus.core.reqrep)
+
+    async def request(self, key, payload=b"", timeout: float = 5.0, check: bool = True) -> bytes:
+        """Publish a request on `key` and return the first reply's payload (see the blocking
+        client's `request`): `NoResponders` at once, `RequestTimeout` after `timeout`."""
+        if self._reqrep is None:
+            whoami = await self.whoami(timeout)
+            if self._reqrep is None:
+                requester = Requester(whoami, self.max_packet)
+                self._reqrep = requester
+                await self.send_packet(requester.subscribe_packet)
+                await self.send_control(codec.INTEREST)
+        requester = self._reqrep
+        key = codec.encode_msg(key, b"", self.max_packet)[4:-1]
+        if check and (not requester.interest.ready or requester.doubtful(key)):
+            await self.sync(timeout)  # the listing, and every change before now, has arrived
+            requester.check(key)
+        fut = self._loop.create_future()
+        rid, packet = requester.request(key, payload, fut)
+        try:
+            await self.send_packet(packet)
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise RequestTimeout(key, timeout) from None
+        finally:
+            requester.forget(rid)
+
+    async def serve(self, pattern, handler, count: int | None = None) -> int:
+        """Answer requests on `pattern` with ``handler(key, body)`` (a function or a coroutine
+        function; its result is the reply, None for none) until `count` requests or the end of
+        the connection. Returns the requests handled."""
+        pattern = codec.encode_sub(pattern, self.max_packet)[4:]
+        await self.subscribe(pattern)
+        responder = self.responder = Responder(self.max_packet)
+        handled = 0
+        while count is None or handled < count:
+            try:
+                m = await self.receive()
+            except ConnectionClosed:
+                break
+            if type(m) is not Message or not matches(pattern, m.key):
+                continue
+            handled += 1
+            parsed = parse_request(m.payload)
+            if parsed is None:
+                responder.refused += 1
+                continue
+            out = handler(m.key, parsed[1])
+            if asyncio.iscoroutine(out) or isinstance(out, asyncio.Future):
+                out = await out
+            if out is not None:
+                await self.send_packet(responder.reply(parsed[0], out))
+        return handled
+
+    # -- shared work queues (docs/queues.md; the core: sbus.core.workqueue)
+
+    async def join(self, group, timeout: float = 5.0) -> "AsyncWorker":
+        """Join a work-queue group of `twistd sbus-queue`; an `AsyncWorker` once the service said
+        hello. Raises `Refused` or `TimeoutError`. Use a connection of its own for a worker."""
+        membership = Membership(await self.whoami(timeout), group, self.max_packet)
+        await self.send_packet(membership.subscribe_packet)
+        deadline = self._loop.time() + timeout
+        held = []
+        try:
+            while True:
+                left = deadline - self._loop.time()
+                try:
+                    if left <= 0:
+                        raise TimeoutError
+                    m = await self.receive(timeout=left)
+                except (TimeoutError, asyncio.TimeoutError):
+                    raise membership.timeout_error(timeout) from None
+                if membership.joined(m):
+                    break
+                held.append(m)
+        except BaseException:
+            if not self.closed:
+                await self.send_packet(membership.unsubscribe_packet)
+            raise
+        finally:
+            self._inbox.extendleft(reversed(held))
+        return AsyncWorker(self, membership)
+
+
+class AsyncWorker(WorkerBase):
+    """A member of a work-queue group (`Client.join`): ``async for delivery in worker``."""
+
+    async def next(self, timeout: float | None = None) -> Delivery:
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
+            d = self.membership.delivery(await self.client.receive(timeout=left))
+            if d is not None:
+                return d
+            self.skipped += 1
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Delivery:
+        try:
+            return await self.next()
+        except ConnectionClosed:
+            raise StopAsyncIteration from None
+
+    async def ack(self, *deliveries) -> None:
+        if deliveries:
+            await self.client.send_packet(self.membership.ack_packet(*deliveries))
+
+    async def leave(self) -> None:
+        await self.client.send_packet(self.membership.unsubscribe_packet)
 
 
 async def connect(address=None, *, max_packet: int = MAX_PACKET, inbox_limit: int = 4096,

@@ -28,6 +28,9 @@ from collections import deque
 
 from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, Control, DisconnectNotice, DropNotice, Message, ProtocolError
+from sbus.core.patterns import matches
+from sbus.core.reqrep import RequestTimeout, Requester, Responder
+from sbus.core.workqueue import Delivery, Membership, WorkerBase
 
 from .address import open_socket, size_buffers
 
@@ -104,6 +107,9 @@ class Client:
         self.dropped = 0
         #: The server's `server/disconnect` notice, once it has sent one.
         self.disconnect_reason: DisconnectNotice | None = None
+        self._reqrep: Requester | None = None  # request/reply state, made at the first request()
+        #: The counts of the last `serve()` (answered, refused).
+        self.responder: Responder | None = None
         # Ask for the server's notices (`server/dropped`, `server/disconnect`): a server that does not
         # know the key ignores it (docs/protocol.md "Extensions").
         sock.send(b"CMSG " + codec.EXTENSIONS)
@@ -221,6 +227,20 @@ class Client:
             if packet.key == codec.DISCONNECT:
                 self.disconnect_reason = codec.parse_disconnect(packet.payload)
                 raise self._closed()
+        if self._reqrep is not None and not flags & _MSG_PEEK:
+            return self._reqrep_packet(packet)
+        return packet
+
+    def _reqrep_packet(self, packet):
+        """Interest notices and replies are request()'s: taken here (None), never handed out."""
+        if type(packet) is Control and packet.key == codec.INTEREST:
+            self._reqrep.interest.feed(packet.payload)
+            return None
+        if type(packet) is Message and self._reqrep.is_reply(packet.key):
+            got = self._reqrep.receive(packet.key, packet.payload)
+            if got is not None:
+                got[0].append(got[1])
+            return None
         return packet
 
     def receive(self, flags: int = 0, timeout: float | None = None):
@@ -237,12 +257,17 @@ class Client:
         """
         if self._pending:
             return self._pending[0] if flags & _MSG_PEEK else self._pending.popleft()
+        deadline = None if timeout is None else time.monotonic() + timeout
         if timeout is not None and not self._wait_readable(timeout):
             raise TimeoutError(f"no packet within {timeout} s")
         while True:
             packet = self._recv(flags)
             if isinstance(packet, (Message, Control, DropNotice)):
                 return packet
+            if packet is None:  # taken by request(): wait for the next one, within the timeout
+                if deadline is not None and not self._wait_readable(deadline - time.monotonic()):
+                    raise TimeoutError(f"no packet within {timeout} s")
+                continue
             # The server never sends SUB/UNSUB; skip anything else defensively.
             if flags & _MSG_PEEK:
                 self._recv(flags & ~_MSG_PEEK)
@@ -264,7 +289,7 @@ class Client:
 
     # -- request/reply with the server
 
-    def request(self, key, payload=None, timeout: float | None = None) -> bytes | None:
+    def server_request(self, key, payload=None, timeout: float | None = None) -> bytes | None:
         """Send `CMSG key` and return the payload of the server's `CMSG key` reply.
 
         Anything else that arrives first is kept, in order, for `receive()`.
@@ -289,7 +314,7 @@ class Client:
 
     def whoami(self, timeout: float | None = None) -> bytes:
         """The client's credentials as the server sees them, e.g. ``b"!/cred/100/1000/1111"``."""
-        return self.request(codec.WHOAMI, timeout=timeout) or b""
+        return self.server_request(codec.WHOAMI, timeout=timeout) or b""
 
     def sync(self, timeout: float | None = None) -> None:
         """Return once the server has processed everything sent before (a whoami round trip)."""
@@ -297,7 +322,7 @@ class Client:
 
     def stats(self, timeout: float | None = None) -> dict:
         """The server's statistics (``CMSG server/stats``) as a dict."""
-        return json.loads(self.request(codec.STATS, timeout=timeout) or b"{}")
+        return json.loads(self.server_request(codec.STATS, timeout=timeout) or b"{}")
 
     # -- settings
 
@@ -310,6 +335,148 @@ class Client:
         discard/block/error, order in queue/stack/random (None: unchanged)."""
         for packet in flood_packets(soft, hard, order):
             self.send_packet(packet)
+
+
+    # -- request/reply with other clients (docs/request-reply.md; the core: sbus.core.reqrep)
+
+    @property
+    def requester(self) -> Requester | None:
+        """The request/reply state once `request()` was used: its counts (`sent`, `answered`,
+        `late`: replies after the first, dropped) and `inbox`, the reply key prefix."""
+        return self._reqrep
+
+    def _requester(self, timeout: float | None) -> Requester:
+        if self._reqrep is None:
+            requester = Requester(self.whoami(timeout), self.max_packet)
+            self.send_packet(requester.subscribe_packet)
+            self.send_control(codec.INTEREST)
+            self._reqrep = requester
+            # The interest listing and its end come before the answer to a later request.
+            self.sync(timeout)
+        return self._reqrep
+
+    def request(self, key, payload=b"", timeout: float = 5.0, check: bool = True) -> bytes:
+        """Publish a request on `key` and return the first reply's payload.
+
+        The reply comes on a key under this client's own secret prefix (only it can read
+        it). Raises `NoResponders` at once if nobody holds a pattern matching `key` (as the
+        server's interest feed shows it: a responder of another uid is visible only to root
+        and the bus owner; `check=False` skips this), `RequestTimeout` (a `TimeoutError`)
+        after `timeout` seconds. Other packets that arrive meanwhile are kept for `receive()`.
+        """
+        deadline = time.monotonic() + timeout
+        requester = self._requester(timeout)
+        key = codec.encode_msg(key)[4:-1]  # validated bytes
+        if check and requester.doubtful(key):
+            self.sync(timeout)
+            requester.check(key)
+        waiter: list = []
+        rid, packet = requester.request(key, payload, waiter)
+        self.send_packet(packet)
+        while not waiter:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._wait_readable(left):
+                if waiter:
+                    break
+                requester.forget(rid)
+                raise RequestTimeout(key, timeout)
+            try:
+                packet = self._recv(_MSG_DONTWAIT)
+            except BlockingIOError:
+                continue
+            if isinstance(packet, (Message, Control, DropNotice)):
+                self._pending.append(packet)
+        return waiter[0]
+
+    def serve(self, pattern, handler, count: int | None = None, timeout: float | None = None,
+              ready=None) -> int:
+        """Answer requests on `pattern`: ``handler(key, body)`` returns the reply (bytes or str;
+        None: no reply). Returns after `count` requests (default: until the connection ends,
+        or `timeout` seconds without one: `TimeoutError`). Messages without a valid secret
+        reply key are ignored (counted in `responder.refused`). `ready()` is called once the
+        subscription is in place. Returns the requests handled."""
+        pattern = codec.encode_sub(pattern, self.max_packet)[4:]
+        self.subscribe(pattern)
+        self.sync(timeout)
+        if ready is not None:
+            ready()
+        responder = self.responder = Responder(self.max_packet)
+        handled = 0
+        while count is None or handled < count:
+            try:
+                m = self.receive(timeout=timeout)
+            except ConnectionClosed:
+                break
+            if type(m) is not Message or not matches(pattern, m.key):
+                continue
+            handled += 1
+            reply = responder.handle(m.payload, handler, m.key)
+            if reply is not None:
+                self.send_packet(reply)
+        return handled
+
+    # -- shared work queues (docs/queues.md; the core: sbus.core.workqueue)
+
+    def join(self, group, timeout: float = 5.0) -> "Worker":
+        """Join a work-queue group of `twistd sbus-queue`; returns a `Worker` once the service
+        said hello. Raises `Refused` (unknown group, uid not allowed) or `TimeoutError` (no
+        service answered). Use a connection of its own for a worker."""
+        membership = Membership(self.whoami(timeout), group, self.max_packet)
+        self.send_packet(membership.subscribe_packet)
+        deadline = time.monotonic() + timeout
+        held: list = []
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    if left <= 0:
+                        raise TimeoutError
+                    m = self.receive(timeout=left)
+                except TimeoutError:
+                    raise membership.timeout_error(timeout) from None
+                if membership.joined(m):
+                    break
+                held.append(m)
+        except BaseException:
+            if not self.closed:
+                try:
+                    self.send_packet(membership.unsubscribe_packet)
+                except ConnectionClosed:
+                    pass
+            raise
+        finally:
+            self._pending.extendleft(reversed(held))
+        return Worker(self, membership)
+
+
+class Worker(WorkerBase):
+    """A member of a work-queue group (`Client.join`): iterate for `Delivery`s, `ack` each."""
+
+    def next(self, timeout: float | None = None) -> Delivery:
+        """The next delivery (`TimeoutError` after `timeout`, `ConnectionClosed` at the end)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            d = self.membership.delivery(self.client.receive(timeout=left))
+            if d is not None:
+                return d
+            self.skipped += 1
+
+    def __iter__(self):
+        while True:
+            try:
+                yield self.next()
+            except ConnectionClosed:
+                return
+
+    def ack(self, *deliveries) -> None:
+        """Acknowledge deliveries (handled: the service forgets them)."""
+        if deliveries:
+            self.client.send_packet(self.membership.ack_packet(*deliveries))
+
+    def leave(self) -> None:
+        """Leave the group: what is not acknowledged goes to another member, redelivered."""
+        self.client.send_packet(self.membership.unsubscribe_packet)
 
 
 def connect(address=None, **kwargs) -> Client:

@@ -39,6 +39,8 @@ from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, Control, Message, ProtocolError
 from sbus.core.credentials import CredentialError, Credentials, SECRET_ROOT, check_pattern
 from sbus.core.patterns import matches
+from sbus.core.reqrep import RequestTimeout, Requester, Responder, parse_request
+from sbus.core.workqueue import Delivery, Membership, Refused, WorkerBase
 from sbus.interfaces import IPacketProtocol
 from sbus.seqpacket import SeqPacketTransport
 from zope.interface import implementer
@@ -48,7 +50,8 @@ from .blocking import ConnectionClosed, echo_packet, flood_packets
 
 log = Logger()
 
-__all__ = ["SbusProtocol", "ReconnectingClient", "connect", "ConnectionClosed", "parse_whoami"]
+__all__ = ["SbusProtocol", "ReconnectingClient", "TwistedWorker", "connect", "ConnectionClosed",
+           "parse_whoami"]
 
 
 def parse_whoami(whoami: bytes) -> tuple[bytes, Credentials] | None:
@@ -105,6 +108,7 @@ class SbusProtocol(Protocol):
         self.dropped = 0
         #: The server's `server/disconnect` notice, if it sent one before closing.
         self.disconnectReason: codec.DisconnectNotice | None = None
+        self._reqrep: Requester | None = None  # request/reply state, made at the first request()
 
     # -- connection
 
@@ -122,6 +126,11 @@ class SbusProtocol(Protocol):
             for d in queue:
                 d.errback(ConnectionClosed(str(self.disconnectReason)) if self.disconnectReason
                           else ConnectionClosed())
+        if self._reqrep is not None:
+            for d in self._reqrep.abandon():
+                if not d.called:
+                    d.errback(ConnectionClosed(str(self.disconnectReason)) if self.disconnectReason
+                              else ConnectionClosed())
         why = reason.value if isinstance(reason, Failure) else reason
         waiters, self._lost = self._lost, []
         for d in waiters:
@@ -182,7 +191,7 @@ class SbusProtocol(Protocol):
     def sendControl(self, key, payload=None) -> None:
         self.sendPacket(codec.encode_cmsg(key, payload, self.max_packet))
 
-    def request(self, key, payload=None) -> defer.Deferred:
+    def server_request(self, key, payload=None) -> defer.Deferred:
         """Send `CMSG key`; the Deferred fires with the payload of the server's `CMSG key` reply."""
         packet = codec.encode_cmsg(key, payload, self.max_packet)
         key = codec.classify(packet, self.max_packet)[1]
@@ -199,7 +208,7 @@ class SbusProtocol(Protocol):
             self._setCredentials(payload)
             return payload
 
-        return self.request(codec.WHOAMI).addCallback(got)
+        return self.server_request(codec.WHOAMI).addCallback(got)
 
     def sync(self) -> defer.Deferred:
         """Fires once the server has processed everything sent before (a whoami round trip)."""
@@ -207,7 +216,7 @@ class SbusProtocol(Protocol):
 
     def stats(self) -> defer.Deferred:
         """Deferred[dict]: the server's statistics."""
-        return self.request(codec.STATS).addCallback(lambda p: json.loads(p or b"{}"))
+        return self.server_request(codec.STATS).addCallback(lambda p: json.loads(p or b"{}"))
 
     def echo(self, on: bool = True) -> None:
         self.sendPacket(echo_packet(on))
@@ -278,6 +287,8 @@ class SbusProtocol(Protocol):
         if key == codec.DISCONNECT:
             self.disconnectReason = codec.parse_disconnect(payload)
             return
+        if key == codec.INTEREST and self._reqrep is not None:
+            self._reqrep.interest.feed(payload)  # and on to unsolicitedControl: others may follow it too
         queue = self._requests.get(key)
         if queue:
             d = queue.popleft()
@@ -294,6 +305,118 @@ class SbusProtocol(Protocol):
         """The server dropped `count` messages meant for us (keys `first` .. `last`); `dropped`
         already counts them. Override to react (log, mark a gap); the default does nothing more,
         so that a lossy subscriber does not log once per notice."""
+
+    # -- request/reply with other clients (docs/request-reply.md; the core: sbus.core.reqrep)
+
+    def _reactor(self):
+        reactor = getattr(self.transport, "reactor", None)
+        if reactor is None:
+            from twisted.internet import reactor
+        return reactor
+
+    def request(self, key, payload=b"", timeout: float = 5.0, check: bool = True) -> defer.Deferred:
+        """Deferred[bytes]: publish a request on `key`; fires with the first reply's payload.
+
+        Fails with `NoResponders` at once when nobody holds a matching pattern (as the server's
+        interest feed shows: `check=False` skips this, e.g. for a responder of another uid),
+        `RequestTimeout` after `timeout` seconds, `ConnectionClosed` if the connection ends."""
+        return defer.ensureDeferred(self._request(key, payload, timeout, check))
+
+    async def _request(self, key, payload, timeout, check):
+        if self._reqrep is None:
+            if self.credentials is None:
+                await self.whoami()
+            if self._reqrep is None:
+                requester = Requester(self.credentials, self.max_packet)
+                self.subscribe(requester.inbox, self._replyReceived)
+                self.sendControl(codec.INTEREST)
+                self._reqrep = requester
+        requester = self._reqrep
+        key = codec.encode_msg(key, b"", self.max_packet)[4:-1]
+        if check and (not requester.interest.ready or requester.doubtful(key)):
+            await self.sync()  # the listing, and every change before now, has arrived
+            requester.check(key)
+        d = defer.Deferred()
+        rid, packet = requester.request(key, payload, d)
+        self.sendPacket(packet)
+        call = self._reactor().callLater(timeout, self._requestExpired, rid, d, key, timeout)
+        try:
+            return await d
+        finally:
+            if call.active():
+                call.cancel()
+            requester.forget(rid)
+
+    def _requestExpired(self, rid, d, key, timeout):
+        self._reqrep.forget(rid)
+        if not d.called:
+            d.errback(RequestTimeout(key, timeout))
+
+    def _replyReceived(self, key, payload):
+        got = self._reqrep.receive(key, payload) if self._reqrep is not None else None
+        if got is not None and not got[0].called:
+            got[0].callback(got[1])
+
+    def serve(self, pattern, handler) -> Responder:
+        """Answer requests on `pattern`: ``handler(key, body)`` returns the reply (bytes, str,
+        a Deferred or a coroutine of one; None: no reply). Returns the `Responder` (counts)."""
+        responder = Responder(self.max_packet)
+
+        def received(key, payload):
+            parsed = parse_request(payload)
+            if parsed is None:
+                responder.refused += 1
+                return
+            reply_key, body = parsed
+
+            def send(out):
+                if out is not None and self.connected:
+                    self.sendPacket(responder.reply(reply_key, out))
+
+            d = defer.maybeDeferred(handler, key, body)
+            d.addCallback(lambda r: defer.ensureDeferred(r) if hasattr(r, "__await__") else r)
+            d.addCallback(send)
+            d.addErrback(lambda f: log.failure("request handler {h!r} failed on {key!r}", f, h=handler, key=key))
+
+        self.subscribe(pattern, received)
+        return responder
+
+    # -- shared work queues (docs/queues.md; the core: sbus.core.workqueue)
+
+    def join(self, group, callback, timeout: float = 5.0) -> defer.Deferred:
+        """Deferred[TwistedWorker]: join a work-queue group of `twistd sbus-queue`.
+        ``callback(delivery)`` gets each `Delivery`; acknowledge with ``worker.ack(delivery)``.
+        Fails with `Refused` or `TimeoutError` (no service answered)."""
+        return defer.ensureDeferred(self._join(group, callback, timeout))
+
+    async def _join(self, group, callback, timeout):
+        if self.credentials is None:
+            await self.whoami()
+        membership = Membership(self.credentials, group, self.max_packet)
+        ready = defer.Deferred()
+        worker = TwistedWorker(self, membership)
+
+        def received(key, payload):
+            what = membership.receive(key, payload)
+            if type(what) is Delivery:
+                callback(what)
+            elif what == "hello" and not ready.called:
+                ready.callback(worker)
+            elif what == "refused" and not ready.called:
+                ready.errback(Refused(f"group {membership.group.decode()}: {membership.refused}"))
+
+        self.subscribe(membership.prefix, received)
+        call = self._reactor().callLater(
+            timeout, lambda: ready.called or ready.errback(membership.timeout_error(timeout)))
+        try:
+            return await ready
+        except BaseException:
+            if self.connected:
+                self.unsubscribe(membership.prefix, received)
+            raise
+        finally:
+            if call.active():
+                call.cancel()
 
     # -- secret patterns
 
@@ -314,6 +437,19 @@ class SbusProtocol(Protocol):
             return check_pattern(pattern, cred, prefix)
         except CredentialError:
             return pattern
+
+
+class TwistedWorker(WorkerBase):
+    """A member of a work-queue group (`SbusProtocol.join`); `client` is the protocol."""
+
+    def ack(self, *deliveries) -> None:
+        """Acknowledge deliveries (handled: the service forgets them)."""
+        if deliveries:
+            self.client.sendPacket(self.membership.ack_packet(*deliveries))
+
+    def leave(self) -> None:
+        """Leave the group: what is not acknowledged goes to another member, redelivered."""
+        self.client.unsubscribe(self.membership.prefix)
 
 
 def _connect_socket(reactor, address, max_packet, timeout):
@@ -592,3 +728,7 @@ class ReconnectingClient:
 
     def stats(self) -> defer.Deferred:
         return self.whenConnected().addCallback(lambda p: p.stats())
+
+    def request(self, key, payload=b"", timeout: float = 5.0, check: bool = True) -> defer.Deferred:
+        """`SbusProtocol.request` on the current connection or the next one."""
+        return self.whenConnected().addCallback(lambda p: p.request(key, payload, timeout, check))

@@ -429,7 +429,7 @@ class BridgeService(service.Service):
         other = OTHER[side]
         self.server_ids.pop(side, None)
         try:
-            proto.request(SERVER_ID).addCallbacks(lambda p: self._serverId(side, proto, p), lambda f: None)
+            proto.server_request(SERVER_ID).addCallbacks(lambda p: self._serverId(side, proto, p), lambda f: None)
         except Exception:
             pass
         self.tree.port_up(PORT[side], proto.credentials)

@@ -375,7 +375,7 @@ class NatsService(service.Service):
             # a server that answers nothing at all (not even the sync below) is no feed either
             self.reactor.callLater(INTEREST_WAIT, self._no_interest_feed, proto)
         answer: list = []
-        proto.request(codec.SERVER_ID).addCallbacks(answer.append, lambda f: None)
+        proto.server_request(codec.SERVER_ID).addCallbacks(answer.append, lambda f: None)
 
         def synced(_):
             ident = answer[0] if answer else None

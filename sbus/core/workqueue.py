@@ -1,0 +1,428 @@
+"""Shared work queues, sans I/O: the member's side (`Membership`) and the service's (`QueueCore`).
+
+The wire protocol (docs/queues.md), all ordinary sbus traffic:
+
+* **join**: a member subscribes to ``<whoami>/sbus/services/queue/GROUP/MEMBER/`` (its own
+  secret space; MEMBER is random per join). The service, watching ``server/interest``, sees
+  that pattern appear: the server filled in and checked the credentials, so the member's
+  identity (uid, pid, relay chain) is the pattern's, never something a payload claims.
+  Leaving is dropping the pattern (UNSUB, or the connection ending: ``kill -9`` included).
+* **hello** / **refused**: the service answers on the member's key: ``MSG <member>hello\\0JSON``
+  (group, pattern, window) or ``MSG <member>refused\\0REASON``.
+* **delivery**: ``MSG <member>m\\0TOKEN N\\0KEY\\0PAYLOAD``: TOKEN is random per delivery (only
+  the member can read it), N the delivery count (1 first, 2+ redelivered), KEY and PAYLOAD
+  the original message.
+* **ack**: ``MSG sbus/services/queue/ack\\0TOKEN[ TOKEN...]``. Knowing a token proves the
+  delivery reached you: nobody else could read it. A token is good once; an unknown one is
+  counted and ignored.
+
+`QueueCore` takes the events (intake messages, interest notices, acks) and returns the
+packets to publish; the Twisted service (`sbus.services.queue`) only moves packets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+from collections import deque
+from typing import NamedTuple
+
+from sbus.core import codec
+from sbus.core.codec import MAX_PACKET
+from sbus.core.patterns import matches
+
+QUEUE_ROOT = b"sbus/services/queue/"
+ACK_KEY = b"sbus/services/queue/ack"
+FULL_ROOT = b"sbus/services/queue/full/"
+MODES = ("block", "discard", "error")
+_NAME = re.compile(rb"[A-Za-z0-9_.-]{1,64}\Z")
+_MEMBER_PATTERN = re.compile(rb"((?:!/cred/\d+/\d+/\d+/)+)sbus/services/queue/([^/*]+)/([^/*]+)/\Z")
+_CRED = re.compile(rb"!/cred/(\d+)/(\d+)/(\d+)/")
+
+
+def check_group(name) -> bytes:
+    """A group name as bytes; ValueError unless 1-64 of [A-Za-z0-9_.-]."""
+    if isinstance(name, str):
+        name = name.encode()
+    if not _NAME.match(name):
+        raise ValueError(f"bad group name {name[:80]!r}: 1-64 characters of A-Z a-z 0-9 _ . -")
+    return name
+
+
+# -- the member's side ---------------------------------------------------------------------
+
+
+class Delivery(NamedTuple):
+    """One message handed to this member: `deliveries` is 1 the first time, more when redelivered."""
+
+    key: bytes
+    payload: bytes
+    token: bytes
+    deliveries: int
+
+    @property
+    def redelivered(self) -> bool:
+        return self.deliveries > 1
+
+
+class Refused(Exception):
+    """The queue service refused the join (unknown group, uid not allowed)."""
+
+
+class WorkerBase:
+    """What the clients' workers share: the connection, its `Membership`, the hello's `info`."""
+
+    def __init__(self, client, membership: "Membership"):
+        self.client = client
+        self.membership = membership
+        #: Packets on the connection that were not deliveries (skipped).
+        self.skipped = 0
+
+    @property
+    def info(self) -> dict:
+        return self.membership.info or {}
+
+
+class Membership:
+    """A member's protocol state: its key, and what the packets addressed to it mean."""
+
+    def __init__(self, whoami: bytes, group, max_packet: int = MAX_PACKET):
+        self.group = check_group(group)
+        self.member = secrets.token_hex(8).encode()
+        self.prefix = whoami + b"/" + QUEUE_ROOT + self.group + b"/" + self.member + b"/"
+        self.max_packet = max_packet
+        self.info: dict | None = None
+        self.refused: str | None = None
+
+    @property
+    def subscribe_packet(self) -> bytes:
+        return codec.encode_sub(self.prefix, self.max_packet)
+
+    @property
+    def unsubscribe_packet(self) -> bytes:
+        return codec.encode_unsub(self.prefix, self.max_packet)
+
+    def mine(self, key: bytes) -> bool:
+        return key.startswith(self.prefix)
+
+    def receive(self, key: bytes, payload: bytes):
+        """A `Delivery`, "hello", "refused" (then `info` / `refused` are set), or None."""
+        if not key.startswith(self.prefix):
+            return None
+        what = key[len(self.prefix):]
+        if what == b"m":
+            head, sep, rest = payload.partition(b"\0")
+            okey, sep2, body = rest.partition(b"\0")
+            token, _, count = head.partition(b" ")
+            if not sep or not sep2 or not count.isdigit():
+                return None
+            return Delivery(okey, body, token, int(count))
+        if what == b"hello":
+            try:
+                self.info = json.loads(payload)
+            except ValueError:
+                self.info = {}
+            return "hello"
+        if what == b"refused":
+            self.refused = payload.decode("utf-8", "replace")[:200]
+            return "refused"
+        return None
+
+    def joined(self, packet) -> bool:
+        """While joining: True for the service's hello; raises `Refused` for its refusal;
+        False for anything else (to be kept for the application)."""
+        what = self.receive(packet.key, packet.payload) if type(packet) is codec.Message else None
+        if what == "refused":
+            raise Refused(f"group {self.group.decode()}: {self.refused}")
+        return what == "hello"
+
+    def delivery(self, packet) -> Delivery | None:
+        """The `Delivery` a received packet is, or None."""
+        if type(packet) is not codec.Message:
+            return None
+        d = self.receive(packet.key, packet.payload)
+        return d if type(d) is Delivery else None
+
+    def timeout_error(self, timeout: float) -> TimeoutError:
+        return TimeoutError(f"no sbus-queue service answered for group {self.group.decode()} within {timeout:g} s")
+
+    def ack_packet(self, *deliveries) -> bytes:
+        tokens = b" ".join(d.token if isinstance(d, Delivery) else bytes(d) for d in deliveries)
+        return codec.encode_msg(ACK_KEY, tokens, self.max_packet)
+
+
+# -- the service's side --------------------------------------------------------------------
+
+
+class _Entry:
+    __slots__ = ("key", "payload", "deliveries", "size")
+
+    def __init__(self, key: bytes, payload: bytes):
+        self.key = key
+        self.payload = payload
+        self.deliveries = 0
+
+
+class _Member:
+    __slots__ = ("key", "group", "uids", "pid", "inflight", "inflight_bytes")
+
+    def __init__(self, key: bytes, group: "_Group", uids: tuple, pid: int):
+        self.key = key
+        self.group = group
+        self.uids = uids
+        self.pid = pid
+        self.inflight: dict[bytes, _Entry] = {}
+        self.inflight_bytes = 0  # of the delivery packets in `inflight`
+
+
+class _Group:
+    def __init__(self, name: bytes, pattern: bytes, limit: int, full: str, window: int, window_bytes: int):
+        self.name = name
+        self.pattern = pattern
+        self.limit = limit
+        self.full = full
+        self.window = window
+        self.window_bytes = window_bytes
+        self.backlog: deque[_Entry] = deque()
+        self.ring: list[_Member] = []
+        self.rr = 0
+        self.full_episode = False
+        self.received = self.delivered = self.acked = self.redelivered = 0
+        self.joined = self.left = self.refused = 0
+        self.lost = {"full": 0, "too_big": 0}
+
+    def next_member(self) -> _Member | None:
+        """Round robin over the members whose window has room: fewer than `window` deliveries
+        and `window_bytes` bytes unacknowledged (one delivery of any size when it has none)."""
+        ring, n, window, window_bytes = self.ring, len(self.ring), self.window, self.window_bytes
+        for i in range(n):
+            j = (self.rr + i) % n
+            m = ring[j]
+            if len(m.inflight) < window and (m.inflight_bytes < window_bytes or not m.inflight):
+                self.rr = (j + 1) % n
+                return m
+        return None
+
+    def stats(self) -> dict:
+        return {"pattern": self.pattern.decode("utf-8", "replace"), "mode": self.full,
+                "limit": self.limit, "window": self.window, "window_bytes": self.window_bytes,
+                "members": len(self.ring),
+                "backlog": len(self.backlog), "in_flight": sum(len(m.inflight) for m in self.ring),
+                "received": self.received, "delivered": self.delivered, "acked": self.acked,
+                "redelivered": self.redelivered, "lost": dict(self.lost),
+                "joined": self.joined, "left": self.left, "refused": self.refused}
+
+
+class QueueCore:
+    """The groups, their members and their work; every method returns packets to publish.
+
+    ``groups``: (name, pattern) pairs. ``limit``: messages waiting per group (not counting
+    those delivered and not yet acknowledged, at most ``window`` deliveries and about
+    ``window_bytes`` bytes per member). ``full``: what
+    happens to a message over the limit (block: accepted, and `should_pause` tells the
+    service to stop reading its intake; discard: dropped and counted; error: dropped,
+    counted, and ``MSG sbus/services/queue/full/GROUP\\0COUNT`` published once per episode).
+    ``allowed_uids``: uids that may join (every uid of a member's credential chain must be
+    one)."""
+
+    def __init__(self, groups, *, limit: int = 10000, full: str = "block", window: int = 64,
+                 window_bytes: int = 1 << 20, allowed_uids=(), max_packet: int = MAX_PACKET):
+        if full not in MODES:
+            raise ValueError(f"unknown mode {full!r}; one of {', '.join(MODES)}")
+        self.groups: dict[bytes, _Group] = {}
+        for name, pattern in groups:
+            name = check_group(name)
+            pattern = pattern.encode() if isinstance(pattern, str) else bytes(pattern)
+            if name in self.groups:
+                raise ValueError(f"group {name.decode()} given twice")
+            self.groups[name] = _Group(name, pattern, limit, full, window, window_bytes)
+        self.allowed = set(allowed_uids) | {os.getuid(), 0}
+        self.max_packet = max_packet
+        self.members: dict[bytes, _Member] = {}
+        self.tokens: dict[bytes, _Member] = {}
+        self._listing: set[bytes] | None = None
+        #: Deliveries go out only while the control connection is up and its first interest
+        #: listing is complete (until then work waits in the backlogs).
+        self.online = False
+        self.acks_unknown = 0
+        self.ignored_keys = 0
+        self.lost_intake = 0
+
+    # -- intake
+
+    def message(self, key: bytes, payload: bytes) -> list[bytes]:
+        """A message from the intake connection: to each group whose pattern matches."""
+        if key.startswith(b"sbus/services/") or key.startswith(b"!/cred/"):
+            self.ignored_keys += 1
+            return []
+        out: list[bytes] = []
+        for g in self.groups.values():
+            if not matches(g.pattern, key):
+                continue
+            g.received += 1
+            if len(g.backlog) >= g.limit and g.full != "block":
+                g.lost["full"] += 1
+                if g.full == "error" and not g.full_episode:
+                    g.full_episode = True
+                    out.append(codec.encode_msg(FULL_ROOT + g.name, b"%d" % g.limit, self.max_packet))
+                continue
+            g.backlog.append(_Entry(key, payload))
+            self._pump(g, out)
+        return out
+
+    def should_pause(self) -> bool:
+        return any(g.full == "block" and len(g.backlog) >= g.limit for g in self.groups.values())
+
+    def may_resume(self) -> bool:
+        return all(g.full != "block" or len(g.backlog) < max(1, g.limit // 2) for g in self.groups.values())
+
+    def intake_dropped(self, count: int) -> None:
+        """The server dropped `count` messages for the intake connection (`server/dropped`)."""
+        self.lost_intake += count
+
+    # -- members, from server/interest
+
+    def interest(self, payload: bytes | None) -> list[bytes]:
+        payload = payload or b""
+        out: list[bytes] = []
+        if payload == b"=":
+            listing, self._listing = self._listing, None
+            if listing is not None:
+                for key in [k for k in self.members if k not in listing]:
+                    self._leave(key, out)
+            if not self.online:
+                self.online = True
+                for g in self.groups.values():
+                    self._pump(g, out)
+            return out
+        sign, _, pattern = payload.partition(b"\0")
+        if sign == b"+":
+            if self._listing is not None:
+                self._listing.add(pattern)
+            if pattern not in self.members:
+                self._join(pattern, out)
+        elif sign == b"-":
+            if pattern in self.members:
+                self._leave(pattern, out)
+        return out
+
+    def relisting(self) -> None:
+        """A new interest listing is starting (the control connection was made again)."""
+        self._listing = set()
+
+    def control_lost(self) -> None:
+        """The connection that publishes deliveries is gone: what it sent may not have reached
+        the members, so every unacknowledged delivery goes back to the front of its group's
+        backlog (redelivered to whoever is there once the listing is complete)."""
+        self.online = False
+        for g in self.groups.values():
+            for member in g.ring:
+                self._requeue(member)
+
+    def _join(self, pattern: bytes, out: list) -> None:
+        m = _MEMBER_PATTERN.match(pattern)
+        if m is None:
+            return  # not a member key: somebody else's subscription
+        chain, group, _ = m.groups()
+        creds = _CRED.findall(chain)
+        uids = tuple(int(u) for _, u, _ in creds)
+        pid = int(creds[-1][2])
+        g = self.groups.get(group)
+        if g is None:
+            out.append(codec.encode_msg(pattern + b"refused", b"unknown group " + group[:64], self.max_packet))
+            return
+        bad = [u for u in uids if u not in self.allowed]
+        if bad:
+            g.refused += 1
+            out.append(codec.encode_msg(pattern + b"refused", b"uid %d may not join group %s" % (bad[0], group),
+                                        self.max_packet))
+            return
+        member = _Member(pattern, g, uids, pid)
+        self.members[pattern] = member
+        g.ring.append(member)
+        g.joined += 1
+        hello = json.dumps({"group": group.decode(), "pattern": g.pattern.decode("utf-8", "replace"),
+                            "window": g.window, "window_bytes": g.window_bytes}).encode()
+        out.append(codec.encode_msg(pattern + b"hello", hello, self.max_packet))
+        self._pump(g, out)
+
+    def _leave(self, key: bytes, out: list) -> None:
+        member = self.members.pop(key)
+        g = member.group
+        i = g.ring.index(member)
+        del g.ring[i]
+        if i < g.rr:
+            g.rr -= 1
+        if g.ring:
+            g.rr %= len(g.ring)
+        else:
+            g.rr = 0
+        g.left += 1
+        self._requeue(member)
+        self._pump(g, out)
+
+    def _requeue(self, member: _Member) -> None:
+        """A member's unacknowledged work goes first, in the order it was delivered; its tokens die."""
+        g = member.group
+        back = list(member.inflight.items())
+        member.inflight.clear()
+        member.inflight_bytes = 0
+        for token, _ in back:
+            self.tokens.pop(token, None)
+        for _, entry in reversed(back):
+            g.backlog.appendleft(entry)
+        g.redelivered += len(back)
+
+    # -- acknowledgements
+
+    def ack(self, payload: bytes) -> list[bytes]:
+        out: list[bytes] = []
+        touched = []
+        for token in payload.split(b" "):
+            member = self.tokens.pop(token, None)
+            if member is None:
+                if token:
+                    self.acks_unknown += 1
+                continue
+            member.inflight_bytes -= member.inflight.pop(token).size
+            g = member.group
+            g.acked += 1
+            if not touched or touched[-1] is not g:
+                touched.append(g)
+        for g in touched:
+            self._pump(g, out)
+        return out
+
+    # -- delivery
+
+    def _pump(self, g: _Group, out: list) -> None:
+        backlog = g.backlog
+        while backlog and self.online:
+            member = g.next_member()
+            if member is None:
+                break
+            entry = backlog.popleft()
+            entry.deliveries += 1
+            token = secrets.token_hex(8).encode()
+            payload = b"%s %d\0%s\0%s" % (token, entry.deliveries, entry.key, entry.payload)
+            key = member.key + b"m"
+            if len(key) + len(payload) + 5 > self.max_packet:
+                g.lost["too_big"] += 1
+                continue
+            entry.size = len(key) + len(payload) + 5
+            member.inflight[token] = entry
+            member.inflight_bytes += entry.size
+            self.tokens[token] = member
+            g.delivered += 1
+            out.append(b"MSG " + key + b"\0" + payload)
+        if g.full_episode and len(backlog) < g.limit:
+            g.full_episode = False
+
+    # -- statistics
+
+    def stats(self) -> dict:
+        return {"groups": {g.name.decode(): g.stats() for g in self.groups.values()},
+                "acks_unknown": self.acks_unknown, "lost_intake": self.lost_intake,
+                "ignored_keys": self.ignored_keys}

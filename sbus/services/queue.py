@@ -1,0 +1,319 @@
+"""``twistd sbus-queue``: shared work queues beside the bus (docs/queues.md).
+
+Each group is a name and a pattern: every message that matches goes to exactly one live
+member, round robin over the members whose window of unacknowledged deliveries has room.
+Members join by subscribing to a key in their own secret space; the server's
+``server/interest`` feed tells the service who joined and who left (a ``kill -9`` included),
+with the credentials the server checked. What a departed member had not acknowledged goes
+to another member, marked redelivered. The logic is `sbus.core.workqueue.QueueCore`; this
+module moves packets:
+
+* the **intake** connection subscribes to the groups' patterns (paused when a group in
+  ``block`` mode is full: its ``blocking/hard/block`` then holds the publishers);
+* the **control** connection follows ``server/interest``, receives acknowledgements and
+  ``sbus/services/stats`` requests, and publishes the deliveries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from twisted.application import service
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python import usage
+
+from sbus.core import codec
+from sbus.core.codec import MAX_PACKET
+from sbus.core.workqueue import ACK_KEY, MODES, QueueCore, check_group
+from sbus.services.shutdown import exit_zero_on_sigterm
+from sbus.services.svcstats import STATS_REQUEST, StatsResponder
+
+log = Logger()
+
+
+class QueueService(service.Service):
+    def __init__(self, bus, groups, *, limit: int = 10000, full: str = "block", window: int = 64,
+                 window_bytes: int = 1 << 20, allowed_uids=(), max_packet: int = MAX_PACKET,
+                 stats_interval: float = 60.0, reactor=None):
+        self.bus = bus
+        self.core = QueueCore(groups, limit=limit, full=full, window=window, window_bytes=window_bytes,
+                              allowed_uids=allowed_uids, max_packet=max_packet)
+        self.full = full
+        self.max_packet = max_packet
+        self.stats_interval = stats_interval
+        self._reactor = reactor
+        self.intake = self.control = None
+        self.paused = False
+        self.pauses = 0
+        self.intake_connects = self.control_connects = 0
+        self.control_started = False
+        self.intake_ready = False   # the intake is connected and subscribed
+        self.following = False      # the control connection asked for the interest feed
+        self.responder = StatsResponder("sbus-queue", self._name, self.stats,
+                                        lambda: {"groups": sorted(g.decode() for g in self.core.groups)})
+        self._loop = None
+        self._last = None
+
+    @property
+    def reactor(self):
+        if self._reactor is None:
+            from twisted.internet import reactor
+            self._reactor = reactor
+        return self._reactor
+
+    def _name(self) -> str:
+        return ",".join(f"{g.name.decode()}={g.pattern.decode('utf-8', 'replace')}"
+                        for g in self.core.groups.values())
+
+    # -- life cycle
+
+    def startService(self):
+        from sbus.client.twisted import ReconnectingClient, SbusProtocol
+
+        super().startService()
+        svc = self
+
+        class Intake(SbusProtocol):
+            def messageReceived(self, key, payload, packet):
+                svc._intake(key, payload)
+
+            def dropNotice(self, count, first, last):
+                svc.core.intake_dropped(count)
+                log.warn("intake: the server dropped {n} messages for us (counted lost)", n=count)
+
+        class Control(SbusProtocol):
+            def messageReceived(self, key, payload, packet):
+                svc._controlMessage(self, key, payload)
+
+            def unsolicitedControl(self, key, payload):
+                if key == codec.INTEREST:
+                    svc._send(svc.core.interest(payload))
+                    if payload == b"=":
+                        log.info("control: following the members ({n} now)", n=len(svc.core.members))
+
+        class IntakeClient(ReconnectingClient):
+            def connectionMade(self, protocol):
+                svc.intake_connects += 1
+                if svc.paused:
+                    protocol.transport.pauseProducing()
+                if svc.intake_connects > 1:
+                    log.warn("intake: reconnected to the bus (what was queued for the old "
+                             "connection is lost, uncounted)")
+                protocol.sync().addCallbacks(lambda _: svc._intakeReady(), lambda f: None)
+
+            def connectionLost(self, reason):
+                svc.intake_ready = False
+                if svc.running:
+                    log.warn("intake: lost the bus ({why}); reconnecting", why=_why(reason))
+
+        class ControlClient(ReconnectingClient):
+            def connectionMade(self, protocol):
+                svc.control_connects += 1
+                svc.following = False
+                svc._follow()
+                log.info("control: connected to {bus} as {who}", bus=svc.bus or "(default bus)",
+                         who=(protocol.credentials or b"").decode("utf-8", "replace"))
+
+            def connectionLost(self, reason):
+                svc.core.control_lost()
+                svc.following = False
+                if svc.running:
+                    log.warn("control: lost the bus ({why}); reconnecting", why=_why(reason))
+
+        self.control = ControlClient(self.reactor, self.bus, Control, max_packet=self.max_packet)
+        self.control.echo(False)
+        self.control.subscribe(ACK_KEY)
+        self.control.subscribe(STATS_REQUEST)
+        self.intake = IntakeClient(self.reactor, self.bus, Intake, max_packet=self.max_packet)
+        self.intake.echo(False)
+        if self.full == "block":
+            self.intake.flood(hard="block")
+        for g in self.core.groups.values():
+            self.intake.subscribe(g.pattern)
+        # the control connection once the intake is subscribed (and see _follow)
+        self.intake.start()
+        log.info("sbus-queue: groups {g}; at most {limit} waiting per group ({mode} beyond), "
+                 "window {w} per member", g=self._name(), limit=next(iter(self.core.groups.values())).limit,
+                 mode=self.full, w=next(iter(self.core.groups.values())).window)
+        self._loop = LoopingCall(self._report, False)
+        self._loop.clock = self.reactor
+        self._loop.start(self.stats_interval, now=False)
+        exit_zero_on_sigterm(self.reactor)
+
+    def _intakeReady(self) -> None:
+        log.info("intake: subscribed to {p}", p=", ".join(repr(g.pattern) for g in self.core.groups.values()))
+        self.intake_ready = True
+        if self.running and not self.control_started:
+            self.control_started = True
+            self.control.start()
+        self._follow()
+
+    def _follow(self) -> None:
+        """Ask for the interest feed (and so learn the members, tell them hello and deliver) only
+        while the intake is subscribed: a member told hello can have work published for it at
+        once, after a start as after the bus came back."""
+        if self.following or not self.intake_ready or self.control is None or not self.control.connected:
+            return
+        self.following = True
+        self.core.relisting()
+        self.control.protocol.sendControl(codec.INTEREST)
+
+    def stopService(self):
+        from twisted.internet import defer
+
+        super().stopService()
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        ds = [c.stop() for c in (self.intake, self.control) if c is not None]
+        return defer.DeferredList(ds, consumeErrors=True).addCallback(lambda _: self._report(True))
+
+    # -- traffic
+
+    def _send(self, packets) -> None:
+        if not packets:
+            return
+        proto = self.control.protocol if self.control is not None else None
+        if proto is None or not proto.connected:
+            return  # deliveries wait in the members' in-flight sets; redelivered if they leave
+        for packet in packets:
+            proto.sendPacket(packet)
+
+    def _intake(self, key: bytes, payload: bytes) -> None:
+        self._send(self.core.message(key, payload))
+        if not self.paused and self.core.should_pause():
+            self.paused = True
+            self.pauses += 1
+            proto = self.intake.protocol
+            if proto is not None and proto.connected:
+                proto.transport.pauseProducing()
+
+    def _maybeResume(self) -> None:
+        if self.paused and self.core.may_resume():
+            self.paused = False
+            proto = self.intake.protocol
+            if proto is not None and proto.connected:
+                proto.transport.resumeProducing()
+
+    def _controlMessage(self, proto, key: bytes, payload: bytes) -> None:
+        if key == ACK_KEY:
+            self._send(self.core.ack(payload))
+            self._maybeResume()
+        elif key == STATS_REQUEST:
+            packet = self.responder.answer(payload)
+            if packet is not None and len(packet) <= self.max_packet:
+                proto.sendPacket(packet)
+
+    # -- statistics
+
+    def stats(self) -> dict:
+        st = self.core.stats()
+        st["intake_paused"] = self.paused
+        st["pauses"] = self.pauses
+        st["bus"] = {"connected": bool(self.control and self.control.connected
+                                       and self.intake and self.intake.connected),
+                     "reconnects": max(0, self.intake_connects - 1) + max(0, self.control_connects - 1)}
+        return st
+
+    def _report(self, final: bool) -> None:
+        st = self.stats()
+        if not final and st == self._last:
+            return
+        self._last = st
+        log.info("sbus-queue {what}: {stats}", what="stopped" if final else "stats",
+                 stats=json.dumps(st, separators=(",", ":")))
+
+
+def _why(reason) -> str:
+    return reason.getErrorMessage() if hasattr(reason, "getErrorMessage") else str(reason)
+
+
+class Options(usage.Options):
+    synopsis = "--group NAME=PATTERN [--group ...] [--bus ADDRESS] [--limit N] [--full MODE]"
+    longdesc = ("Shared work queues (docs/queues.md): each message matching a group's PATTERN goes "
+                "to exactly one member of the group, round robin over the members with room in "
+                "their window; members acknowledge each message, and what a member that left or "
+                "died had not acknowledged goes to another, marked redelivered. Members join by "
+                "subscribing in their own secret space (sbus work GROUP -- CMD, or join() in the "
+                "clients); only the service's own uid, root and --allow-uid may join.")
+    optParameters = [
+        ["bus", None, None, "Address of the bus (path, /dev/unix/abstract/HEX); default: the default bus."],
+        ["limit", None, "10000", "Messages waiting per group (beyond the members' windows)."],
+        ["full", None, "block", "Over the limit: block (hold the publishers through the server's "
+                                "flood control), discard (drop, counted lost) or error (drop, count, "
+                                "and publish sbus/services/queue/full/GROUP once)."],
+        ["window", None, "64", "Unacknowledged deliveries per member at most."],
+        ["window-bytes", None, str(1 << 20), "Bytes of unacknowledged deliveries per member at most "
+                                             "(one delivery of any size when it has none): under the "
+                                             "server's 4 MiB queue per client, so the server never "
+                                             "drops a slow member's deliveries."],
+        ["max-packet", None, str(MAX_PACKET), "The bus's packet size limit (a delivery that would "
+                                              "not fit is dropped and counted too_big)."],
+        ["stats-interval", None, "60", "Seconds between stats lines in the log (only if changed)."],
+    ]
+
+    def __init__(self):
+        super().__init__()
+        self["groups"] = []
+        self["allow-uids"] = []
+
+    def opt_group(self, value: str) -> None:
+        """A group: NAME=PATTERN (repeatable). NAME: 1-64 of A-Z a-z 0-9 _ . -"""
+        name, sep, pattern = value.partition("=")
+        if not sep:
+            raise usage.UsageError(f"--group: expected NAME=PATTERN, got {value!r}")
+        try:
+            name_b = check_group(name)
+        except ValueError as e:
+            raise usage.UsageError(f"--group: {e}") from None
+        pattern_b = os.fsencode(pattern)
+        try:
+            codec.encode_sub(pattern_b)
+        except codec.ProtocolError as e:
+            raise usage.UsageError(f"--group {name}: bad pattern: {e}") from None
+        if pattern_b.startswith(b"!") or pattern_b.startswith(b"sbus/services/"):
+            raise usage.UsageError(f"--group {name}: the pattern may not name secret keys or "
+                                   "sbus/services/ keys")
+        if any(n == name_b for n, _ in self["groups"]):
+            raise usage.UsageError(f"--group: {name} given twice")
+        self["groups"].append((name_b, pattern_b))
+
+    def opt_allow_uid(self, value: str) -> None:
+        """A uid (besides the service's own and root) whose clients may join (repeatable)."""
+        try:
+            uid = int(value, 10)
+            if uid < 0:
+                raise ValueError
+        except ValueError:
+            import pwd
+            try:
+                uid = pwd.getpwnam(value).pw_uid
+            except KeyError:
+                raise usage.UsageError(f"--allow-uid: no such user: {value!r}") from None
+        self["allow-uids"].append(uid)
+
+    def postOptions(self):
+        from sbus.options import positive_float, positive_int
+
+        if not self["groups"]:
+            raise usage.UsageError("give at least one --group NAME=PATTERN")
+        if self["full"] not in MODES:
+            raise usage.UsageError(f"--full: one of {', '.join(MODES)}, not {self['full']!r}")
+        self["limit"] = positive_int("limit", self["limit"])
+        self["window"] = positive_int("window", self["window"])
+        self["window-bytes"] = positive_int("window-bytes", self["window-bytes"])
+        self["max-packet"] = positive_int("max-packet", self["max-packet"])
+        self["stats-interval"] = positive_float("stats-interval", self["stats-interval"])
+        if self["bus"]:
+            from sbus.client.address import AddressError, parse
+            try:
+                parse(self["bus"])
+            except AddressError as e:
+                raise usage.UsageError(f"--bus: {e}") from None
+
+
+def makeService(options) -> QueueService:
+    return QueueService(options["bus"], options["groups"], limit=options["limit"], full=options["full"],
+                        window=options["window"], window_bytes=options["window-bytes"], allowed_uids=options["allow-uids"],
+                        max_packet=options["max-packet"], stats_interval=options["stats-interval"])
