@@ -209,3 +209,61 @@ def test_without_the_pipeline_extra_one_line(tmp_path):
         out = p.stdout + p.stderr
         assert p.returncode != 0 and "Traceback" not in out, (argv, out)
         assert "pip install 'sbus[pipeline]'" in out.strip().splitlines()[-1], (argv, out)
+
+
+def test_a_gap_is_warned_where_replay_crosses_it(bus, tmp_path):
+    """Issue 24: a gap row (the recorder crashed: an unknown number lost) is not replayed, and
+    replay says where it crossed it (the old replay counted it as -1 lost messages)."""
+    from sbus.pipeline.writer import gap_payload
+
+    w = RecordingWriter(str(tmp_path / "rec"), fsync=False)
+    t0 = 1_700_000_000_000_000
+    w.extend([(t0, 1, b"k/1", b"a"), (t0 + 1, 2, b"k/2", b"b")])
+    w.add_drop(t0 + 5_000_000, 3, -1, b"", gap_payload(2, t0 + 1, t0 + 5_000_000, 0))
+    w.extend([(t0 + 5_000_001, 4, b"k/3", b"c")])
+    w.close()
+    listener = Listener(bus.address, 3)
+    p = run_replay(str(tmp_path / "rec"), "--bus", bus.address)
+    assert p.returncode == 0, p.stderr
+    assert listener.wait() == [(b"k/1", b"a"), (b"k/2", b"b"), (b"k/3", b"c")]
+    assert "crossing a gap in the recording at seq 3" in p.stderr and "2023-11-14T22:13:20" in p.stderr
+    assert "marks" not in p.stderr  # no negative "lost" count
+    assert "crossed 1 gap(s) of unknown size" in p.stderr
+
+
+def test_replay_paced_by_a_slow_subscriber_says_so(bus, tmp_path):
+    """Issue 24 item 7: replay took 65 s, paced by a slow subscriber, and said nothing about why.
+    A default-mode subscriber stops reading for 3 s: replay names it (our pid) as the cause."""
+    n = 30_000
+    w = RecordingWriter(str(tmp_path / "rec"), fsync=False)
+    t0 = 1_700_000_000_000_000
+    msgs = [(b"slow/%d" % (i % 5), b"%06d" % i) for i in range(n)]
+    w.extend((t0 + i * 10, i + 1, k, p) for i, (k, p) in enumerate(msgs))
+    w.close()
+    sub = connect(bus.address)
+    sub.subscribe(b"slow/")
+    sub.sync(timeout=5)
+    got = []
+    stall = threading.Event()
+
+    def read():
+        try:
+            for m in sub.messages(timeout=30):
+                got.append(m.payload)
+                if len(got) == 1:
+                    stall.wait(3)  # a subscriber that stops reading for 3 s
+                if len(got) == n:
+                    return
+        except TimeoutError:
+            return
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    p = run_replay(str(tmp_path / "rec"), "--bus", bus.address, "--progress", "never")
+    t.join(60)
+    sub.close()
+    assert p.returncode == 0, p.stderr
+    assert len(got) == n
+    paced = [ln for ln in p.stderr.splitlines() if "paced by a slow subscriber" in ln]
+    assert len(paced) == 1 and f"pid {os.getpid()} " in paced[0], p.stderr
+    assert "the replay was paced by slow subscribers" in p.stderr.splitlines()[-2], p.stderr
