@@ -464,3 +464,34 @@ def test_size_chart_goes_log_only_when_it_must():
     assert size_scale([110_500, 110_000, 111_000]) == "linear"
     assert size_scale([5, 1_000_000]) == "log"
     assert size_scale([0, 3, 250]) == "linear"
+
+
+def test_available_now_says_what_it_holds_back_and_can_close_it(spark, tmp_path):
+    """Issue 24 item 3: --available-now wrote 6 of 7 windows and said nothing about the last
+    (119,849 messages). Now a run names the held-back window and its count; --close-at-end
+    closes it (a closing row moves the watermark and counts nowhere)."""
+    from sbus.pipeline import stream
+
+    rec, out, cp = tmp_path / "rec", tmp_path / "out", tmp_path / "cp"
+    rec.mkdir()
+    rows = write_phase(rec, range(0, 36, 5), 1)  # t = 0 .. 35 s; windows of 10 s
+    kw = dict(window_seconds=10, depth=1, watermark_seconds=0, max_files_per_trigger=3, available_now=True)
+    said = []
+    held = stream.run(spark, str(rec), str(out), str(cp), log=said.append, **kw)
+    start = dt.datetime.fromtimestamp((T0 + 30_000_000) / 1e6, dt.timezone.utc)
+    assert [(h[0], h[2]) for h in held] == [(start, 14)]  # seconds 30 and 35, 7 each
+    assert len(said) == 1 and start.isoformat() in said[0] and "(14 messages)" in said[0], said
+
+    def output():
+        got = defaultdict(lambda: [0, 0])
+        for r in spark.read.parquet(str(out)).collect():
+            k = ((epoch_us(r["window_start"].astimezone(dt.timezone.utc)) - T0) // 1_000_000, r["prefix"])
+            got[k][0] += r["messages"]
+            got[k][1] += r["bytes"]
+        return dict(got)
+
+    assert output() == windows_of(rows, closed_before=30)
+    said.clear()
+    held = stream.run(spark, str(rec), str(out), str(cp), log=said.append, close_at_end=True, **kw)
+    assert held == [] and said == []
+    assert output() == windows_of(rows)  # every window, once; the closing row counted nowhere
