@@ -16,6 +16,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+
+T_PROCESS = time.monotonic()
 
 if __package__ in (None, ""):  # spark-submit sbus/pipeline/cli.py: make the package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -86,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    started_at = time.monotonic()
     args = build_parser().parse_args(argv)
     from sbus.pipeline.spark import is_remote
 
@@ -129,8 +133,10 @@ def main(argv=None) -> int:
 
         if not args.quiet:
             print(f"{PROG}: {_starting_line(args.master)}", file=sys.stderr, flush=True)
+        started = time.monotonic()
         spark = session(args.master, app_name=f"sbus-pipeline {args.command}", progress=not args.quiet)
         spark.sparkContext.setLogLevel("WARN")
+        started = time.monotonic() - started
         _note_started()
     except Exception as e:
         print(f"{PROG}: cannot start Spark: {_one_line(e)}", file=sys.stderr)
@@ -144,7 +150,9 @@ def main(argv=None) -> int:
 
             report.run(spark, args.directory, args.out, window_seconds=args.window, depth=args.depth,
                        top=args.top, top_prefixes=args.top_prefixes, html_dir=args.html_dir,
-                       shuffle_partitions=int(partitions))
+                       shuffle_partitions=int(partitions),
+                       timings={"cli_setup": round(started_at - T_PROCESS, 2),
+                                "spark_session": round(started, 2)})
             print(f"{PROG}: report written to {args.html_dir or args.out}/index.html", file=sys.stderr)
         else:
             from sbus.pipeline import stream

@@ -31,6 +31,7 @@ from __future__ import annotations
 import datetime as dt
 import html
 import json
+import math
 import os
 import time
 
@@ -107,17 +108,9 @@ def compute(spark, directory: str, window_seconds: float, depth: int = 1, top: i
         .limit(top)
     )
 
-    bucket = F.when(F.col("size") == 0, F.lit(0)).otherwise(
-        F.floor(F.log2(F.col("size"))).cast("int") + 1)
-    size_hist = (
-        msgs.select(bucket.alias("bucket"))
-        .groupBy("bucket").agg(F.count(F.lit(1)).alias("messages"))
-        .select("bucket",
-                F.expr("IF(bucket = 0, 0L, shiftleft(1L, bucket - 1))").alias("size_from"),
-                F.expr("IF(bucket = 0, 0L, shiftleft(1L, bucket) - 1)").alias("size_to"),
-                "messages")
-        .orderBy("bucket")
-    )
+    # one row per distinct payload size: the size histogram and the exact percentiles of the
+    # summary come from it (in Python: a few thousand rows), not from a pass over every row
+    size_counts = msgs.groupBy("size").agg(F.count(F.lit(1)).alias("messages"))
 
     # the headline's rates have one basis: 1-second windows (peak = the busiest, average =
     # the mean over every second from the first message's to the last's)
@@ -127,9 +120,6 @@ def compute(spark, directory: str, window_seconds: float, depth: int = 1, top: i
     peak_s = per_second.agg(_busiest("n", "w.start").alias("m"), F.max("b").alias("peak_bytes_per_s")).select(
         F.expr("timestamp_micros(-m.neg)").alias("peak_second"),
         F.coalesce(F.col("m.n"), F.lit(0)).alias("peak_msgs_per_s"), "peak_bytes_per_s")
-    peak_w = window_stats.agg(_busiest("messages", "window_start").alias("m")).select(
-        F.expr("timestamp_micros(-m.neg)").alias("peak_window_start"),
-        F.coalesce(F.col("m.n"), F.lit(0)).alias("peak_window_messages"))
     lost = df.agg(F.sum(lost_col()).alias("lost"),
                   F.count(F.when(F.col("dropped") > 0, F.lit(1))).alias("drop_rows"),
                   F.count(F.when(F.col("dropped") < 0, F.lit(1))).alias("gaps"))
@@ -138,16 +128,58 @@ def compute(spark, directory: str, window_seconds: float, depth: int = 1, top: i
         F.countDistinct("key").alias("distinct_keys"),
         F.countDistinct("prefix").alias("distinct_prefixes"),
         F.min("recv_time").alias("first"), F.max("recv_time").alias("last"),
-        F.min("size").alias("size_min"), F.max("size").alias("size_max"),
-        F.expr(_pct_expr("size", SUMMARY_PERCENTILES)).alias("p"),
-    ).select(
-        "*", *[F.col("p")[i].alias(f"size_p{_pname(p)}") for i, p in enumerate(SUMMARY_PERCENTILES)]
-    ).drop("p")
-    summary = (totals.crossJoin(lost).crossJoin(peak_s).crossJoin(peak_w)
+    )
+    summary = (totals.crossJoin(lost).crossJoin(peak_s)
                .withColumn("window_seconds", F.lit(float(window_seconds)))
                .withColumn("prefix_depth", F.lit(depth)))
     return {"windows": windows, "window_stats": window_stats, "top_keys": top_keys,
-            "size_hist": size_hist, "summary": summary}, df
+            "size_counts": size_counts, "summary": summary}, df
+
+
+SIZE_HIST_DDL = "bucket INT, size_from BIGINT, size_to BIGINT, messages BIGINT"
+
+
+def size_histogram(counts) -> list[dict]:
+    """Power-of-two buckets (0, 1, 2-3, 4-7, ...) from [(size, messages)]."""
+    buckets: dict[int, int] = {}
+    for size, n in counts:
+        b = 0 if size == 0 else size.bit_length()
+        buckets[b] = buckets.get(b, 0) + n
+    return [{"bucket": b, "size_from": 0 if b == 0 else 1 << (b - 1), "size_to": 0 if b == 0 else (1 << b) - 1,
+             "messages": buckets[b]} for b in sorted(buckets)]
+
+
+def percentiles_from_counts(counts, ps) -> list:
+    """Exact percentiles of the values [(value, count)] (sorted by value): linear interpolation
+    between closest ranks, as Spark's ``percentile`` and numpy's default; None when empty."""
+    total = sum(n for _, n in counts)
+    if not total:
+        return [None] * len(ps)
+
+    def at(rank):  # the value of 0-based rank
+        seen = 0
+        for v, n in counts:
+            seen += n
+            if rank < seen:
+                return v
+        return counts[-1][0]
+
+    out = []
+    for p in ps:
+        h = (total - 1) * p
+        lo, hi = math.floor(h), math.ceil(h)
+        a, b = at(lo), at(hi)
+        out.append(float(a + (h - lo) * (b - a)))
+    return out
+
+
+def busiest_window(window_stats) -> tuple:
+    """(start, messages) of the window with most messages (the earliest of ties); (None, 0)."""
+    best = None
+    for r in window_stats:
+        if r["messages"] and (best is None or r["messages"] > best["messages"]):
+            best = r
+    return (best["window_start"], best["messages"]) if best else (None, 0)
 
 
 def _us(t: dt.datetime) -> int:
@@ -156,26 +188,56 @@ def _us(t: dt.datetime) -> int:
 
 def read_gaps(spark, directory: str) -> list[dict]:
     """The recording's gap rows (an unknown number lost: the recorder stopped without
-    publishing), in seq order: {seq, from, to, after_seq, recovered}. A separate scan that
-    reads ``payload`` only for them (Parquet statistics skip row groups without one)."""
-    from pyspark.sql import functions as F
-
-    from .spark import read_schema
+    publishing), in seq order: {seq, from, to, after_seq, recovered}. Read apart from the rest:
+    ``payload`` only for them (Parquet statistics skip row groups without one)."""
+    from .spark import is_remote
     from .writer import parse_gap
 
-    rows = (spark.read.schema(read_schema()).parquet(directory).where(F.col("dropped") < 0)
-            .select("seq", "recv_time", "payload").orderBy("seq").collect())
+    if is_remote(directory):
+        from pyspark.sql import functions as F
+
+        from .spark import read_schema
+
+        rows = [(r["seq"], _utc({"t": r["recv_time"]})["t"], bytes(r["payload"])) for r in
+                spark.read.schema(read_schema()).parquet(directory).where(F.col("dropped") < 0)
+                .select("seq", "recv_time", "payload").orderBy("seq").collect()]
+    else:  # a local recording: pyarrow reads only the row groups whose statistics say they hold one
+        rows = local_gap_rows(local_path(directory))
     out = []
-    for r in rows:
-        d = parse_gap(bytes(r["payload"]))
-        to = _utc({"t": r["recv_time"]})["t"]
+    for seq, to, payload in rows:
+        d = parse_gap(payload)
         try:
             frm = dt.datetime.fromisoformat(d["from"]) if d.get("from") else None
         except (TypeError, ValueError):
             frm = None
-        out.append({"seq": r["seq"], "from": frm, "to": to, "after_seq": d.get("after_seq"),
+        out.append({"seq": seq, "from": frm, "to": to, "after_seq": d.get("after_seq"),
                     "recovered": d.get("recovered")})
     return out
+
+
+def local_gap_rows(directory: str) -> list[tuple]:
+    """[(seq, recv_time (aware UTC), payload)] of the gap rows of a local recording."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from .schema import published_files
+
+    rows = []
+    for _, _, path in published_files(directory):
+        pf = pq.ParquetFile(path)
+        names = pf.schema_arrow.names
+        if "dropped" not in names:
+            continue
+        col = names.index("dropped")
+        for i in range(pf.num_row_groups):
+            st = pf.metadata.row_group(i).column(col).statistics
+            if st is not None and st.has_min_max and st.min >= 0:
+                continue
+            t = pf.read_row_group(i, columns=["seq", "recv_time", "payload", "dropped"])
+            t = t.filter(pc.less(t.column("dropped"), 0))
+            for r in t.to_pylist():
+                rows.append((r["seq"], r["recv_time"].astimezone(dt.timezone.utc), r["payload"]))
+    return sorted(rows)
 
 
 def covered_seconds(start: dt.datetime, end: dt.datetime, first, last, gaps=()) -> float:
@@ -206,25 +268,58 @@ def _pname(p: float) -> str:
 
 def run(spark, directory: str, out: str, *, window_seconds: float = 60.0, depth: int = 1,
         top: int = 20, top_prefixes: int = 6, html_dir: str | None = None, log=print,
-        shuffle_partitions: int | None = None) -> dict:
-    """Compute, write the tables and the HTML report; return the summary as a dict."""
+        shuffle_partitions: int | None = None, timings: dict | None = None) -> dict:
+    """Compute, write the tables and the HTML report; return the summary as a dict.
+
+    `timings` (seconds per stage) is completed and written to ``timings.json`` beside the page."""
     t0 = time.monotonic()
+    timings = dict(timings or {})
+    lap = [t0]
+
+    def took(stage):
+        now = time.monotonic()
+        timings[stage] = round(timings.get(stage, 0) + now - lap[0], 2)
+        lap[0] = now
+
     if shuffle_partitions:
         spark.conf.set("spark.sql.shuffle.partitions", str(int(shuffle_partitions)))
     gaps = read_gaps(spark, directory)
+    took("gaps")
     intervals = [(g["from"], g["to"]) for g in gaps]
     frames, cached = compute(spark, directory, window_seconds, depth, top, intervals)
     tables = out.rstrip("/") + "/tables"
     collected = {}
     try:
-        for name in TABLES:
+        for name in ("windows", "window_stats", "top_keys"):
             df = frames[name]
             # small results: one file each, collected once for the charts
             df = df.coalesce(1).cache()
             df.write.mode("overwrite").parquet(f"{tables}/{name}")
             collected[name] = [_utc(r.asDict()) for r in df.collect()]
             df.unpersist()
-        summary = collected["summary"][0]
+            took(name)
+        counts = sorted((r["size"], r["messages"]) for r in frames["size_counts"].collect())
+        hist = size_histogram(counts)
+        spark.createDataFrame([tuple(h.values()) for h in hist], SIZE_HIST_DDL).coalesce(1) \
+            .write.mode("overwrite").parquet(f"{tables}/size_hist")
+        collected["size_hist"] = hist
+        took("size_hist")
+        from pyspark.sql import functions as F
+
+        peak_start, peak_n = busiest_window(collected["window_stats"])
+        pcts = percentiles_from_counts(counts, SUMMARY_PERCENTILES)
+        extra = [(counts[0][0] if counts else None, "int", "size_min"),
+                 (counts[-1][0] if counts else None, "int", "size_max"),
+                 *[(v, "double", f"size_p{_pname(p)}") for v, p in zip(pcts, SUMMARY_PERCENTILES)],
+                 (peak_start, "timestamp", "peak_window_start"), (peak_n, "bigint", "peak_window_messages")]
+        base = frames["summary"].coalesce(1).cache()
+        summary = _utc(base.collect()[0].asDict())
+        summary.update({name: v for v, _, name in extra})
+        base.select("*", *[F.lit(v).cast(t).alias(name) for v, t, name in extra]) \
+            .write.mode("overwrite").parquet(f"{tables}/summary")
+        base.unpersist()
+        collected["summary"] = [summary]
+        took("summary")
         summary["gap_list"] = gaps
         span = _span(summary)
         chart_w = chart_window(span, window_seconds)
@@ -235,6 +330,7 @@ def run(spark, directory: str, out: str, *, window_seconds: float = 60.0, depth:
 
             collected["chart"] = [_utc(r.asDict()) for r in
                                   window_aggregates(cached, spark_interval(chart_w), depth).collect()]
+            took("chart_windows")
     finally:
         cached.unpersist()
     html_dir = html_dir or local_path(out)
@@ -244,6 +340,9 @@ def run(spark, directory: str, out: str, *, window_seconds: float = 60.0, depth:
     text = headline_text(summary)
     with private_file(os.path.join(html_dir, "summary.txt"), "w") as f:
         f.write(text + "\n")
+    took("charts_and_page")
+    with private_file(os.path.join(html_dir, "timings.json"), "w") as f:
+        json.dump(timings, f, indent=1)
     log(text)
     return summary
 
