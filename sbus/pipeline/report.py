@@ -35,7 +35,7 @@ import math
 import os
 import time
 
-from .spark import local_path, window_aggregates, with_prefix
+from .spark import is_remote, local_path, window_aggregates, with_prefix
 
 PERCENTILES = (0.5, 0.9, 0.99)
 SUMMARY_PERCENTILES = (0.5, 0.9, 0.99, 0.999)
@@ -67,7 +67,9 @@ def compute(spark, directory: str, window_seconds: float, depth: int = 1, top: i
     is_msg = F.col("dropped") == 0
     msg_size = F.when(is_msg, F.col("size"))
 
-    windows = window_aggregates(df, window, depth).orderBy("window_start", F.asc_nulls_last("prefix"))
+    # (windows and window_stats are small: sorted after they are fetched, see ORDER: a Spark
+    # orderBy costs a sampling job and a shuffle each)
+    windows = window_aggregates(df, window, depth)
 
     pct = F.expr(_pct_expr("msg_size", PERCENTILES))
     # a window is partial where the recording does not cover it (before its first message, after
@@ -98,7 +100,6 @@ def compute(spark, directory: str, window_seconds: float, depth: int = 1, top: i
                 "size_min",
                 F.col("p")[0].alias("size_p50"), F.col("p")[1].alias("size_p90"),
                 F.col("p")[2].alias("size_p99"), "size_max")
-        .orderBy("window_start")
     )
 
     top_keys = (
@@ -180,6 +181,43 @@ def busiest_window(window_stats) -> tuple:
         if r["messages"] and (best is None or r["messages"] > best["messages"]):
             best = r
     return (best["window_start"], best["messages"]) if best else (None, 0)
+
+
+#: How the small tables are sorted (nulls last), after they are fetched.
+ORDER = {"windows": ("window_start", "prefix"), "window_stats": ("window_start",)}
+
+
+def _save(df, tables: str, name: str, local: bool) -> list[dict]:
+    """Write a small result as the table `tables`/`name` and return its rows, sorted as
+    `ORDER` says. Locally: one Spark job (``toArrow``) and a private Parquet file written by
+    pyarrow; elsewhere Spark sorts and writes it (a cached single partition, then collected)."""
+    order = ORDER.get(name)
+    if local:
+        import shutil
+
+        import pyarrow.parquet as pq
+
+        table = df.toArrow()
+        if order:
+            table = table.sort_by([(c, "ascending", "at_end") for c in order])
+        path = os.path.join(local_path(tables), name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)  # overwrite, as Spark's mode("overwrite")
+        elif os.path.lexists(path):
+            os.unlink(path)
+        makedirs_private(path)
+        with private_file(os.path.join(path, "part-00000.parquet"), "wb") as f:
+            pq.write_table(table, f)
+        return [_utc(r) for r in table.to_pylist()]
+    if order:
+        from pyspark.sql import functions as F
+
+        df = df.orderBy(*[F.asc_nulls_last(c) for c in order])
+    df = df.coalesce(1).cache()
+    df.write.mode("overwrite").parquet(f"{tables}/{name}")
+    rows = [_utc(r.asDict()) for r in df.collect()]
+    df.unpersist()
+    return rows
 
 
 def _us(t: dt.datetime) -> int:
@@ -289,19 +327,15 @@ def run(spark, directory: str, out: str, *, window_seconds: float = 60.0, depth:
     frames, cached = compute(spark, directory, window_seconds, depth, top, intervals)
     tables = out.rstrip("/") + "/tables"
     collected = {}
+    local = not is_remote(tables)
     try:
         for name in ("windows", "window_stats", "top_keys"):
-            df = frames[name]
-            # small results: one file each, collected once for the charts
-            df = df.coalesce(1).cache()
-            df.write.mode("overwrite").parquet(f"{tables}/{name}")
-            collected[name] = [_utc(r.asDict()) for r in df.collect()]
-            df.unpersist()
+            # small results: fetched once (Arrow), written as one file, kept for the charts
+            collected[name] = _save(frames[name], tables, name, local)
             took(name)
         counts = sorted((r["size"], r["messages"]) for r in frames["size_counts"].collect())
         hist = size_histogram(counts)
-        spark.createDataFrame([tuple(h.values()) for h in hist], SIZE_HIST_DDL).coalesce(1) \
-            .write.mode("overwrite").parquet(f"{tables}/size_hist")
+        _save(spark.createDataFrame([tuple(h.values()) for h in hist], SIZE_HIST_DDL), tables, "size_hist", local)
         collected["size_hist"] = hist
         took("size_hist")
         from pyspark.sql import functions as F
@@ -312,13 +346,9 @@ def run(spark, directory: str, out: str, *, window_seconds: float = 60.0, depth:
                  (counts[-1][0] if counts else None, "int", "size_max"),
                  *[(v, "double", f"size_p{_pname(p)}") for v, p in zip(pcts, SUMMARY_PERCENTILES)],
                  (peak_start, "timestamp", "peak_window_start"), (peak_n, "bigint", "peak_window_messages")]
-        base = frames["summary"].coalesce(1).cache()
-        summary = _utc(base.collect()[0].asDict())
-        summary.update({name: v for v, _, name in extra})
-        base.select("*", *[F.lit(v).cast(t).alias(name) for v, t, name in extra]) \
-            .write.mode("overwrite").parquet(f"{tables}/summary")
-        base.unpersist()
-        collected["summary"] = [summary]
+        base = frames["summary"].select("*", *[F.lit(v).cast(t).alias(name) for v, t, name in extra])
+        collected["summary"] = _save(base, tables, "summary", local)
+        summary = collected["summary"][0]
         took("summary")
         summary["gap_list"] = gaps
         span = _span(summary)

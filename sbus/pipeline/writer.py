@@ -301,8 +301,7 @@ class RecordingWriter:
         if len(seq) > 1 and not (seq[1:] > seq[:-1]).all():
             return "its seqs are not increasing: not a journal of this recorder"
         published = self._publish_table(table)
-        rec.recovered.append((name, table.num_rows, published))
-        self.log(f"recovered {table.num_rows} rows from {name} ({why}) as {published}")
+        rec.recovered.append((name, table.num_rows, published))  # the recorder logs it
         return None
 
     def _publish_table(self, table) -> str:
