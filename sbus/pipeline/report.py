@@ -35,7 +35,7 @@ import math
 import os
 import time
 
-from .spark import is_remote, local_path, window_aggregates, with_prefix
+from .spark import is_remote, local_path, window_aggregates
 
 PERCENTILES = (0.5, 0.9, 0.99)
 SUMMARY_PERCENTILES = (0.5, 0.9, 0.99, 0.999)
@@ -124,10 +124,10 @@ def compute(spark, directory: str, window_seconds: float, depth: int = 1, top: i
     lost = df.agg(F.sum(lost_col()).alias("lost"),
                   F.count(F.when(F.col("dropped") > 0, F.lit(1))).alias("drop_rows"),
                   F.count(F.when(F.col("dropped") < 0, F.lit(1))).alias("gaps"))
-    totals = with_prefix(msgs, depth).agg(
+    # (distinct prefixes: from the windows table, in `run`)
+    totals = msgs.agg(
         F.count(F.lit(1)).alias("messages"), F.sum("size").alias("bytes"),
         F.countDistinct("key").alias("distinct_keys"),
-        F.countDistinct("prefix").alias("distinct_prefixes"),
         F.min("recv_time").alias("first"), F.max("recv_time").alias("last"),
     )
     summary = (totals.crossJoin(lost).crossJoin(peak_s)
@@ -193,21 +193,10 @@ def _save(df, tables: str, name: str, local: bool) -> list[dict]:
     pyarrow; elsewhere Spark sorts and writes it (a cached single partition, then collected)."""
     order = ORDER.get(name)
     if local:
-        import shutil
-
-        import pyarrow.parquet as pq
-
         table = df.toArrow()
         if order:
             table = table.sort_by([(c, "ascending", "at_end") for c in order])
-        path = os.path.join(local_path(tables), name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)  # overwrite, as Spark's mode("overwrite")
-        elif os.path.lexists(path):
-            os.unlink(path)
-        makedirs_private(path)
-        with private_file(os.path.join(path, "part-00000.parquet"), "wb") as f:
-            pq.write_table(table, f)
+        _write_local(table, tables, name)
         return [_utc(r) for r in table.to_pylist()]
     if order:
         from pyspark.sql import functions as F
@@ -218,6 +207,22 @@ def _save(df, tables: str, name: str, local: bool) -> list[dict]:
     rows = [_utc(r.asDict()) for r in df.collect()]
     df.unpersist()
     return rows
+
+
+def _write_local(table, tables: str, name: str) -> None:
+    """`table` as ``tables/name/part-00000.parquet`` (private), replacing what was there."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    path = os.path.join(local_path(tables), name)
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)  # overwrite, as Spark's mode("overwrite")
+    elif os.path.lexists(path):
+        os.unlink(path)
+    makedirs_private(path)
+    with private_file(os.path.join(path, "part-00000.parquet"), "wb") as f:
+        pq.write_table(table, f)
 
 
 def _us(t: dt.datetime) -> int:
@@ -335,14 +340,24 @@ def run(spark, directory: str, out: str, *, window_seconds: float = 60.0, depth:
             took(name)
         counts = sorted((r["size"], r["messages"]) for r in frames["size_counts"].collect())
         hist = size_histogram(counts)
-        _save(spark.createDataFrame([tuple(h.values()) for h in hist], SIZE_HIST_DDL), tables, "size_hist", local)
+        if local:  # built here: written by pyarrow, no Spark job
+            import pyarrow as pa
+
+            _write_local(pa.Table.from_pylist(hist, schema=pa.schema(
+                [("bucket", pa.int32()), ("size_from", pa.int64()), ("size_to", pa.int64()),
+                 ("messages", pa.int64())])), tables, "size_hist")
+        else:
+            _save(spark.createDataFrame([tuple(h.values()) for h in hist], SIZE_HIST_DDL), tables,
+                  "size_hist", local)
         collected["size_hist"] = hist
         took("size_hist")
         from pyspark.sql import functions as F
 
         peak_start, peak_n = busiest_window(collected["window_stats"])
         pcts = percentiles_from_counts(counts, SUMMARY_PERCENTILES)
-        extra = [(counts[0][0] if counts else None, "int", "size_min"),
+        prefixes = {r["prefix"] for r in collected["windows"] if r["prefix"] is not None}
+        extra = [(len(prefixes), "bigint", "distinct_prefixes"),
+                 (counts[0][0] if counts else None, "int", "size_min"),
                  (counts[-1][0] if counts else None, "int", "size_max"),
                  *[(v, "double", f"size_p{_pname(p)}") for v, p in zip(pcts, SUMMARY_PERCENTILES)],
                  (peak_start, "timestamp", "peak_window_start"), (peak_n, "bigint", "peak_window_messages")]
@@ -588,8 +603,7 @@ def write_html(out: str, directory: str, t: dict, window_seconds: float, depth: 
         ax.set_ylabel("messages / s")
         ax.set_title(f"Message rate per key prefix (depth {depth}, {w:g} s windows, UTC){one}")
         if partial:
-            ax.text(0.0, -0.01, "open markers: partial windows (rate over the time the recording covers)",
-                    transform=ax.transAxes, fontsize=6, va="top")
+            ax.set_xlabel("open markers: partial windows (rate over the time the recording covers)", fontsize=7)
         ax.legend(fontsize=7, loc="upper right")
         ax.grid(alpha=0.3)
         fig.autofmt_xdate()
