@@ -557,3 +557,41 @@ def test_each_publishers_order_is_kept_while_neighbours_drop(bus, start_recorder
     bad = {k.decode(): inversions(v) for k, v in got.items() if inversions(v)}
     assert not bad, f"stored out of publish order (inversions per publisher): {bad}"
     assert {k: len(v) for k, v in got.items()} == sent
+
+
+def test_recovery_keeps_whole_batches_and_refuses_what_is_not_a_journal(tmp_path):
+    """Leftovers in _tmp/: a journal cut in the middle of a batch gives back its whole batches;
+    garbage named like a journal, a symlink, and a Parquet file without its footer are removed
+    (the link, not its target), each with the reason; the start is unclean."""
+    from sbus.pipeline.writer import JOURNAL_SUFFIX
+
+    w = RecordingWriter(str(tmp_path / "rec"), fsync=False)
+    w.extend(rows(100))
+    w.extend(rows(100, start_seq=101))
+    journal = next(n for n in os.listdir(tmp_path / "rec" / "_tmp") if n.endswith(JOURNAL_SUFFIX))
+    data = (tmp_path / "rec" / "_tmp" / journal).read_bytes()
+    del w  # the process "dies": nothing published, the journal stays
+    tmp = tmp_path / "rec" / "_tmp"
+    (tmp / journal).write_bytes(data[: len(data) - 500])  # the second batch cut short
+    (tmp / ("rec-0000000000009999" + JOURNAL_SUFFIX)).write_bytes(b"not arrow at all" * 10)
+    target = tmp_path / "precious"
+    target.write_text("keep me")
+    os.symlink(target, tmp / ("rec-0000000000008888" + JOURNAL_SUFFIX))
+    write_truncated(tmp / "rec-0000000000007777.parquet.part")
+    w2 = RecordingWriter(str(tmp_path / "rec"), fsync=False)
+    found = w2.recovery
+    assert found.unclean
+    assert [(name, n) for name, n, _ in found.recovered] == [(journal, 100)]
+    why = dict(found.removed)
+    assert "unreadable" in why["rec-0000000000009999" + JOURNAL_SUFFIX]
+    assert "symlink" in why["rec-0000000000008888" + JOURNAL_SUFFIX]
+    assert "footer" in why["rec-0000000000007777.parquet.part"]
+    assert target.read_text() == "keep me"
+    got = read_recording(tmp_path / "rec")
+    assert [r["seq"] for r in got] == list(range(1, 101)) and w2.next_seq == 101
+    recv, count, key, payload = w2.gap_row(2_000_000_000_000_000)
+    gap = json.loads(payload)
+    assert count == -1 and gap["after_seq"] == 100 and gap["recovered"] == 100 and gap["lost"] is None
+    w2.close()
+    assert os.listdir(tmp) == []
+    assert not RecordingWriter(str(tmp_path / "rec"), fsync=False).recovery.unclean  # a clean close

@@ -300,7 +300,14 @@ class RecordingWriter:
         seq = table.column("seq").to_numpy()
         if len(seq) > 1 and not (seq[1:] > seq[:-1]).all():
             return "its seqs are not increasing: not a journal of this recorder"
-        published = self._publish_table(table)
+        try:
+            published = self._publish_table(table)
+        except OSError as e:  # a full disk must not keep the recorder from starting: the gap covers them
+            try:
+                os.unlink(f"rec-{table.column('seq')[0].as_py():016d}{RECOVERING_SUFFIX}", dir_fd=self._tmp_fd)
+            except OSError:
+                pass
+            return f"could not publish its {table.num_rows} whole rows ({e.strerror}): lost, inside the gap"
         rec.recovered.append((name, table.num_rows, published))  # the recorder logs it
         return None
 
