@@ -132,30 +132,29 @@ def test_errors_are_one_line(bus, tmp_path):
         assert len(lines) == 1 and lines[0].startswith("sbus-replay: ") and text in lines[0], p.stderr
 
 
-def test_fast_burst_onto_a_default_mode_subscriber_loses_nothing(bus, tmp_path):
-    """Issue 15: --speed 10 over a fast burst cannot keep up and said nothing, and a subscriber
-    in the bus's default mode (queue 16,384 packets, then discard) lost part of the burst.
-    Here the subscriber stops reading for a while: replay waits for it, loses nothing, and
-    says that it is behind the requested pace."""
-    n = 50_000
-    w = RecordingWriter(str(tmp_path / "rec"), fsync=False)
-    t0 = 1_700_000_000_000_000
-    msgs = [(b"burst/%d" % (i % 7), b"%06d" % i) for i in range(n)]
-    w.extend((t0 + i * 10, i + 1, k, p) for i, (k, p) in enumerate(msgs))  # 100,000 msg/s recorded
+def write_burst(directory, msgs, t0=1_700_000_000_000_000):
+    """A recording of `msgs` received 10 µs apart (100,000 msg/s)."""
+    w = RecordingWriter(str(directory), fsync=False)
+    w.extend((t0 + i * 10, i + 1, k, p) for i, (k, p) in enumerate(msgs))
     w.close()
 
-    sub = connect(bus.address)  # default flood modes
-    sub.subscribe(b"burst/")
+
+def stalling_subscriber(address, pattern, n, stall=3.0):
+    """A default-mode subscriber that stops reading for `stall` s after its first message
+    (far more than a queue's worth arrives meanwhile), then reads up to `n`; returns
+    (got: [(key, payload)], done()) where done() waits for it and closes it."""
+    sub = connect(address)  # default flood modes
+    sub.subscribe(pattern)
     sub.sync(timeout=5)
     got = []
-    stall = threading.Event()
+    pause = threading.Event()
 
     def read():
         try:
             for m in sub.messages(timeout=30):
                 got.append((m.key, m.payload))
                 if len(got) == 1:
-                    stall.wait(3)  # stops reading for 3 s: far more than a queue's worth arrives
+                    pause.wait(stall)
                 if len(got) == n:
                     return
         except TimeoutError:
@@ -163,9 +162,25 @@ def test_fast_burst_onto_a_default_mode_subscriber_loses_nothing(bus, tmp_path):
 
     t = threading.Thread(target=read, daemon=True)
     t.start()
+
+    def done():
+        t.join(60)
+        sub.close()
+
+    return got, done
+
+
+def test_fast_burst_onto_a_default_mode_subscriber_loses_nothing(bus, tmp_path):
+    """Issue 15: --speed 10 over a fast burst cannot keep up and said nothing, and a subscriber
+    in the bus's default mode (queue 16,384 packets, then discard) lost part of the burst.
+    Here the subscriber stops reading for a while: replay waits for it, loses nothing, and
+    says that it is behind the requested pace."""
+    n = 50_000
+    msgs = [(b"burst/%d" % (i % 7), b"%06d" % i) for i in range(n)]
+    write_burst(tmp_path / "rec", msgs)  # 100,000 msg/s recorded
+    got, done = stalling_subscriber(bus.address, b"burst/", n)
     p = run_replay(str(tmp_path / "rec"), "--bus", bus.address, "--speed", "10", "--progress", "never")
-    t.join(60)
-    sub.close()
+    done()
     assert p.returncode == 0, p.stderr
     assert len(got) == n and got == msgs
     lines = p.stderr.strip().splitlines()
@@ -235,33 +250,10 @@ def test_replay_paced_by_a_slow_subscriber_says_so(bus, tmp_path):
     """Issue 24 item 7: replay took 65 s, paced by a slow subscriber, and said nothing about why.
     A default-mode subscriber stops reading for 3 s: replay names it (our pid) as the cause."""
     n = 30_000
-    w = RecordingWriter(str(tmp_path / "rec"), fsync=False)
-    t0 = 1_700_000_000_000_000
-    msgs = [(b"slow/%d" % (i % 5), b"%06d" % i) for i in range(n)]
-    w.extend((t0 + i * 10, i + 1, k, p) for i, (k, p) in enumerate(msgs))
-    w.close()
-    sub = connect(bus.address)
-    sub.subscribe(b"slow/")
-    sub.sync(timeout=5)
-    got = []
-    stall = threading.Event()
-
-    def read():
-        try:
-            for m in sub.messages(timeout=30):
-                got.append(m.payload)
-                if len(got) == 1:
-                    stall.wait(3)  # a subscriber that stops reading for 3 s
-                if len(got) == n:
-                    return
-        except TimeoutError:
-            return
-
-    t = threading.Thread(target=read, daemon=True)
-    t.start()
+    write_burst(tmp_path / "rec", [(b"slow/%d" % (i % 5), b"%06d" % i) for i in range(n)])
+    got, done = stalling_subscriber(bus.address, b"slow/", n)
     p = run_replay(str(tmp_path / "rec"), "--bus", bus.address, "--progress", "never")
-    t.join(60)
-    sub.close()
+    done()
     assert p.returncode == 0, p.stderr
     assert len(got) == n
     paced = [ln for ln in p.stderr.splitlines() if "paced by a slow subscriber" in ln]

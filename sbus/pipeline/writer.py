@@ -483,15 +483,20 @@ class RecordingWriter:
         return final
 
     def _close_journal(self, unlink: bool) -> None:
-        for closer in (self._journal, self._journal_file):
+        self._discard(self._journal, self._journal_file, self._journal_name if unlink else None)
+
+    def _discard(self, *closers_then_name) -> None:
+        """Close what is not None (ignoring errors), then unlink the name in _tmp/ (if given)."""
+        *closers, name = closers_then_name
+        for closer in closers:
             if closer is not None:
                 try:
                     closer.close()
                 except Exception:
                     pass
-        if unlink and self._journal_name is not None:
+        if name is not None:
             try:
-                os.unlink(self._journal_name, dir_fd=self._tmp_fd)
+                os.unlink(name, dir_fd=self._tmp_fd)
             except OSError:
                 pass
 
@@ -559,17 +564,8 @@ class RecordingWriter:
         lost = messages + self._file_dropped + self._buf_dropped
         #: Of `lost`, the messages themselves (the rest was counted by the drop rows discarded with them).
         self.abandoned_messages = messages
-        for closer in (self._writer, self._file):
-            if closer is not None:
-                try:
-                    closer.close()
-                except Exception:
-                    pass
-        if self._tmp_path is not None:
-            try:
-                os.unlink(os.path.basename(self._tmp_path), dir_fd=self._tmp_fd)
-            except OSError:
-                pass
+        self._discard(self._writer, self._file,
+                      os.path.basename(self._tmp_path) if self._tmp_path is not None else None)
         self._close_journal(unlink=True)
         self._clear_file()
         self._reset_buffer()
