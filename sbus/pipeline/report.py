@@ -20,6 +20,13 @@ chart picks its own window for enough points over the recording's span
 (`chart_window`) and writes its data to ``rate.json``. Everything written is
 private (0700/0600).
 
+Gap rows (``dropped`` -1: the recorder crashed, an unknown number lost)
+are counted as ``gaps`` and named in the headline's first line. Windows
+the recording covers only in part (its first and last, and those a gap
+cuts) are rated over the time it covers (``covered_seconds``, ``partial``),
+and drawn with open markers. The size chart counts from zero unless the
+spread needs a log axis, which its title then says (``sizes.json``).
+
 Percentiles are exact (Spark's ``percentile``: linear interpolation between
 closest ranks, as ``numpy.percentile``'s default). Windows are tumbling,
 aligned to the epoch, in UTC. A key's prefix is its first ``--depth``

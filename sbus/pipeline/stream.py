@@ -15,6 +15,13 @@ A window is emitted once the watermark (latest ``recv_time`` seen minus
 ``--watermark``) passes its end, i.e. after traffic newer than that has
 been recorded; files arriving later than the watermark are dropped by Spark.
 
+``--available-now`` stops when the files present are processed; the
+windows the watermark has not passed are held back (their state is in the
+checkpoint) and `run` names them with their message counts. With
+``close_at_end`` (``--close-at-end``) a *closing row* in ``CP/close/`` (the
+query's second file source) moves the watermark past them, so the run
+writes them too; it is filtered out after the watermark and counts nowhere.
+
 Drop rows in the recording (messages the bus or the recorder lost) are
 counted in the ``dropped`` column of a row whose ``prefix`` is NULL, never
 as messages.
