@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/pipeline_report.py [--messages 1000000] [--work bench/out/pipeline]
                                               [--synthetic] [--docs docs/pipeline]
+                                              [--crash-at 0.5 [--downtime 2]] [--no-floor]
 
 1. starts ``sbusd`` and ``twistd -n sbus-record`` (real processes, real sockets);
 2. one publisher process sends ``--messages`` messages through the bus in
@@ -14,6 +15,18 @@
 ``--synthetic`` skips the bus and writes the same traffic with the
 recorder's own writer (`RecordingWriter`), with receive times spread over
 ten minutes (for when the bus is too slow on a machine).
+
+``--crash-at F`` kills the recorder with SIGKILL once about F of the
+messages are in its files (journal included), waits ``--downtime`` seconds
+and starts it again while the publisher goes on; afterwards it checks that
+every message sent is recorded or lost at the gap row the restart wrote
+(each payload starts with its number), and that the report's first line
+names the gap.
+
+Then (unless ``--no-floor``) it times the *floor*, ``bench/spark_floor.py``:
+a Spark job that starts, reads the same files and counts them, in the same
+run; the report's time is given as a multiple of it, with the report's own
+breakdown (``timings.json``).
 """
 
 from __future__ import annotations
@@ -52,9 +65,9 @@ def traffic(n, seed=6):
     batch = 10_000
     for start in range(0, n, batch):
         ks = rng.choices(keys, weights, k=min(batch, n - start))
-        for k in ks:
+        for j, k in enumerate(ks):
             size = min(int(rng.lognormvariate(4.6, 1.2)), 65_536)
-            yield k, rng.randbytes(size)
+            yield k, b"%08d" % (start + j) + rng.randbytes(max(size - 8, 0))  # its number first
 
 
 def publisher(address, n):
@@ -98,7 +111,72 @@ def count_rows(directory):
     return sum(pq.ParquetFile(p).metadata.num_rows for *_, p in published_files(directory))
 
 
-def record_via_bus(n, work):
+def journal_rows(directory):
+    """Rows in the recorder's files so far: published, and the journal of the one being written."""
+    from sbus.pipeline.writer import JOURNAL_SUFFIX, read_journal
+
+    n = count_rows(directory)
+    tmp = os.path.join(directory, "_tmp")
+    for name in os.listdir(tmp) if os.path.isdir(tmp) else ():
+        if name.endswith(JOURNAL_SUFFIX):
+            try:
+                table, _ = read_journal(os.open(os.path.join(tmp, name), os.O_RDONLY), name)
+            except OSError:
+                continue
+            n += table.num_rows if table is not None else 0
+    return n
+
+
+def start_recorder(address, rec, log_path):
+    log = open(log_path, "ab")
+    proc = subprocess.Popen(
+        [os.path.join(os.path.dirname(sys.executable), "twistd"), "-n", "--pidfile=", "sbus-record",
+         "--bus", address, "--out", rec, "--roll-age", "10s", "--queue-bytes", "256M"],  # lossless: the default
+        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    return proc
+
+
+def check_crash(rec, sent):
+    """Every message sent is recorded or lost at a gap: {recorded, lost_at_gaps, gaps}."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from sbus.pipeline.schema import published_files
+
+    numbers, gaps = [], []
+    for *_, path in published_files(rec):
+        t = pq.read_table(path, columns=["seq", "payload", "dropped"])
+        d = t.column("dropped").to_pylist()
+        heads = pc.binary_slice(t.column("payload"), 0, 8).to_pylist() if hasattr(pc, "binary_slice") \
+            else [p[:8] for p in t.column("payload").to_pylist()]
+        for drop, head in zip(d, heads):
+            if drop == 0:
+                numbers.append(int(head))
+            elif drop < 0:
+                gaps.append(len(numbers))  # the gap falls before this many recorded messages
+            else:
+                raise SystemExit(f"unexpected drop row ({drop} lost) in a lossless recording")
+    # between gaps the numbers run on by one; across a gap they jump: that jump is what it lost
+    lost = 0
+    bounds = [0, *gaps, len(numbers)]
+    for a, b in zip(bounds, bounds[1:]):
+        part = numbers[a:b]
+        if part != list(range(part[0], part[0] + len(part))) if part else False:
+            raise SystemExit(f"messages missing or out of order between gaps (rows {a}..{b})")
+    for g in gaps:
+        before = numbers[g - 1] if g > 0 else -1
+        after = numbers[g] if g < len(numbers) else sent
+        lost += after - before - 1
+    if numbers and numbers[0] != 0 and (not gaps or gaps[0] != 0):
+        raise SystemExit(f"the first {numbers[0]} messages are missing with no gap row")
+    if numbers and numbers[-1] != sent - 1 and (not gaps or gaps[-1] != len(numbers)):
+        raise SystemExit("the last messages are missing with no gap row")
+    if len(numbers) + lost != sent:
+        raise SystemExit(f"sent {sent} != recorded {len(numbers)} + lost at gaps {lost}")
+    return {"recorded": len(numbers), "lost_at_gaps": lost, "gaps": len(gaps)}
+
+
+def record_via_bus(n, work, crash_at=None, downtime=2.0):
     rec = os.path.join(work, "rec")
     address = os.path.join(work, "bus.socket")
     bus_log = open(os.path.join(work, "sbusd.log"), "wb")
@@ -106,26 +184,48 @@ def record_via_bus(n, work):
                            stdout=subprocess.PIPE, stderr=bus_log, cwd=ROOT)
     bus.stdout.read()  # sbusd -f closes stdout when it listens
     rec_log_path = os.path.join(work, "record.log")
-    rec_log = open(rec_log_path, "wb")
-    recorder = subprocess.Popen(
-        [os.path.join(os.path.dirname(sys.executable), "twistd"), "-n", "--pidfile=", "sbus-record",
-         "--bus", address, "--out", rec, "--roll-age", "10s", "--queue-bytes", "256M"],  # lossless: the default
-        stdout=rec_log, stderr=subprocess.STDOUT, cwd=ROOT)
+    open(rec_log_path, "wb").close()
+    recorder = start_recorder(address, rec, rec_log_path)
+    info = {"method": "bus"}
     try:
         wait_ready(recorder, b"subscribed", rec_log_path)
         t = time.monotonic()
-        out = subprocess.run([sys.executable, __file__, "--publish", address, "--messages", str(n)],
-                             capture_output=True, text=True, cwd=ROOT, check=True)
+        pub = subprocess.Popen([sys.executable, __file__, "--publish", address, "--messages", str(n)],
+                               stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        if crash_at is not None:
+            while journal_rows(rec) < crash_at * n:
+                if pub.poll() is not None:
+                    raise SystemExit("the publisher ended before the crash point")
+                time.sleep(0.2)
+            recorder.kill()  # SIGKILL: no clean stop
+            recorder.wait()
+            killed = time.monotonic() - t
+            time.sleep(downtime)  # the recorder is down: what is published now is lost
+            recorder = start_recorder(address, rec, rec_log_path)
+            wait_ready(recorder, b"gap row at seq", rec_log_path)
+            info.update(killed_after_seconds=round(killed, 1), downtime_seconds=downtime)
+            print(f"killed the recorder (SIGKILL) {killed:.1f}s into the publish; restarted {downtime:g}s later")
+        out, _ = pub.communicate()
+        if pub.returncode:
+            raise SystemExit("the publisher failed")
         publish_s = time.monotonic() - t
         recorder.send_signal(signal.SIGTERM)
-        recorder.wait(120)
+        recorder.wait(300)
         got = count_rows(rec)
         log = open(rec_log_path).read()
         dropped = [ln for ln in log.splitlines() if "cannot keep up" in ln or "the bus dropped" in ln]
-        print(f"published {json.loads(out.stdout)['sent']} in {publish_s:.1f}s "
-              f"({n / publish_s:,.0f} msg/s); recorded {got}; drop warnings: {len(dropped)}")
-        return {"method": "bus", "publish_seconds": round(publish_s, 1), "recorded": got,
-                "drop_warnings": len(dropped)}
+        print(f"published {json.loads(out)['sent']} in {publish_s:.1f}s "
+              f"({n / publish_s:,.0f} msg/s); {got} rows recorded; drop warnings: {len(dropped)}")
+        info.update(publish_seconds=round(publish_s, 1), rows=got, drop_warnings=len(dropped))
+        if crash_at is not None:
+            info["recovered_line"] = next((ln.split("] ", 1)[-1] for ln in log.splitlines()
+                                           if "recovered" in ln and "leftover" in ln), None)
+            info["stop_line"] = [ln.split("] ", 1)[-1] for ln in log.splitlines() if "stopped:" in ln][-1]
+        check = check_crash(rec, n)
+        info.update(check)
+        print(f"sent {n:,} = recorded {check['recorded']:,} + lost at {check['gaps']} gap(s) "
+              f"{check['lost_at_gaps']:,}")
+        return info
     finally:
         if recorder.poll() is None:
             recorder.kill()
@@ -160,6 +260,10 @@ def main():
     ap.add_argument("--docs", default=os.path.join(ROOT, "docs", "pipeline"))
     ap.add_argument("--window", default="2s")
     ap.add_argument("--synthetic", action="store_true")
+    ap.add_argument("--crash-at", type=float, default=None, metavar="F",
+                    help="kill -9 the recorder when about F of the messages are recorded, then restart it")
+    ap.add_argument("--downtime", type=float, default=2.0, help="seconds the recorder stays down")
+    ap.add_argument("--no-floor", action="store_true", help="do not time the floor (bench/spark_floor.py)")
     ap.add_argument("--publish", metavar="ADDRESS", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.publish:
@@ -167,7 +271,8 @@ def main():
 
     shutil.rmtree(args.work, ignore_errors=True)
     os.makedirs(args.work)
-    info = record_synthetic(args.messages, args.work) if args.synthetic else record_via_bus(args.messages, args.work)
+    info = record_synthetic(args.messages, args.work) if args.synthetic else \
+        record_via_bus(args.messages, args.work, args.crash_at, args.downtime)
     rec = os.path.join(args.work, "rec")
     size = sum(os.path.getsize(os.path.join(rec, f)) for f in os.listdir(rec) if f.endswith(".parquet"))
     report_dir = os.path.join(args.work, "report")
@@ -178,6 +283,20 @@ def main():
     took = time.monotonic() - t
     info.update(report_seconds=round(took, 1), recording_bytes=size,
                 files=len([f for f in os.listdir(rec) if f.endswith(".parquet")]))
+    with open(os.path.join(report_dir, "timings.json")) as f:
+        info["report_breakdown"] = json.load(f)
+    first_line = open(os.path.join(report_dir, "summary.txt")).readline().rstrip("\n")
+    info["headline"] = first_line
+    if info.get("gaps") and "gap" not in first_line:
+        raise SystemExit(f"the report's first line does not name the gap: {first_line}")
+    if not args.no_floor:
+        cmd = [sys.executable, os.path.join(ROOT, "bench", "spark_floor.py"), rec]
+        print("$", " ".join(cmd), flush=True)
+        t = time.monotonic()
+        floor = json.loads(subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True).stdout)
+        floor["wall_seconds"] = round(time.monotonic() - t, 1)
+        info["floor"] = floor
+        info["report_over_floor"] = round(took / floor["wall_seconds"], 2)
     os.makedirs(args.docs, exist_ok=True)
     for name in ("rate.png", "top_keys.png", "sizes.png", "summary.txt"):
         shutil.copy(os.path.join(report_dir, name), os.path.join(args.docs, name))

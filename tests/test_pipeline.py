@@ -404,3 +404,94 @@ def test_first_start_is_announced(tmp_path, monkeypatch):
     cli._note_started()
     assert "first start" not in cli._starting_line(None)
     assert stat.S_IMODE(os.stat(tmp_path / "sbus").st_mode) == 0o700
+
+
+def test_report_marks_gaps_partial_windows_and_draws_honest_charts(spark, tmp_path):
+    """Issue 24 items 1, 4, 5, 6: a recording with a crash gap, starting and ending mid-window.
+    The headline's first line names the gap; partial windows (the first, the last, and those the
+    gap cuts) are rated over the time the recording covers (the old report showed ~575 and
+    ~75 msg/s for a steady 1,000 msg/s); sizes.json: counts that differ by under 1 % on a linear
+    axis from zero (it was log, cut near the smallest); "(other)" is drawn under the prefixes."""
+    from sbus.pipeline import report
+    from sbus.pipeline.writer import gap_payload
+
+    rec = tmp_path / "rec"
+    w = RecordingWriter(str(rec), fsync=False)
+    t0 = T0 + 850_000  # 0.85 s into a 2 s window
+    # 1,000 msg/s, every 1 ms: "dev" a third, 40 small prefixes the rest; sizes 100 or 200 bytes
+    def msg(i):
+        key = b"dev/x" if i % 3 == 0 else b"o%d/y" % (i % 40)
+        return key, b"s" * (100 if i % 2 else 200)
+
+    rows = [(t0 + i * 1000, i + 1, *msg(i)) for i in range(6000)]  # until t0 + 6 s
+    w.extend(rows)
+    last_before = rows[-1][0]
+    restart = last_before + 2_600_000  # the recorder was down 2.6 s
+    w.add_drop(restart, 6001, -1, b"", gap_payload(6000, last_before, restart, 6000))
+    after = [(restart + i * 1000, 6002 + i, *msg(i)) for i in range(2750)]  # ends 0.15 s into a window
+    w.extend(after)
+    w.close()
+    summary = report.run(spark, str(rec), str(tmp_path / "report"), window_seconds=2, log=lambda text: None)
+    out = tmp_path / "report"
+    first_line = (out / "summary.txt").read_text().splitlines()[0]
+    assert "8,750 recorded" in first_line and "1 gap of unknown size" in first_line, first_line
+    assert "after seq 6000" in first_line
+    assert summary["gaps"] == 1 and summary["lost"] == 0
+
+    stats = [r for r in pq.read_table(str(out / "tables" / "window_stats")).to_pylist() if r["messages"]]
+    for r in stats:
+        assert 950 <= r["msgs_per_s"] <= 1050, r  # steady 1,000 msg/s, partial windows included
+    assert stats[0]["partial"] and stats[-1]["partial"] and not stats[1]["partial"]
+    assert abs(stats[0]["covered_seconds"] - 1.15) < 0.01
+    assert sum(r["partial"] for r in stats) >= 3  # first, last, and the gap's
+
+    chart = json.loads((out / "rate.json").read_text())
+    dev = [v for _, v in chart["series"]["dev"] if v is not None]
+    assert min(dev) > 0.8 * 1000 / 3 and max(dev) < 1.2 * 1000 / 3, dev  # no collapse at the ends
+    assert len(chart["partial"]) >= 3 and len(chart["gaps"]) == 1
+    style = chart["style"]
+    assert all(style["(other)"]["zorder"] < st["zorder"] for name, st in style.items() if name != "(other)")
+    assert style["(other)"]["alpha"] < 1
+
+    sizes = json.loads((out / "sizes.json").read_text())
+    assert [b["messages"] for b in sizes["buckets"]] == [4375, 4375]
+    assert sizes["scale"] == "linear" and sizes["y_axis"][0] == 0
+
+
+def test_size_chart_goes_log_only_when_it_must():
+    from sbus.pipeline.report import size_scale
+
+    assert size_scale([110_500, 110_000, 111_000]) == "linear"
+    assert size_scale([5, 1_000_000]) == "log"
+    assert size_scale([0, 3, 250]) == "linear"
+
+
+def test_available_now_says_what_it_holds_back_and_can_close_it(spark, tmp_path):
+    """Issue 24 item 3: --available-now wrote 6 of 7 windows and said nothing about the last
+    (119,849 messages). Now a run names the held-back window and its count; --close-at-end
+    closes it (a closing row moves the watermark and counts nowhere)."""
+    from sbus.pipeline import stream
+
+    rec, out, cp = tmp_path / "rec", tmp_path / "out", tmp_path / "cp"
+    rec.mkdir()
+    rows = write_phase(rec, range(0, 36, 5), 1)  # t = 0 .. 35 s; windows of 10 s
+    kw = dict(window_seconds=10, depth=1, watermark_seconds=0, max_files_per_trigger=3, available_now=True)
+    said = []
+    held = stream.run(spark, str(rec), str(out), str(cp), log=said.append, **kw)
+    start = dt.datetime.fromtimestamp((T0 + 30_000_000) / 1e6, dt.timezone.utc)
+    assert [(h[0], h[2]) for h in held] == [(start, 14)]  # seconds 30 and 35, 7 each
+    assert len(said) == 1 and start.isoformat() in said[0] and "(14 messages)" in said[0], said
+
+    def output():
+        got = defaultdict(lambda: [0, 0])
+        for r in spark.read.parquet(str(out)).collect():
+            k = ((epoch_us(r["window_start"].astimezone(dt.timezone.utc)) - T0) // 1_000_000, r["prefix"])
+            got[k][0] += r["messages"]
+            got[k][1] += r["bytes"]
+        return dict(got)
+
+    assert output() == windows_of(rows, closed_before=30)
+    said.clear()
+    held = stream.run(spark, str(rec), str(out), str(cp), log=said.append, close_at_end=True, **kw)
+    assert held == [] and said == []
+    assert output() == windows_of(rows)  # every window, once; the closing row counted nowhere

@@ -132,30 +132,29 @@ def test_errors_are_one_line(bus, tmp_path):
         assert len(lines) == 1 and lines[0].startswith("sbus-replay: ") and text in lines[0], p.stderr
 
 
-def test_fast_burst_onto_a_default_mode_subscriber_loses_nothing(bus, tmp_path):
-    """Issue 15: --speed 10 over a fast burst cannot keep up and said nothing, and a subscriber
-    in the bus's default mode (queue 16,384 packets, then discard) lost part of the burst.
-    Here the subscriber stops reading for a while: replay waits for it, loses nothing, and
-    says that it is behind the requested pace."""
-    n = 50_000
-    w = RecordingWriter(str(tmp_path / "rec"), fsync=False)
-    t0 = 1_700_000_000_000_000
-    msgs = [(b"burst/%d" % (i % 7), b"%06d" % i) for i in range(n)]
-    w.extend((t0 + i * 10, i + 1, k, p) for i, (k, p) in enumerate(msgs))  # 100,000 msg/s recorded
+def write_burst(directory, msgs, t0=1_700_000_000_000_000):
+    """A recording of `msgs` received 10 µs apart (100,000 msg/s)."""
+    w = RecordingWriter(str(directory), fsync=False)
+    w.extend((t0 + i * 10, i + 1, k, p) for i, (k, p) in enumerate(msgs))
     w.close()
 
-    sub = connect(bus.address)  # default flood modes
-    sub.subscribe(b"burst/")
+
+def stalling_subscriber(address, pattern, n, stall=3.0):
+    """A default-mode subscriber that stops reading for `stall` s after its first message
+    (far more than a queue's worth arrives meanwhile), then reads up to `n`; returns
+    (got: [(key, payload)], done()) where done() waits for it and closes it."""
+    sub = connect(address)  # default flood modes
+    sub.subscribe(pattern)
     sub.sync(timeout=5)
     got = []
-    stall = threading.Event()
+    pause = threading.Event()
 
     def read():
         try:
             for m in sub.messages(timeout=30):
                 got.append((m.key, m.payload))
                 if len(got) == 1:
-                    stall.wait(3)  # stops reading for 3 s: far more than a queue's worth arrives
+                    pause.wait(stall)
                 if len(got) == n:
                     return
         except TimeoutError:
@@ -163,9 +162,25 @@ def test_fast_burst_onto_a_default_mode_subscriber_loses_nothing(bus, tmp_path):
 
     t = threading.Thread(target=read, daemon=True)
     t.start()
+
+    def done():
+        t.join(60)
+        sub.close()
+
+    return got, done
+
+
+def test_fast_burst_onto_a_default_mode_subscriber_loses_nothing(bus, tmp_path):
+    """Issue 15: --speed 10 over a fast burst cannot keep up and said nothing, and a subscriber
+    in the bus's default mode (queue 16,384 packets, then discard) lost part of the burst.
+    Here the subscriber stops reading for a while: replay waits for it, loses nothing, and
+    says that it is behind the requested pace."""
+    n = 50_000
+    msgs = [(b"burst/%d" % (i % 7), b"%06d" % i) for i in range(n)]
+    write_burst(tmp_path / "rec", msgs)  # 100,000 msg/s recorded
+    got, done = stalling_subscriber(bus.address, b"burst/", n)
     p = run_replay(str(tmp_path / "rec"), "--bus", bus.address, "--speed", "10", "--progress", "never")
-    t.join(60)
-    sub.close()
+    done()
     assert p.returncode == 0, p.stderr
     assert len(got) == n and got == msgs
     lines = p.stderr.strip().splitlines()
@@ -220,3 +235,38 @@ def test_a_missing_default_bus_is_named(tmp_path):
     assert p.returncode == 1, p.stderr
     assert p.stderr.startswith(f"sbus-replay: {missing}: No such file or directory") and \
         p.stderr.count("\n") == 1, p.stderr
+
+
+def test_a_gap_is_warned_where_replay_crosses_it(bus, tmp_path):
+    """Issue 24: a gap row (the recorder crashed: an unknown number lost) is not replayed, and
+    replay says where it crossed it (the old replay counted it as -1 lost messages)."""
+    from sbus.pipeline.writer import gap_payload
+
+    w = RecordingWriter(str(tmp_path / "rec"), fsync=False)
+    t0 = 1_700_000_000_000_000
+    w.extend([(t0, 1, b"k/1", b"a"), (t0 + 1, 2, b"k/2", b"b")])
+    w.add_drop(t0 + 5_000_000, 3, -1, b"", gap_payload(2, t0 + 1, t0 + 5_000_000, 0))
+    w.extend([(t0 + 5_000_001, 4, b"k/3", b"c")])
+    w.close()
+    listener = Listener(bus.address, 3)
+    p = run_replay(str(tmp_path / "rec"), "--bus", bus.address)
+    assert p.returncode == 0, p.stderr
+    assert listener.wait() == [(b"k/1", b"a"), (b"k/2", b"b"), (b"k/3", b"c")]
+    assert "crossing a gap in the recording at seq 3" in p.stderr and "2023-11-14T22:13:20" in p.stderr
+    assert "marks" not in p.stderr  # no negative "lost" count
+    assert "crossed 1 gap(s) of unknown size" in p.stderr
+
+
+def test_replay_paced_by_a_slow_subscriber_says_so(bus, tmp_path):
+    """Issue 24 item 7: replay took 65 s, paced by a slow subscriber, and said nothing about why.
+    A default-mode subscriber stops reading for 3 s: replay names it (our pid) as the cause."""
+    n = 30_000
+    write_burst(tmp_path / "rec", [(b"slow/%d" % (i % 5), b"%06d" % i) for i in range(n)])
+    got, done = stalling_subscriber(bus.address, b"slow/", n)
+    p = run_replay(str(tmp_path / "rec"), "--bus", bus.address, "--progress", "never")
+    done()
+    assert p.returncode == 0, p.stderr
+    assert len(got) == n
+    paced = [ln for ln in p.stderr.splitlines() if "paced by a slow subscriber" in ln]
+    assert len(paced) == 1 and f"pid {os.getpid()} " in paced[0], p.stderr
+    assert "the replay was paced by slow subscribers" in p.stderr.splitlines()[-2], p.stderr

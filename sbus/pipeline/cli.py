@@ -2,7 +2,7 @@
 
     sbus-pipeline report DIR --out REPORT_DIR [--window 60s] [--depth 1] [--top 20] [--master URL]
     sbus-pipeline stream DIR --out OUT --checkpoint CP [--window 60s] [--watermark 0s]
-                         [--max-files-per-trigger 10] [--trigger 10s | --available-now]
+                         [--max-files-per-trigger 10] [--trigger 10s | --available-now [--close-at-end]]
                          [--publish-to KEY_PREFIX --bus ADDRESS] [--master URL]
 
 Also runs under ``spark-submit sbus/pipeline/cli.py report ...`` (the master
@@ -16,6 +16,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+
+T_PROCESS = time.monotonic()
 
 if __package__ in (None, ""):  # spark-submit sbus/pipeline/cli.py: make the package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -74,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--trigger", default=None, metavar="INTERVAL", help="micro-batch interval, e.g. '10 seconds'")
     t.add_argument("--available-now", action="store_true",
                    help="process the files present now, then stop (for cron)")
+    s.add_argument("--close-at-end", action="store_true",
+                   help="with --available-now: also close the windows the watermark has not passed "
+                        "(the last ones), so the run writes them; data recorded later for them comes "
+                        "too late and is dropped (for a finished recording)")
     s.add_argument("--publish-to", default=None, metavar="NAME",
                    help="also publish each finished window on the bus under _pipeline/NAME/<prefix> "
                         "(the recorder does not record _pipeline/ unless asked to)")
@@ -82,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    started_at = time.monotonic()
     args = build_parser().parse_args(argv)
     from sbus.pipeline.spark import is_remote
 
@@ -90,6 +98,9 @@ def main(argv=None) -> int:
         return EXIT_USAGE
     if args.window <= 0:
         print(f"{PROG}: --window must be positive", file=sys.stderr)
+        return EXIT_USAGE
+    if args.command == "stream" and args.close_at_end and not args.available_now:
+        print(f"{PROG}: --close-at-end needs --available-now", file=sys.stderr)
         return EXIT_USAGE
     if args.shuffle_partitions is not None and args.shuffle_partitions <= 0:
         print(f"{PROG}: --shuffle-partitions must be positive", file=sys.stderr)
@@ -122,8 +133,10 @@ def main(argv=None) -> int:
 
         if not args.quiet:
             print(f"{PROG}: {_starting_line(args.master)}", file=sys.stderr, flush=True)
+        started = time.monotonic()
         spark = session(args.master, app_name=f"sbus-pipeline {args.command}", progress=not args.quiet)
         spark.sparkContext.setLogLevel("WARN")
+        started = time.monotonic() - started
         _note_started()
     except Exception as e:
         print(f"{PROG}: cannot start Spark: {_one_line(e)}", file=sys.stderr)
@@ -137,7 +150,9 @@ def main(argv=None) -> int:
 
             report.run(spark, args.directory, args.out, window_seconds=args.window, depth=args.depth,
                        top=args.top, top_prefixes=args.top_prefixes, html_dir=args.html_dir,
-                       shuffle_partitions=int(partitions))
+                       shuffle_partitions=int(partitions),
+                       timings={"cli_setup": round(started_at - T_PROCESS, 2),
+                                "spark_session": round(started, 2)})
             print(f"{PROG}: report written to {args.html_dir or args.out}/index.html", file=sys.stderr)
         else:
             from sbus.pipeline import stream
@@ -146,7 +161,8 @@ def main(argv=None) -> int:
                        depth=args.depth, watermark_seconds=args.watermark,
                        max_files_per_trigger=args.max_files_per_trigger, trigger=args.trigger,
                        available_now=args.available_now, publish_to=args.publish_to, bus=args.bus,
-                       shuffle_partitions=int(partitions))
+                       shuffle_partitions=int(partitions), close_at_end=args.close_at_end,
+                       log=lambda text: print(f"{PROG}: {text}", file=sys.stderr, flush=True))
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130

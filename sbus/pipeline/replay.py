@@ -25,6 +25,15 @@ at all for 10 s is warned about once and no longer waited for.
 Subscribers in ``block`` modes pace the replay through the server, those in
 ``discard`` modes chose to lose. ``--lossy`` replays without pacing.
 
+When a slow subscriber sets the pace (replay has waited over a second in
+total for its queue, or the bus held our sends back that long for a
+block-mode subscriber), replay says so once, naming it (pid and uid), and
+again at the end with the total wait.
+
+A *gap row* in the recording (the recorder stopped without publishing: an
+unknown number of messages lost) is warned about where replay crosses it,
+and counted at the end.
+
 When replay falls behind the pace ``--speed`` asks for (the bus, a slow
 subscriber or replay itself), it says so on standard error: one line at
 most every 5 s, and one at the end.
@@ -43,6 +52,11 @@ import time
 from .schema import MissingExtra, RecordingError, check_recording, require
 
 EXIT_BUS, EXIT_USAGE = 1, 2
+#: Replay says once what paces it when it has been held this many seconds (in total) by a slow
+#: subscriber: waiting for a default-mode queue to drain, or in a send the bus held back.
+HELD_SAY_AFTER = 1.0
+#: A send that took longer than this was held back by the bus (a block-mode subscriber behind).
+HELD_SEND = 0.01
 
 
 def parse_time(text: str) -> int:
@@ -112,10 +126,11 @@ def iter_batches(files, columns=("recv_time", "key", "payload", "seq", "dropped"
             yield from table.to_batches(max_chunksize=batch_rows)
 
 
-def select(files, keys=(), time_from=None, time_to=None, lost=None):
+def select(files, keys=(), time_from=None, time_to=None, lost=None, on_gap=None):
     """Yield (recv_us, key, payload, rows_scanned_so_far) of the selected messages, in order.
 
-    Drop rows are not yielded; `lost` (a one-item list) adds up their counts."""
+    Drop rows are not yielded; `lost` (a one-item list) adds up their counts; a gap row
+    (an unknown number lost) calls ``on_gap(seq, recv_us, payload)`` where it is crossed."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -138,14 +153,17 @@ def select(files, keys=(), time_from=None, time_to=None, lost=None):
         ks = batch.column(1).to_pylist()
         ps = batch.column(2).to_pylist()
         drops = batch.column(4)
-        marked = pc.sum(drops).as_py() or 0
+        marked = pc.any(pc.not_equal(drops, 0)).as_py() if n else False
         drops = drops.to_pylist() if marked else None
         base = scanned
         scanned += n
         for i, (tt, k, p) in enumerate(zip(times, ks, ps)):
             if drops is not None and drops[i]:
-                if lost is not None:
-                    lost[0] += drops[i]
+                if drops[i] > 0:
+                    if lost is not None:
+                        lost[0] += drops[i]
+                elif on_gap is not None:
+                    on_gap(batch.column(3)[i].as_py(), tt, p)
                 continue
             if keys and not any(matches(pat, k) for pat in keys):
                 continue
@@ -189,7 +207,7 @@ class Pacer:
 
     def __init__(self, client, *, sleep=time.sleep, clock=time.monotonic, warn=None,
                  check_packets: int = 512, check_bytes: int = 256 << 10, high: float = 0.25,
-                 low: float = 0.05, stuck_after: float = 10.0):
+                 low: float = 0.05, stuck_after: float = 10.0, say_after: float = HELD_SAY_AFTER):
         self.client = client
         self.sleep = sleep
         self.clock = clock
@@ -199,6 +217,10 @@ class Pacer:
         self.high = high
         self.low = low
         self.stuck_after = stuck_after
+        self.say_after = say_after
+        self.said = False
+        #: {(pid, uid): seconds waited for that subscriber's queue}
+        self.waited_for: dict = {}
         self.ignored: set = set()
         self.waits = 0
         self.waited = 0.0
@@ -253,7 +275,22 @@ class Pacer:
                           f"no longer waiting for it (it may lose messages)", force=True)
                 self.ignored.add(who)
                 break
-        self.waited += self.clock() - began
+        took = self.clock() - began
+        self.waited += took
+        if who is not None:
+            self.waited_for[who] = self.waited_for.get(who, 0.0) + took
+        if not self.said and self.waited > self.say_after:
+            self.said = True
+            self.warn(f"paced by a slow subscriber: {self.slowest()} (its queue on the bus was over "
+                      f"{self.high:.0%} full; replay waits for it to drain instead of letting the bus "
+                      f"drop for it; --lossy does not wait)", force=True)
+
+    def slowest(self) -> str:
+        """The subscriber waited for longest, and how long: 'pid P (uid U), waited S s'."""
+        if not self.waited_for:
+            return "none"
+        (pid, uid), secs = max(self.waited_for.items(), key=lambda kv: kv[1])
+        return f"pid {pid} (uid {uid}), waited for {secs:.1f} s so far"
 
 
 def replay(directory, bus, *, keys=(), time_from=None, time_to=None, speed=None, progress=None,
@@ -275,9 +312,22 @@ def replay(directory, bus, *, keys=(), time_from=None, time_to=None, speed=None,
     first_t = start = None
     scanned = 0
     lost = [0]
+    gaps = []
     behind = worst_behind = 0.0
+    held = 0.0  # seconds spent in sends the bus held back (block-mode subscribers behind)
+    said_held = False
+
+    def on_gap(seq, recv_us, payload):
+        from .writer import parse_gap
+
+        g = parse_gap(payload)
+        gaps.append(seq)
+        warn(f"crossing a gap in the recording at seq {seq}: the recorder stopped without publishing "
+             f"(nothing recorded from {g.get('from') or 'the start'} to {g.get('to') or '?'}); an unknown "
+             f"number of messages was lost there and cannot be replayed", force=True)
+
     try:
-        for t, key, payload, scanned in select(files, keys, time_from, time_to, lost):
+        for t, key, payload, scanned in select(files, keys, time_from, time_to, lost, on_gap):
             if speed:
                 if first_t is None:
                     first_t, start = t, clock()
@@ -295,7 +345,15 @@ def replay(directory, bus, *, keys=(), time_from=None, time_to=None, speed=None,
                         held = f"; waited {pacer.waited:.1f} s for slow subscribers" if pacer and pacer.waited else ""
                         warn(f"{behind:.1f} s behind the requested pace (--speed {speed:g}); "
                              f"replaying at {rate:,.0f} msg/s{held}")
+            t_send = clock()
             client.publish(key, payload)
+            took = clock() - t_send
+            if took > HELD_SEND:
+                held += took
+                if not said_held and held > HELD_SAY_AFTER:
+                    said_held = True
+                    warn(f"paced by the bus: it held our sends back for {held:.1f} s so far (a "
+                         f"subscriber in a block flood mode is reading slowly)", force=True)
             sent += 1
             nbytes += len(payload)
             if pacer is not None:
@@ -316,6 +374,16 @@ def replay(directory, bus, *, keys=(), time_from=None, time_to=None, speed=None,
     if lost[0]:
         warn(f"the recording marks {lost[0]} messages as lost (drop rows): they cannot be replayed",
              force=True)
+    if gaps:
+        warn(f"crossed {len(gaps)} gap(s) of unknown size (at seq {', '.join(map(str, gaps))})", force=True)
+    if (pacer is not None and pacer.said) or said_held:
+        why = []
+        if pacer is not None and pacer.said:
+            why.append(f"waited {pacer.waited:.1f} s for slow subscribers' queues (slowest: "
+                       f"{pacer.slowest().replace(' so far', '')})")
+        if said_held:
+            why.append(f"the bus held our sends back for {held:.1f} s")
+        warn("the replay was paced by slow subscribers: " + "; ".join(why), force=True)
     return sent, nbytes
 
 

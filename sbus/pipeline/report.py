@@ -20,6 +20,13 @@ chart picks its own window for enough points over the recording's span
 (`chart_window`) and writes its data to ``rate.json``. Everything written is
 private (0700/0600).
 
+Gap rows (``dropped`` -1: the recorder crashed, an unknown number lost)
+are counted as ``gaps`` and named in the headline's first line. Windows
+the recording covers only in part (its first and last, and those a gap
+cuts) are rated over the time it covers (``covered_seconds``, ``partial``),
+and drawn with open markers. The size chart counts from zero unless the
+spread needs a log axis, which its title then says (``sizes.json``).
+
 Percentiles are exact (Spark's ``percentile``: linear interpolation between
 closest ranks, as ``numpy.percentile``'s default). Windows are tumbling,
 aligned to the epoch, in UTC. A key's prefix is its first ``--depth``
@@ -31,10 +38,11 @@ from __future__ import annotations
 import datetime as dt
 import html
 import json
+import math
 import os
 import time
 
-from .spark import local_path, window_aggregates, with_prefix
+from .spark import is_remote, local_path, window_aggregates
 
 PERCENTILES = (0.5, 0.9, 0.99)
 SUMMARY_PERCENTILES = (0.5, 0.9, 0.99, 0.999)
@@ -45,15 +53,17 @@ def _pct_expr(col: str, ps) -> str:
     return f"percentile({col}, array({', '.join(repr(p) for p in ps)}))"
 
 
-def compute(spark, directory: str, window_seconds: float, depth: int = 1, top: int = 20):
+def compute(spark, directory: str, window_seconds: float, depth: int = 1, top: int = 20, gaps=()):
     """Build the report's DataFrames: {name: DataFrame}.
 
     Drop rows (``dropped`` > 0) are counted as known lost messages, never as
-    messages: they enter only ``dropped`` columns and the ``lost`` total.
+    messages: they enter only ``dropped`` columns and the ``lost`` total. Gap
+    rows (``dropped`` -1) are counted in ``gaps``; `gaps` (from `read_gaps`)
+    are the intervals the recorder was not running, which partial windows leave out.
     """
     from pyspark.sql import functions as F
 
-    from .spark import dropped_col, read_schema
+    from .spark import dropped_col, lost_col, read_schema
     from .units import spark_interval
 
     window = spark_interval(window_seconds)
@@ -64,23 +74,39 @@ def compute(spark, directory: str, window_seconds: float, depth: int = 1, top: i
     is_msg = F.col("dropped") == 0
     msg_size = F.when(is_msg, F.col("size"))
 
-    windows = window_aggregates(df, window, depth).orderBy("window_start", F.asc_nulls_last("prefix"))
+    # (windows and window_stats are small: sorted after they are fetched, see ORDER: a Spark
+    # orderBy costs a sampling job and a shuffle each)
+    windows = window_aggregates(df, window, depth)
 
     pct = F.expr(_pct_expr("msg_size", PERCENTILES))
+    # a window is partial where the recording does not cover it (before its first message, after
+    # its last, and while the recorder was down: gaps): rates divide by the time covered
+    bounds = msgs.agg(F.min("recv_time").alias("b_first"), F.max("recv_time").alias("b_last"))
+    lo = F.unix_micros(F.greatest(F.col("w.start"), F.col("b_first")))
+    hi = F.unix_micros(F.least(F.col("w.end"), F.col("b_last")))
+    cov = F.greatest(hi - lo, F.lit(0))
+    for g_from, g_to in gaps:
+        if g_from is not None:
+            cov = cov - F.greatest(F.least(hi, F.lit(_us(g_to))) - F.greatest(lo, F.lit(_us(g_from))), F.lit(0))
+    cov = F.greatest(cov, F.lit(0)) / F.lit(1e6)
     window_stats = (
         df.withColumn("msg_size", msg_size)
         .groupBy(F.window("recv_time", window).alias("w"))
         .agg(F.count("msg_size").alias("messages"), F.sum("msg_size").alias("bytes"),
-             F.sum("dropped").alias("dropped"),
+             F.sum(lost_col()).alias("dropped"), F.count(F.when(F.col("dropped") < 0, F.lit(1))).alias("gaps"),
              F.min("msg_size").alias("size_min"), pct.alias("p"), F.max("msg_size").alias("size_max"))
+        .crossJoin(bounds)
+        .withColumn("covered_seconds", F.least(cov, F.lit(float(window_seconds))))
         .select(F.col("w.start").alias("window_start"), F.col("w.end").alias("window_end"),
-                "messages", "bytes", "dropped",
-                (F.col("messages") / F.lit(window_seconds)).alias("msgs_per_s"),
-                (F.coalesce(F.col("bytes"), F.lit(0)) / F.lit(window_seconds)).alias("bytes_per_s"),
+                "messages", "bytes", "dropped", "gaps", "covered_seconds",
+                (F.col("covered_seconds") < F.lit(float(window_seconds))).alias("partial"),
+                F.when(F.col("covered_seconds") > 0, F.col("messages") / F.col("covered_seconds"))
+                .alias("msgs_per_s"),
+                F.when(F.col("covered_seconds") > 0,
+                       F.coalesce(F.col("bytes"), F.lit(0)) / F.col("covered_seconds")).alias("bytes_per_s"),
                 "size_min",
                 F.col("p")[0].alias("size_p50"), F.col("p")[1].alias("size_p90"),
                 F.col("p")[2].alias("size_p99"), "size_max")
-        .orderBy("window_start")
     )
 
     top_keys = (
@@ -90,17 +116,9 @@ def compute(spark, directory: str, window_seconds: float, depth: int = 1, top: i
         .limit(top)
     )
 
-    bucket = F.when(F.col("size") == 0, F.lit(0)).otherwise(
-        F.floor(F.log2(F.col("size"))).cast("int") + 1)
-    size_hist = (
-        msgs.select(bucket.alias("bucket"))
-        .groupBy("bucket").agg(F.count(F.lit(1)).alias("messages"))
-        .select("bucket",
-                F.expr("IF(bucket = 0, 0L, shiftleft(1L, bucket - 1))").alias("size_from"),
-                F.expr("IF(bucket = 0, 0L, shiftleft(1L, bucket) - 1)").alias("size_to"),
-                "messages")
-        .orderBy("bucket")
-    )
+    # one row per distinct payload size: the size histogram and the exact percentiles of the
+    # summary come from it (in Python: a few thousand rows), not from a pass over every row
+    size_counts = msgs.groupBy("size").agg(F.count(F.lit(1)).alias("messages"))
 
     # the headline's rates have one basis: 1-second windows (peak = the busiest, average =
     # the mean over every second from the first message's to the last's)
@@ -110,26 +128,180 @@ def compute(spark, directory: str, window_seconds: float, depth: int = 1, top: i
     peak_s = per_second.agg(_busiest("n", "w.start").alias("m"), F.max("b").alias("peak_bytes_per_s")).select(
         F.expr("timestamp_micros(-m.neg)").alias("peak_second"),
         F.coalesce(F.col("m.n"), F.lit(0)).alias("peak_msgs_per_s"), "peak_bytes_per_s")
-    peak_w = window_stats.agg(_busiest("messages", "window_start").alias("m")).select(
-        F.expr("timestamp_micros(-m.neg)").alias("peak_window_start"),
-        F.coalesce(F.col("m.n"), F.lit(0)).alias("peak_window_messages"))
-    lost = df.agg(F.sum("dropped").alias("lost"),
-                  F.count(F.when(F.col("dropped") > 0, F.lit(1))).alias("drop_rows"))
-    totals = with_prefix(msgs, depth).agg(
+    lost = df.agg(F.sum(lost_col()).alias("lost"),
+                  F.count(F.when(F.col("dropped") > 0, F.lit(1))).alias("drop_rows"),
+                  F.count(F.when(F.col("dropped") < 0, F.lit(1))).alias("gaps"))
+    # (distinct prefixes: from the windows table, in `run`)
+    totals = msgs.agg(
         F.count(F.lit(1)).alias("messages"), F.sum("size").alias("bytes"),
         F.countDistinct("key").alias("distinct_keys"),
-        F.countDistinct("prefix").alias("distinct_prefixes"),
         F.min("recv_time").alias("first"), F.max("recv_time").alias("last"),
-        F.min("size").alias("size_min"), F.max("size").alias("size_max"),
-        F.expr(_pct_expr("size", SUMMARY_PERCENTILES)).alias("p"),
-    ).select(
-        "*", *[F.col("p")[i].alias(f"size_p{_pname(p)}") for i, p in enumerate(SUMMARY_PERCENTILES)]
-    ).drop("p")
-    summary = (totals.crossJoin(lost).crossJoin(peak_s).crossJoin(peak_w)
+    )
+    summary = (totals.crossJoin(lost).crossJoin(peak_s)
                .withColumn("window_seconds", F.lit(float(window_seconds)))
                .withColumn("prefix_depth", F.lit(depth)))
     return {"windows": windows, "window_stats": window_stats, "top_keys": top_keys,
-            "size_hist": size_hist, "summary": summary}, df
+            "size_counts": size_counts, "summary": summary}, df
+
+
+SIZE_HIST_DDL = "bucket INT, size_from BIGINT, size_to BIGINT, messages BIGINT"
+
+
+def size_histogram(counts) -> list[dict]:
+    """Power-of-two buckets (0, 1, 2-3, 4-7, ...) from [(size, messages)]."""
+    buckets: dict[int, int] = {}
+    for size, n in counts:
+        b = 0 if size == 0 else size.bit_length()
+        buckets[b] = buckets.get(b, 0) + n
+    return [{"bucket": b, "size_from": 0 if b == 0 else 1 << (b - 1), "size_to": 0 if b == 0 else (1 << b) - 1,
+             "messages": buckets[b]} for b in sorted(buckets)]
+
+
+def percentiles_from_counts(counts, ps) -> list:
+    """Exact percentiles of the values [(value, count)] (sorted by value): linear interpolation
+    between closest ranks, as Spark's ``percentile`` and numpy's default; None when empty."""
+    total = sum(n for _, n in counts)
+    if not total:
+        return [None] * len(ps)
+
+    def at(rank):  # the value of 0-based rank
+        seen = 0
+        for v, n in counts:
+            seen += n
+            if rank < seen:
+                return v
+        return counts[-1][0]
+
+    out = []
+    for p in ps:
+        h = (total - 1) * p
+        lo, hi = math.floor(h), math.ceil(h)
+        a, b = at(lo), at(hi)
+        out.append(float(a + (h - lo) * (b - a)))
+    return out
+
+
+def busiest_window(window_stats) -> tuple:
+    """(start, messages) of the window with most messages (the earliest of ties); (None, 0)."""
+    best = None
+    for r in window_stats:
+        if r["messages"] and (best is None or r["messages"] > best["messages"]):
+            best = r
+    return (best["window_start"], best["messages"]) if best else (None, 0)
+
+
+#: How the small tables are sorted (nulls last), after they are fetched.
+ORDER = {"windows": ("window_start", "prefix"), "window_stats": ("window_start",)}
+
+
+def _save(df, tables: str, name: str, local: bool) -> list[dict]:
+    """Write a small result as the table `tables`/`name` and return its rows, sorted as
+    `ORDER` says. Locally: one Spark job (``toArrow``) and a private Parquet file written by
+    pyarrow; elsewhere Spark sorts and writes it (a cached single partition, then collected)."""
+    order = ORDER.get(name)
+    if local:
+        table = df.toArrow()
+        if order:
+            table = table.sort_by([(c, "ascending", "at_end") for c in order])
+        _write_local(table, tables, name)
+        return [_utc(r) for r in table.to_pylist()]
+    if order:
+        from pyspark.sql import functions as F
+
+        df = df.orderBy(*[F.asc_nulls_last(c) for c in order])
+    df = df.coalesce(1).cache()
+    df.write.mode("overwrite").parquet(f"{tables}/{name}")
+    rows = [_utc(r.asDict()) for r in df.collect()]
+    df.unpersist()
+    return rows
+
+
+def _write_local(table, tables: str, name: str) -> None:
+    """`table` as ``tables/name/part-00000.parquet`` (private), replacing what was there."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    path = os.path.join(local_path(tables), name)
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)  # overwrite, as Spark's mode("overwrite")
+    elif os.path.lexists(path):
+        os.unlink(path)
+    makedirs_private(path)
+    with private_file(os.path.join(path, "part-00000.parquet"), "wb") as f:
+        pq.write_table(table, f)
+
+
+def _us(t: dt.datetime) -> int:
+    return round(t.timestamp() * 1_000_000)
+
+
+def read_gaps(spark, directory: str) -> list[dict]:
+    """The recording's gap rows (an unknown number lost: the recorder stopped without
+    publishing), in seq order: {seq, from, to, after_seq, recovered}. Read apart from the rest:
+    ``payload`` only for them (Parquet statistics skip row groups without one)."""
+    from .spark import is_remote
+    from .writer import parse_gap
+
+    if is_remote(directory):
+        from pyspark.sql import functions as F
+
+        from .spark import read_schema
+
+        rows = [(r["seq"], _utc({"t": r["recv_time"]})["t"], bytes(r["payload"])) for r in
+                spark.read.schema(read_schema()).parquet(directory).where(F.col("dropped") < 0)
+                .select("seq", "recv_time", "payload").orderBy("seq").collect()]
+    else:  # a local recording: pyarrow reads only the row groups whose statistics say they hold one
+        rows = local_gap_rows(local_path(directory))
+    out = []
+    for seq, to, payload in rows:
+        d = parse_gap(payload)
+        try:
+            frm = dt.datetime.fromisoformat(d["from"]) if d.get("from") else None
+        except (TypeError, ValueError):
+            frm = None
+        out.append({"seq": seq, "from": frm, "to": to, "after_seq": d.get("after_seq"),
+                    "recovered": d.get("recovered")})
+    return out
+
+
+def local_gap_rows(directory: str) -> list[tuple]:
+    """[(seq, recv_time (aware UTC), payload)] of the gap rows of a local recording."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from .schema import published_files
+
+    rows = []
+    for _, _, path in published_files(directory):
+        pf = pq.ParquetFile(path)
+        names = pf.schema_arrow.names
+        if "dropped" not in names:
+            continue
+        col = names.index("dropped")
+        for i in range(pf.num_row_groups):
+            st = pf.metadata.row_group(i).column(col).statistics
+            if st is not None and st.has_min_max and st.min >= 0:
+                continue
+            t = pf.read_row_group(i, columns=["seq", "recv_time", "payload", "dropped"])
+            t = t.filter(pc.less(t.column("dropped"), 0))
+            for r in t.to_pylist():
+                rows.append((r["seq"], r["recv_time"].astimezone(dt.timezone.utc), r["payload"]))
+    return sorted(rows)
+
+
+def covered_seconds(start: dt.datetime, end: dt.datetime, first, last, gaps=()) -> float:
+    """How much of the window [start, end) the recording covers: from its first message to its
+    last, less the gaps (from, to) when the recorder was down. (`compute` does the same in Spark
+    for window_stats.)"""
+    if first is None or last is None:
+        return 0.0
+    lo, hi = max(start, first), min(end, last)
+    cov = max((hi - lo).total_seconds(), 0.0)
+    for g_from, g_to in gaps:
+        if g_from is not None:
+            cov -= max((min(hi, g_to) - max(lo, g_from)).total_seconds(), 0.0)
+    return min(max(cov, 0.0), (end - start).total_seconds())
 
 
 def _busiest(count: str, start: str):
@@ -146,23 +318,61 @@ def _pname(p: float) -> str:
 
 def run(spark, directory: str, out: str, *, window_seconds: float = 60.0, depth: int = 1,
         top: int = 20, top_prefixes: int = 6, html_dir: str | None = None, log=print,
-        shuffle_partitions: int | None = None) -> dict:
-    """Compute, write the tables and the HTML report; return the summary as a dict."""
+        shuffle_partitions: int | None = None, timings: dict | None = None) -> dict:
+    """Compute, write the tables and the HTML report; return the summary as a dict.
+
+    `timings` (seconds per stage) is completed and written to ``timings.json`` beside the page."""
     t0 = time.monotonic()
+    timings = dict(timings or {})
+    lap = [t0]
+
+    def took(stage):
+        now = time.monotonic()
+        timings[stage] = round(timings.get(stage, 0) + now - lap[0], 2)
+        lap[0] = now
+
     if shuffle_partitions:
         spark.conf.set("spark.sql.shuffle.partitions", str(int(shuffle_partitions)))
-    frames, cached = compute(spark, directory, window_seconds, depth, top)
+    gaps = read_gaps(spark, directory)
+    took("gaps")
+    intervals = [(g["from"], g["to"]) for g in gaps]
+    frames, cached = compute(spark, directory, window_seconds, depth, top, intervals)
     tables = out.rstrip("/") + "/tables"
     collected = {}
+    local = not is_remote(tables)
     try:
-        for name in TABLES:
-            df = frames[name]
-            # small results: one file each, collected once for the charts
-            df = df.coalesce(1).cache()
-            df.write.mode("overwrite").parquet(f"{tables}/{name}")
-            collected[name] = [_utc(r.asDict()) for r in df.collect()]
-            df.unpersist()
+        for name in ("windows", "window_stats", "top_keys"):
+            # small results: fetched once (Arrow), written as one file, kept for the charts
+            collected[name] = _save(frames[name], tables, name, local)
+            took(name)
+        counts = sorted((r["size"], r["messages"]) for r in frames["size_counts"].collect())
+        hist = size_histogram(counts)
+        if local:  # built here: written by pyarrow, no Spark job
+            import pyarrow as pa
+
+            _write_local(pa.Table.from_pylist(hist, schema=pa.schema(
+                [("bucket", pa.int32()), ("size_from", pa.int64()), ("size_to", pa.int64()),
+                 ("messages", pa.int64())])), tables, "size_hist")
+        else:
+            _save(spark.createDataFrame([tuple(h.values()) for h in hist], SIZE_HIST_DDL), tables,
+                  "size_hist", local)
+        collected["size_hist"] = hist
+        took("size_hist")
+        from pyspark.sql import functions as F
+
+        peak_start, peak_n = busiest_window(collected["window_stats"])
+        pcts = percentiles_from_counts(counts, SUMMARY_PERCENTILES)
+        prefixes = {r["prefix"] for r in collected["windows"] if r["prefix"] is not None}
+        extra = [(len(prefixes), "bigint", "distinct_prefixes"),
+                 (counts[0][0] if counts else None, "int", "size_min"),
+                 (counts[-1][0] if counts else None, "int", "size_max"),
+                 *[(v, "double", f"size_p{_pname(p)}") for v, p in zip(pcts, SUMMARY_PERCENTILES)],
+                 (peak_start, "timestamp", "peak_window_start"), (peak_n, "bigint", "peak_window_messages")]
+        base = frames["summary"].select("*", *[F.lit(v).cast(t).alias(name) for v, t, name in extra])
+        collected["summary"] = _save(base, tables, "summary", local)
         summary = collected["summary"][0]
+        took("summary")
+        summary["gap_list"] = gaps
         span = _span(summary)
         chart_w = chart_window(span, window_seconds)
         if chart_w == window_seconds:
@@ -172,6 +382,7 @@ def run(spark, directory: str, out: str, *, window_seconds: float = 60.0, depth:
 
             collected["chart"] = [_utc(r.asDict()) for r in
                                   window_aggregates(cached, spark_interval(chart_w), depth).collect()]
+            took("chart_windows")
     finally:
         cached.unpersist()
     html_dir = html_dir or local_path(out)
@@ -181,6 +392,9 @@ def run(spark, directory: str, out: str, *, window_seconds: float = 60.0, depth:
     text = headline_text(summary)
     with private_file(os.path.join(html_dir, "summary.txt"), "w") as f:
         f.write(text + "\n")
+    took("charts_and_page")
+    with private_file(os.path.join(html_dir, "timings.json"), "w") as f:
+        json.dump(timings, f, indent=1)
     log(text)
     return summary
 
@@ -263,6 +477,17 @@ def headline_text(s: dict) -> str:
                   f"marked by {s.get('drop_rows') or 0:,} drop rows)")
     else:
         losses = "none known lost"
+    gaps = s.get("gap_list") or []
+    ngaps = s.get("gaps") or len(gaps)
+    if ngaps:
+        if not lost:
+            losses = "none counted lost by drop rows"
+        g = gaps[0] if gaps else {}
+        where = (f"nothing recorded from {_ts(g.get('from')) if g.get('from') else 'the start'} to "
+                 f"{_ts(g.get('to'))}, after seq {g.get('after_seq')}") if g else "see the gap rows"
+        more = f"; {ngaps - 1} more below" if ngaps > 1 else ""
+        losses += (f"; {ngaps} gap{'s' if ngaps > 1 else ''} of unknown size (the recorder stopped "
+                   f"without publishing: {where}{more})")
     seconds = _seconds_spanned(s)
     # one basis for both rates: 1-second windows; the average is their mean, so never above the peak
     if seconds <= 1:
@@ -289,6 +514,10 @@ def headline_text(s: dict) -> str:
         f"payload size    min {s['size_min']}, p50 {_g(s['size_p50'])}, p90 {_g(s['size_p90'])}, "
         f"p99 {_g(s['size_p99'])}, p99.9 {_g(s['size_p999'])}, max {s['size_max']} bytes",
     ]
+    for g in gaps[1:] if len(gaps) > 1 else []:
+        lines.append(f"gap             nothing recorded from "
+                     f"{_ts(g['from']) if g.get('from') else 'the start'} to {_ts(g['to'])}, "
+                     f"after seq {g.get('after_seq')} (count unknown)")
     return "\n".join(lines)
 
 
@@ -341,12 +570,38 @@ def write_html(out: str, directory: str, t: dict, window_seconds: float, depth: 
             drawn["(other)"] = other
         if any(lost.values()):
             drawn["(lost)"] = lost
+        summ = t["summary"][0]
+        gaps = [(g["from"], g["to"]) for g in summ.get("gap_list") or []]
+        width = dt.timedelta(seconds=w)
+        # a point's rate is over the time the recording covers in its window (partial windows:
+        # the recording's first and last, and those a gap cuts), not over the whole window
+        cover = {x: covered_seconds(x, x + width, summ.get("first"), summ.get("last"), gaps) for x in starts}
+        partial = [x for x in starts if cover[x] < w - 1e-9]
+
+        def rate(values, x):
+            return values[x] / cover[x] if cover[x] > 0 else None
+
         fig, ax = plt.subplots(figsize=(8, 3.6), dpi=90)
         marker = "o" if len(starts) < 60 else None
+        styles = {}
         for name, values in drawn.items():
-            style = {"color": "grey", "linestyle": "--"} if name == "(other)" else \
-                {"color": "red", "linestyle": ":"} if name == "(lost)" else {}
-            ax.plot(starts, [values[x] / w for x in starts], label=name, marker=marker, **style)
+            # "(other)" (often many prefixes summed) is drawn first, thin and light: it must not hide
+            # a prefix's line; the prefixes above it, "(lost)" on top
+            style = (dict(color="grey", linestyle="--", linewidth=1.0, alpha=0.6, zorder=1)
+                     if name == "(other)" else dict(color="red", linestyle=":", linewidth=1.5, zorder=4)
+                     if name == "(lost)" else dict(linewidth=1.5, zorder=3))
+            styles[name] = style
+            ys = [rate(values, x) for x in starts]
+            ax.plot(starts, [float("nan") if y is None else y for y in ys], label=name, marker=marker, **style)
+            px = [x for x in partial if rate(values, x) is not None]
+            if px:  # partial windows: open markers
+                ax.plot(px, [rate(values, x) for x in px], linestyle="none", marker="o", markersize=5,
+                        markerfacecolor="white", markeredgecolor=style.get("color", ax.lines[-1].get_color()),
+                        zorder=style["zorder"] + 0.5)
+        for g_from, g_to in gaps:
+            if g_from is not None:
+                ax.axvspan(g_from, g_to, color="red", alpha=0.12, zorder=0,
+                           label="gap (recorder down)" if (g_from, g_to) == gaps[0] else None)
         x0, x1 = starts[0], starts[-1] + dt.timedelta(seconds=w)
         ax.set_xlim(x0, x1)  # the axis spans the data, not the locator's idea of a range
         ax.set_ylim(bottom=0)
@@ -354,6 +609,8 @@ def write_html(out: str, directory: str, t: dict, window_seconds: float, depth: 
         one = " (one window: the recording is shorter than the window)" if len(starts) == 1 else ""
         ax.set_ylabel("messages / s")
         ax.set_title(f"Message rate per key prefix (depth {depth}, {w:g} s windows, UTC){one}")
+        if partial:
+            ax.set_xlabel("open markers: partial windows (rate over the time the recording covers)", fontsize=7)
         ax.legend(fontsize=7, loc="upper right")
         ax.grid(alpha=0.3)
         fig.autofmt_xdate()
@@ -362,8 +619,12 @@ def write_html(out: str, directory: str, t: dict, window_seconds: float, depth: 
         save(fig, "rate.png")
         data = {"window_seconds": w, "report_window_seconds": window_seconds, "points": len(starts),
                 "x_axis": [lo.isoformat(), hi.isoformat()],
-                "series": {name: [[x.isoformat(), values[x] / w] for x in starts]
-                           for name, values in drawn.items()}}
+                "series": {name: [[x.isoformat(), rate(values, x)] for x in starts]
+                           for name, values in drawn.items()},
+                "partial": [[x.isoformat(), cover[x]] for x in partial],
+                "gaps": [[f.isoformat() if f else None, to.isoformat()] for f, to in gaps],
+                "draw_order": list(drawn),
+                "style": {name: {k: v for k, v in st.items()} for name, st in styles.items()}}
         with private_file(os.path.join(out, "rate.json"), "w") as f:
             json.dump(data, f, indent=1)
         charts.append(("rate.png", "Message rate over time per top prefix"))
@@ -385,15 +646,28 @@ def write_html(out: str, directory: str, t: dict, window_seconds: float, depth: 
         h = t["size_hist"]
         fig, ax = plt.subplots(figsize=(8, 3.2), dpi=90)
         labels = [_size_label(r) for r in h]
-        ax.bar(range(len(h)), [r["messages"] for r in h], color="tab:green")
+        counts = [r["messages"] for r in h]
+        ax.bar(range(len(h)), counts, color="tab:green")
         ax.set_xticks(range(len(h)), labels, rotation=45, ha="right", fontsize=7)
-        ax.set_yscale("log")
+        scale = size_scale(counts)
+        title = "Payload size distribution (power-of-two buckets)"
+        if scale == "log":  # the smallest bar would vanish on a linear axis: log, and say so
+            ax.set_yscale("log")
+            ax.set_ylim(bottom=0.5, top=max(counts) * 2)
+            ax.set_ylabel("messages (log scale)")
+            title += f"; log scale: counts from {min(c for c in counts if c):,} to {max(counts):,}"
+        else:  # counts from zero, so bar heights compare as the counts do
+            ax.set_ylim(bottom=0, top=max(counts) * 1.05)
+            ax.set_ylabel("messages")
         ax.set_xlabel("payload size (bytes)")
-        ax.set_ylabel("messages")
-        ax.set_title("Payload size distribution (power-of-two buckets)")
+        ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
         fig.tight_layout()
         save(fig, "sizes.png")
+        with private_file(os.path.join(out, "sizes.json"), "w") as f:
+            json.dump({"scale": scale, "y_axis": list(ax.get_ylim()), "title": title,
+                       "buckets": [{"label": lb, "size_from": r["size_from"], "size_to": r["size_to"],
+                                    "messages": r["messages"]} for lb, r in zip(labels, h)]}, f, indent=1)
         charts.append(("sizes.png", "Payload size distribution"))
 
     s = t["summary"][0]
@@ -403,7 +677,7 @@ def write_html(out: str, directory: str, t: dict, window_seconds: float, depth: 
     rows_win = "".join(
         f"<tr><td>{_ts(r['window_start'])}</td><td>{r['messages']:,}</td><td>{r['dropped'] or 0:,}</td>"
         f"<td>{r['bytes'] or 0:,}</td>"
-        f"<td>{r['msgs_per_s']:,.1f}</td><td>{_g(r['size_p50'])}</td><td>{_g(r['size_p90'])}</td>"
+        f"<td>{_rate_cell(r)}</td><td>{_g(r['size_p50'])}</td><td>{_g(r['size_p90'])}</td>"
         f"<td>{_g(r['size_p99'])}</td><td>{_g(r['size_max'])}</td></tr>" for r in t["window_stats"][:500])
     more = len(t["window_stats"]) - 500
     imgs = "".join(f'<h2>{e(title)}</h2><img src="{name}" alt="{e(title)}">' for name, title in charts)
@@ -414,7 +688,8 @@ td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}td:first-child{{t
 pre{{background:#f4f4f4;padding:.5em}}</style></head><body>
 <h1>sbus traffic report</h1>
 <p>Recording <code>{e(directory)}</code>; generated {_ts(dt.datetime.now(dt.timezone.utc))};
-tables as Parquet under <code>tables/</code>; the rate chart's data in <code>rate.json</code>.</p>
+tables as Parquet under <code>tables/</code>; the charts' data in <code>rate.json</code> and
+<code>sizes.json</code>.</p>
 <pre>{e(headline_text(s))}</pre>
 {imgs}
 <h2>Top keys</h2><table><tr><th>key</th><th>messages</th><th>bytes</th></tr>{rows_top}</table>
@@ -427,6 +702,24 @@ tables as Parquet under <code>tables/</code>; the rate chart's data in <code>rat
 """
     with private_file(os.path.join(out, "index.html"), "w") as f:
         f.write(page)
+
+
+#: The sizes chart goes logarithmic when the largest bucket is over this many times the smallest
+#: non-empty one (the smallest would be under 1 % of the axis: invisible on a linear one).
+LOG_SPREAD = 100
+
+
+def size_scale(counts) -> str:
+    """"linear" (from zero) unless the counts' spread needs "log"."""
+    nonzero = [c for c in counts if c > 0]
+    return "log" if nonzero and max(nonzero) / min(nonzero) > LOG_SPREAD else "linear"
+
+
+def _rate_cell(r) -> str:
+    if r.get("msgs_per_s") is None:
+        return "-"
+    text = f"{r['msgs_per_s']:,.1f}"
+    return text + f" (partial: {r['covered_seconds']:.3g} s covered)" if r.get("partial") else text
 
 
 def _short(key: str, n: int = 48) -> str:

@@ -6,6 +6,7 @@ A recording is a flat directory of Parquet files written by
     DIR/rec-0000000000000001-0000000000051234.parquet   published (complete, closed, fsynced)
     DIR/rec-0000000000051235-0000000000102400.parquet
     DIR/_tmp/...                                        being written; never read
+                                                        (a crash's leftovers are recovered at start)
 
 The two numbers in a name are the first and last ``seq`` in the file, so
 names sort in recording order and the recorder finds where to continue
@@ -26,6 +27,9 @@ Columns (see docs/pipeline.md):
                                       (dropped by the bus or by the recorder's own queue).
                                       Its ``key``/``payload`` are the first/last lost keys
                                       (empty when unknown), ``size`` is 0.
+                                      -1 (`GAP`) marks a *gap row*: an unknown number lost
+                                      (the recorder stopped without publishing: a crash);
+                                      ``key`` is empty, ``payload`` a JSON description.
 
 Recordings made before ``dropped`` existed have no such column; readers
 treat it as 0 (Spark reads it as NULL with `SPARK_DDL`).
@@ -47,6 +51,10 @@ ROW_OVERHEAD = 64
 DEFAULT_ROLL_BYTES = 128 << 20
 DEFAULT_ROLL_AGE = 60.0
 DEFAULT_ROW_GROUP_BYTES = 32 << 20
+
+#: ``dropped`` of a *gap row*: an unknown number of messages was lost here (the recorder
+#: stopped without publishing: a crash, ``kill -9``); its ``payload`` describes the gap (JSON).
+GAP = -1
 
 #: Keys under this prefix are the pipeline's own output (``sbus-pipeline stream
 #: --publish-to NAME`` publishes under ``_pipeline/NAME/``); the recorder skips them

@@ -81,10 +81,19 @@ def local_path(path: str) -> str:
 
 
 def dropped_col():
-    """How many messages a row stands for as lost: 0 for a message, N for a drop row."""
+    """The row's ``dropped``: 0 for a message, N > 0 for a drop row, -1 for a gap row."""
     from pyspark.sql import functions as F
 
     return F.coalesce(F.col("dropped"), F.lit(0))
+
+
+def lost_col():
+    """How many messages a row stands for as known lost: N for a drop row, else 0 (a gap
+    row's count is unknown: it is counted as a gap, never as messages)."""
+    from pyspark.sql import functions as F
+
+    d = dropped_col()
+    return F.when(d > 0, d).otherwise(F.lit(0))
 
 
 def with_prefix(df, depth: int):
@@ -99,7 +108,7 @@ def with_prefix(df, depth: int):
 
 def window_aggregates(df, window: str, depth: int):
     """Per (window, prefix): messages, payload bytes and known lost messages (on the
-    rows whose prefix is NULL). The transform both jobs share."""
+    rows whose prefix is NULL; a gap row adds nothing to them). The transform both jobs share."""
     from pyspark.sql import functions as F
 
     d = dropped_col()
@@ -107,7 +116,7 @@ def window_aggregates(df, window: str, depth: int):
         with_prefix(df, depth)
         .groupBy(F.window("recv_time", window).alias("w"), "prefix")
         .agg(F.count(F.when(d == 0, F.lit(1))).alias("messages"), F.sum("size").alias("bytes"),
-             F.sum(d).alias("dropped"))
+             F.sum(lost_col()).alias("dropped"))
         .select(
             F.col("w.start").alias("window_start"),
             F.col("w.end").alias("window_end"),

@@ -6,35 +6,52 @@ recordings through the same code path.
 
 Life of a file:
 
-1. the first row opens ``DIR/_tmp/<name>.parquet.part`` (a `pq.ParquetWriter`),
-   created with ``O_CREAT|O_EXCL|O_NOFOLLOW``, mode 0600, relative to a
-   descriptor of ``_tmp/`` itself opened with ``O_NOFOLLOW``: a symlink
-   planted in ``DIR`` or ``_tmp/`` is never followed, nothing existing is
-   overwritten;
-2. rows are buffered in memory and written as one row group whenever the
-   buffer reaches ``row_group_bytes`` (one ``write_table`` = one row group);
+1. the first row opens the file's **journal**, ``DIR/_tmp/rec-<first seq>.arrows``
+   (an Arrow IPC stream), and ``DIR/_tmp/rec-<first seq>.parquet.part`` (a
+   `pq.ParquetWriter`), both created with ``O_CREAT|O_EXCL|O_NOFOLLOW``, mode
+   0600, relative to a descriptor of ``_tmp/`` itself opened with
+   ``O_NOFOLLOW``: a symlink planted in ``DIR`` or ``_tmp/`` is never
+   followed, nothing existing is overwritten;
+2. every batch of rows the writer takes (`extend`) goes to the journal at
+   once, as one IPC record batch written straight to the kernel (no buffer
+   in this process), and is kept in memory until ``row_group_bytes`` are
+   buffered, which become one Parquet row group;
 3. when the file reaches ``roll_bytes`` on disk (plus what is buffered) or
-   ``roll_age`` seconds after its first row, the rest is written, the file is
-   closed, fsynced, renamed to ``DIR/rec-FIRST-LAST.parquet`` and the
-   directory is fsynced. Only then does anything read it.
+   ``roll_age`` seconds after its first row, the rest is written, the
+   Parquet file is closed, fsynced, renamed to ``DIR/rec-FIRST-LAST.parquet``,
+   the directory is fsynced, and the journal is deleted. Only then does
+   anything read it.
 
-A crash loses the rows of the file being written (at most ``roll_age``
-seconds or ``roll_bytes`` of traffic) plus what is still queued for the
-writer; published files are complete. ``_tmp/`` is emptied when a writer
-starts, so a truncated file left there by a crash is never read.
+**Why a journal.** A Parquet file is unreadable until it is closed: its
+index (the footer, with every row group's offsets) is written last, so the
+``.part`` file a crash leaves behind cannot be read. An Arrow IPC stream
+is readable up to its last whole record batch. So a writer that starts
+after a crash (``kill -9``, OOM, power cut: the kernel had the journal's
+writes) **recovers** the whole batches of each leftover journal as a
+published file, and says so (`Recovery`); what it cannot recover is what
+was still queued for the writer in the dead process (and, after a power
+cut, what the kernel had not yet put on disk: the journal is not fsynced
+per batch). A file marker ``_tmp/running`` (the writer's pid) exists while
+a writer runs; finding it (or a leftover) at start means the last run did
+not stop cleanly: `Recovery.unclean`, and the recorder marks that hole
+with a *gap row* (below). ``_tmp/`` is emptied when a writer starts.
 
 Directories the writer creates are 0700, files 0600 (whatever the umask):
 a recording can hold anything the bus carried, secret keys included.
 
 Rows are ``(recv_time_us, seq, key, payload)`` for messages (`extend`), and
 *drop rows* (`add_drop`) that mark where messages were lost: column
-``dropped`` = how many, ``key``/``payload`` = first/last lost key.
+``dropped`` = how many, ``key``/``payload`` = first/last lost key; a *gap
+row* (``dropped`` = `GAP`, -1) marks an unknown number lost (a crash), its
+``payload`` a JSON description (see `gap_payload`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -44,6 +61,7 @@ from .schema import (  # noqa: F401  (constants re-exported)
     DEFAULT_ROLL_AGE,
     DEFAULT_ROLL_BYTES,
     DEFAULT_ROW_GROUP_BYTES,
+    GAP,
     ROW_OVERHEAD,
     TMP_DIR,
     arrow_schema,
@@ -103,11 +121,78 @@ def create_private(name: str, dir_fd: int) -> int:
         return os.open(name, _CREATE_FLAGS, FILE_MODE, dir_fd=dir_fd)
 
 
+#: While a writer runs, ``_tmp/`` holds this marker (its pid); a clean close removes it.
+MARKER = "running"
+JOURNAL_SUFFIX = ".arrows"
+PART_SUFFIX = ".parquet.part"
+RECOVERING_SUFFIX = ".parquet.recovering"
+
+
+@dataclass
+class Recovery:
+    """What a writer found in ``_tmp/`` when it started."""
+
+    #: The last writer did not stop cleanly (its marker or unpublished files were left).
+    unclean: bool = False
+    #: (leftover name, rows recovered, published file name)
+    recovered: list = field(default_factory=list)
+    #: (leftover name, why it was removed)
+    removed: list = field(default_factory=list)
+
+
+def gap_payload(after_seq: int, after_us: int | None, restart_us: int, recovered: int) -> bytes:
+    """The JSON description a gap row carries (its ``payload``)."""
+    def iso(us):
+        if us is None:
+            return None
+        import datetime as dt
+        return dt.datetime.fromtimestamp(us / 1e6, dt.timezone.utc).isoformat(timespec="microseconds")
+
+    return json.dumps({"gap": "the recorder stopped without publishing (crash or kill -9)",
+                       "after_seq": after_seq, "from": iso(after_us), "to": iso(restart_us),
+                       "lost": None, "recovered": recovered}).encode()
+
+
+def parse_gap(payload: bytes) -> dict:
+    """A gap row's description (`gap_payload`), or {} when it is not one."""
+    try:
+        d = json.loads(payload)
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def read_journal(fd: int, name: str) -> tuple[object | None, str]:
+    """The whole record batches of a journal as a table (None if none), and what ended it."""
+    f = open(fd, "rb", closefd=True)
+    batches = []
+    why = "complete"
+    try:
+        reader = pa.ipc.open_stream(f)
+        if not reader.schema.equals(arrow_schema(), check_metadata=False):
+            return None, "not a journal of this recorder (another schema)"
+        while True:
+            try:
+                batches.append(reader.read_next_batch())
+            except StopIteration:
+                break
+            except (pa.ArrowInvalid, OSError, EOFError) as e:
+                why = f"cut short ({str(e).splitlines()[0][:100]}): the rest was being written"
+                break
+    except (pa.ArrowInvalid, OSError, EOFError) as e:
+        return None, f"unreadable ({str(e).splitlines()[0][:100]})"
+    finally:
+        f.close()
+    if not batches:
+        return None, "no whole batch in it"
+    return pa.Table.from_batches(batches, schema=arrow_schema()), why
+
+
 class RecordingWriter:
     """Writes rows ``(recv_time_us, seq, key, payload)`` to a recording directory.
 
     Not thread-safe: one thread owns it. `log(text)` receives one line per
-    published or deleted file.
+    published or deleted file. `recovery` says what the start found in ``_tmp/``.
     """
 
     def __init__(
@@ -138,40 +223,128 @@ class RecordingWriter:
         self.fsync = fsync
         self.clock = clock
         self.log = log or (lambda text: None)
-        #: Leftovers removed from _tmp/ (names).
-        self.cleaned = self._clean_tmp()
+        self._clear_file()
+        self._reset_buffer()
+        self.files_published = 0
+        self.rows_published = 0
+        #: What was found in _tmp/: recovered leftovers, removed ones, whether the last run crashed.
+        self.recovery = self._recover_tmp()
+        #: Names of the leftovers removed from _tmp/ (kept for callers of the old interface).
+        self.cleaned = [name for name, _ in self.recovery.removed]
         files = published_files(directory)
         #: The seq the next recorded message gets (continues the directory's numbering).
         self.next_seq = files[-1][1] + 1 if files else 1
-        self.files_published = 0
-        self.rows_published = 0
-        self._reset_buffer()
-        self._writer: pq.ParquetWriter | None = None
-        self._file = None
-        self._tmp_path = None
-        self._first_seq = self._last_seq = None
-        self._opened_at = 0.0
-        self._file_rows = 0
-        self._file_size = 0
-        self._file_drop_rows = self._file_dropped = 0
+        fd = create_private(MARKER, self._tmp_fd)
+        with open(fd, "w") as f:
+            f.write(f"{os.getpid()}\n")
 
     # -- buffer
 
     def _reset_buffer(self):
-        self._times: list[int] = []
-        self._seqs: list[int] = []
-        self._keys: list[bytes] = []
-        self._payloads: list[bytes] = []
-        self._drops: list[tuple[int, int]] = []  # (index in the buffer, count)
+        self._batches: list = []
+        self._buf_rows = 0
+        self._buf_drop_rows = self._buf_dropped = 0
         self._buf_bytes = 0
 
-    def _clean_tmp(self) -> list[str]:
-        removed = []
-        for entry in os.scandir(self._tmp_fd):
-            if entry.is_file(follow_symlinks=False) or entry.is_symlink():
-                os.unlink(entry.name, dir_fd=self._tmp_fd)  # a symlink: the link, not its target
-                removed.append(entry.name)
-        return removed
+    def _recover_tmp(self) -> Recovery:
+        """Publish the whole batches of each leftover journal; remove everything else."""
+        rec = Recovery()
+        names = sorted(e.name for e in os.scandir(self._tmp_fd)
+                       if e.is_file(follow_symlinks=False) or e.is_symlink())
+        journals = {n[:-len(JOURNAL_SUFFIX)] for n in names if n.endswith(JOURNAL_SUFFIX)}
+        for name in names:
+            if os.path.islink(os.path.join(self.tmp, name)):
+                why = "a symlink (removed the link, not its target)"
+            elif name == MARKER:
+                rec.unclean = True
+                why = None
+            elif name.endswith(JOURNAL_SUFFIX):
+                rec.unclean = True
+                why = self._recover_journal(name, rec)
+            elif name.endswith(PART_SUFFIX):
+                rec.unclean = True
+                if name[:-len(PART_SUFFIX)] in journals:
+                    why = None  # its journal holds the same rows
+                else:
+                    why = ("unreadable: a Parquet file's index (footer) is written only when it is closed, "
+                           "so the rows of one cut short cannot be read")
+            elif name.endswith(RECOVERING_SUFFIX):
+                why = None  # a recovery cut short: its journal is recovered again
+            else:
+                why = "not the recorder's"
+            try:
+                os.unlink(name, dir_fd=self._tmp_fd)
+            except FileNotFoundError:
+                pass
+            if why is not None:
+                rec.removed.append((name, why))
+        if rec.recovered or rec.removed:
+            os.fsync(self._tmp_fd) if self.fsync else None
+        return rec
+
+    def _recover_journal(self, name: str, rec: Recovery) -> str | None:
+        files = published_files(self.directory)
+        last = files[-1][1] if files else 0
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._tmp_fd)
+        except OSError as e:
+            return f"cannot open: {e.strerror}"
+        table, why = read_journal(fd, name)
+        if table is None:
+            return why
+        seqs = table.column("seq")
+        keep = pc.greater(seqs, last)  # rows a published file already holds are not published twice
+        table = table.filter(keep)
+        if table.num_rows == 0:
+            return "its rows were all published already"
+        seq = table.column("seq").to_numpy()
+        if len(seq) > 1 and not (seq[1:] > seq[:-1]).all():
+            return "its seqs are not increasing: not a journal of this recorder"
+        try:
+            published = self._publish_table(table)
+        except OSError as e:  # a full disk must not keep the recorder from starting: the gap covers them
+            try:
+                os.unlink(f"rec-{table.column('seq')[0].as_py():016d}{RECOVERING_SUFFIX}", dir_fd=self._tmp_fd)
+            except OSError:
+                pass
+            return f"could not publish its {table.num_rows} whole rows ({e.strerror}): lost, inside the gap"
+        rec.recovered.append((name, table.num_rows, published))  # the recorder logs it
+        return None
+
+    def _publish_table(self, table) -> str:
+        """Write `table` as a published file at once (recovery); its name."""
+        first, last = table.column("seq")[0].as_py(), table.column("seq")[-1].as_py()
+        part = f"rec-{first:016d}{RECOVERING_SUFFIX}"
+        fd = create_private(part, self._tmp_fd)
+        with open(fd, "wb", buffering=0, closefd=True) as f:
+            nbytes = table.nbytes
+            rows = max(1, int(table.num_rows * self.row_group_bytes / max(nbytes, 1)))
+            pq.write_table(table, f, row_group_size=rows, compression=self.compression)
+            if self.fsync:
+                os.fsync(f.fileno())
+        name = file_name(first, last)
+        os.rename(part, name, src_dir_fd=self._tmp_fd, dst_dir_fd=self._dir_fd)
+        if self.fsync:
+            os.fsync(self._dir_fd)
+        return name
+
+    def last_row(self) -> tuple[int, int] | None:
+        """(seq, recv_time in µs) of the recording's last published row, None if it is empty."""
+        files = published_files(self.directory)
+        if not files:
+            return None
+        pf = pq.ParquetFile(files[-1][2])
+        if pf.num_row_groups == 0:
+            return None
+        t = pf.read_row_group(pf.num_row_groups - 1, columns=["recv_time", "seq"])
+        return t.column("seq")[-1].as_py(), t.column("recv_time").cast(pa.int64())[-1].as_py()
+
+    def gap_row(self, restart_us: int) -> tuple[int, int, bytes, bytes]:
+        """A drop row for an unclean start: (recv_us, GAP, b"", description) minus the seq."""
+        last = self.last_row()
+        recovered = sum(n for _, n, _ in self.recovery.recovered)
+        after_seq, after_us = (last if last is not None else (0, None))
+        return restart_us, GAP, b"", gap_payload(after_seq, after_us, restart_us, recovered)
 
     def __del__(self):
         for fd in (getattr(self, "_tmp_fd", None), getattr(self, "_dir_fd", None)):
@@ -183,27 +356,31 @@ class RecordingWriter:
 
     @property
     def pending_rows(self) -> int:
-        """Rows accepted but not yet in a published file (lost if we crash now)."""
-        return self._file_rows + len(self._seqs)
+        """Rows accepted but not yet in a published file (recovered from the journal after a crash)."""
+        return self._file_rows + self._buf_rows
 
     def last_taken_seq(self) -> int | None:
-        """The seq of the last row `extend` took (buffered or in the file), None if none."""
-        return self._seqs[-1] if self._seqs else self._last_seq
+        """The seq of the last row `extend` took (journaled), None if none."""
+        return self._last_seq
 
     def add_drop(self, recv_us: int, seq: int, count: int, first: bytes = b"", last: bytes = b"") -> None:
-        """A drop row: `count` messages were lost at this point (first and last key if known)."""
-        self._drops.append((len(self._seqs), count))
-        self.extend(((recv_us, seq, first, last),))
+        """A drop row: `count` messages were lost at this point (first and last key if known);
+        `count` GAP: an unknown number (`payload` = `last` describes the gap)."""
+        self.extend(((recv_us, seq, first, last),), dropped=count)
 
     def append(self, recv_us: int, seq: int, key: bytes, payload: bytes) -> None:
         self.extend(((recv_us, seq, key, payload),))
 
-    def extend(self, rows) -> None:
-        """Add rows (iterable of ``(recv_time_us, seq, key, payload)``), in seq order."""
-        times, seqs, keys, payloads = self._times, self._seqs, self._keys, self._payloads
+    def extend(self, rows, dropped: int = 0) -> None:
+        """Add rows (iterable of ``(recv_time_us, seq, key, payload)``), in seq order.
+
+        Each call's rows reach the journal before it returns (in batches cut at row-group
+        boundaries). `dropped` (add_drop): every row of the call is a drop row of that count."""
+        times, seqs, keys, payloads = [], [], [], []
         nbytes = self._buf_bytes
+        limit = self.row_group_bytes
         for t, s, k, p in rows:
-            if self._first_seq is None:
+            if self._first_seq is None and not seqs:
                 self._first_seq = s
                 self._opened_at = self.clock()
             times.append(t)
@@ -211,16 +388,36 @@ class RecordingWriter:
             keys.append(k)
             payloads.append(p)
             nbytes += len(k) + len(p) + ROW_OVERHEAD
-            if nbytes >= self.row_group_bytes:
-                self._buf_bytes = nbytes
+            if nbytes >= limit:
+                self._add_batch(times, seqs, keys, payloads, dropped)
+                times, seqs, keys, payloads = [], [], [], []
                 self._write_row_group()
-                times, seqs, keys, payloads = self._times, self._seqs, self._keys, self._payloads
                 nbytes = 0
                 if self._file_size >= self.roll_bytes:
                     self.publish()
+        if seqs:
+            self._add_batch(times, seqs, keys, payloads, dropped)
         self._buf_bytes = nbytes
-        if self._seqs and self._file_size + nbytes >= self.roll_bytes:
+        if self._batches and self._file_size + nbytes >= self.roll_bytes:
             self.publish()
+
+    def _add_batch(self, times, seqs, keys, payloads, dropped: int) -> None:
+        n = len(seqs)
+        pl = pa.array(payloads, type=pa.binary())
+        sizes = pa.array([0] * n, type=pa.int32()) if dropped else pc.binary_length(pl).cast(pa.int32())
+        batch = pa.RecordBatch.from_arrays(
+            [pa.array(times, type=pa.timestamp("us", tz="UTC")), pa.array(keys, type=pa.binary()), pl, sizes,
+             pa.array(seqs, type=pa.int64()), pa.array([dropped] * n, type=pa.int64())],
+            schema=arrow_schema())
+        if self._journal is None:
+            self._open_files()
+        self._journal.write_batch(batch)  # straight to the kernel: survives kill -9
+        self._batches.append(batch)
+        self._last_seq = seqs[-1]
+        self._buf_rows += n
+        if dropped:
+            self._buf_drop_rows += n
+            self._buf_dropped += n * max(dropped, 0)
 
     def tick(self) -> None:
         """Publish the current file if it is older than ``roll_age``; call often."""
@@ -234,46 +431,35 @@ class RecordingWriter:
 
     # -- files
 
+    def _open_files(self) -> None:
+        base = f"rec-{self._first_seq:016d}"
+        self._journal_name = base + JOURNAL_SUFFIX
+        self._journal_file = open(create_private(self._journal_name, self._tmp_fd), "wb", buffering=0,
+                                  closefd=True)
+        self._journal = pa.ipc.new_stream(self._journal_file, arrow_schema())
+        self._tmp_path = os.path.join(self.tmp, base + PART_SUFFIX)
+        self._file = open(create_private(base + PART_SUFFIX, self._tmp_fd), "wb", buffering=0, closefd=True)
+        self._writer = pq.ParquetWriter(self._file, arrow_schema(), compression=self.compression)
+
     def _write_row_group(self) -> None:
-        if not self._seqs:
+        if not self._batches:
             return
-        n = len(self._seqs)
-        payloads = pa.array(self._payloads, type=pa.binary())
-        sizes = pc.binary_length(payloads).cast(pa.int32())
-        dropped = [0] * n
-        if self._drops:
-            for i, count in self._drops:
-                dropped[i] = count
-            sizes = pa.array([0 if d else s for s, d in zip(sizes.to_pylist(), dropped)], type=pa.int32())
-        schema = arrow_schema()
-        table = pa.Table.from_arrays(
-            [
-                pa.array(self._times, type=pa.timestamp("us", tz="UTC")),
-                pa.array(self._keys, type=pa.binary()),
-                payloads,
-                sizes,
-                pa.array(self._seqs, type=pa.int64()),
-                pa.array(dropped, type=pa.int64()),
-            ],
-            schema=schema,
-        )
-        if self._writer is None:
-            name = f"rec-{self._first_seq:016d}.parquet.part"
-            self._tmp_path = os.path.join(self.tmp, name)
-            fd = create_private(name, self._tmp_fd)
-            self._file = open(fd, "wb", buffering=0, closefd=True)
-            self._writer = pq.ParquetWriter(self._file, schema, compression=self.compression)
-        self._last_seq = self._seqs[-1]
+        table = pa.Table.from_batches(self._batches, schema=arrow_schema())
+        n = table.num_rows
         self._writer.write_table(table, row_group_size=n)
-        self._file_rows += n  # after the write: if it fails, abandon() counts these rows once (buffered)
-        self._file_drop_rows += len(self._drops)
-        self._file_dropped += sum(c for _, c in self._drops)
+        # after the write: if it fails, abandon() counts these rows once (buffered)
+        self._file_rows += n
+        self._file_drop_rows += self._buf_drop_rows
+        self._file_dropped += self._buf_dropped
         self._reset_buffer()
         self._file_size = os.fstat(self._file.fileno()).st_size
 
     def publish(self) -> str | None:
         """Write what is buffered, close, fsync and rename the current file; its path."""
         if self._first_seq is None:
+            return None
+        if self._writer is None:  # a row was seen but its batch never reached the journal
+            self._clear_file()
             return None
         self._write_row_group()
         self._writer.close()
@@ -287,6 +473,7 @@ class RecordingWriter:
         os.rename(os.path.basename(self._tmp_path), name, src_dir_fd=self._tmp_fd, dst_dir_fd=self._dir_fd)
         if self.fsync:
             os.fsync(self._dir_fd)
+        self._close_journal(unlink=True)  # after the rename: a crash in between leaves both (recovery skips it)
         rows = self._file_rows
         self.files_published += 1
         self.rows_published += rows
@@ -294,6 +481,24 @@ class RecordingWriter:
         self.log(f"published {os.path.basename(final)}: {rows} messages, {size} bytes")
         self.apply_retention()
         return final
+
+    def _close_journal(self, unlink: bool) -> None:
+        self._discard(self._journal, self._journal_file, self._journal_name if unlink else None)
+
+    def _discard(self, *closers_then_name) -> None:
+        """Close what is not None (ignoring errors), then unlink the name in _tmp/ (if given)."""
+        *closers, name = closers_then_name
+        for closer in closers:
+            if closer is not None:
+                try:
+                    closer.close()
+                except Exception:
+                    pass
+        if name is not None:
+            try:
+                os.unlink(name, dir_fd=self._tmp_fd)
+            except OSError:
+                pass
 
     def apply_retention(self, now: float | None = None) -> list[str]:
         """Delete the oldest published files beyond ``retain_age`` / ``retain_bytes``.
@@ -330,39 +535,38 @@ class RecordingWriter:
         return deleted
 
     def close(self) -> str | None:
-        """Publish the current file (if any)."""
-        return self.publish()
+        """Publish the current file (if any); the writer stopped cleanly (its marker goes)."""
+        path = self.publish()
+        try:
+            os.unlink(MARKER, dir_fd=self._tmp_fd)
+        except FileNotFoundError:
+            pass
+        return path
 
     def _clear_file(self) -> None:
         self._writer = None
         self._file = None
         self._tmp_path = None
+        self._journal = self._journal_file = self._journal_name = None
         self._first_seq = self._last_seq = None
+        self._opened_at = 0.0
         self._file_rows = 0
         self._file_size = 0
         self._file_drop_rows = self._file_dropped = 0
 
     def abandon(self) -> tuple[int | None, int]:
-        """Drop the current file (after a write error): close and delete it.
+        """Drop the current file (after a write error): close and delete it and its journal.
 
         Returns (first seq, messages lost): the rows of the file and the
         buffer, plus what the drop rows among them counted."""
         first = self._first_seq
-        messages = self._file_rows - self._file_drop_rows + len(self._seqs) - len(self._drops)
-        lost = messages + self._file_dropped + sum(c for _, c in self._drops)
+        messages = self._file_rows - self._file_drop_rows + self._buf_rows - self._buf_drop_rows
+        lost = messages + self._file_dropped + self._buf_dropped
         #: Of `lost`, the messages themselves (the rest was counted by the drop rows discarded with them).
         self.abandoned_messages = messages
-        for closer in (self._writer, self._file):
-            if closer is not None:
-                try:
-                    closer.close()
-                except Exception:
-                    pass
-        if self._tmp_path is not None:
-            try:
-                os.unlink(os.path.basename(self._tmp_path), dir_fd=self._tmp_fd)
-            except OSError:
-                pass
+        self._discard(self._writer, self._file,
+                      os.path.basename(self._tmp_path) if self._tmp_path is not None else None)
+        self._close_journal(unlink=True)
         self._clear_file()
         self._reset_buffer()
         return first, lost

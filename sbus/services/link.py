@@ -719,7 +719,7 @@ class Link(service.MultiService):
             self._listenNow()
         self.tree.port_up(BUS_PORT, whoami)
         # the server's -u list, if its statistics name it (a unix peer is judged by modes and it)
-        proto.request(b"server/stats").addCallbacks(self.access.learn_server, lambda f: None)
+        proto.server_request(b"server/stats").addCallbacks(self.access.learn_server, lambda f: None)
         if changed:
             for conn in self.conns:
                 if conn.auth is None or conn.auth.done:  # mid-handshake: its hello follows the proof

@@ -732,7 +732,7 @@ class MsgbusService(service.MultiService):
 
                 proto.sync().addCallbacks(ready, lambda f: None)
                 # the server's -u list, if its statistics name it (access judged by modes and it)
-                proto.request(b"server/stats").addCallbacks(gateway.access.learn_server, lambda f: None)
+                proto.server_request(b"server/stats").addCallbacks(gateway.access.learn_server, lambda f: None)
 
             def connectionLost(self, reason):
                 if svc.running:

@@ -27,10 +27,16 @@ Nothing is lost silently:
   filtered messages.
 
 What a crash loses: published files (``DIR/rec-*.parquet``) are complete and
-never change; a crash (or ``kill -9``) loses the rows of the file being
-written and the queue: at most ``--roll-age`` seconds (default 60) or
-``--roll-bytes`` of traffic, plus up to ``--queue-bytes`` not yet taken by
-the writer. A clean stop (SIGTERM/SIGINT) publishes everything first. While
+never change; the file being written has a journal (``_tmp/*.arrows``, see
+the writer) that reaches the kernel with every batch the writer takes, so a
+restart after a crash (or ``kill -9``) **recovers** its rows and publishes
+them. Lost are the rows still queued for the writer (up to
+``--queue-bytes``) and whatever was published while no recorder ran: how
+many is unknown, so the restart writes a **gap row** (``dropped`` = -1,
+its payload a JSON description: after which seq, between which times) and
+logs it; the report's headline names it, replay warns when it crosses it,
+the stop line counts it. A clean stop (SIGTERM/SIGINT) publishes
+everything first. While
 disconnected from the bus nothing is recorded (the bus keeps no messages for
 absent clients); the service reconnects with back-off and logs each
 disconnect and reconnect.
@@ -58,6 +64,7 @@ from sbus.pipeline.schema import (
     DEFAULT_ROLL_AGE,
     DEFAULT_ROLL_BYTES,
     DEFAULT_ROW_GROUP_BYTES,
+    GAP,
     PIPELINE_PREFIX,
     ROW_OVERHEAD,
     MissingExtra,
@@ -262,6 +269,7 @@ class Recorder:
         self.excluded = 0  # --exclude (default: the pipeline's own output)
         self.bus_dropped = 0  # counted from the server's drop notices
         self.notices = 0
+        self.gaps = 0  # gap rows written (an unclean stop before this start)
         #: A run of messages our full queue dropped (lossy), not yet marked: [count, first, last, t]
         self.lost_run = None
         self._time_ns = time.time_ns
@@ -297,6 +305,15 @@ class Recorder:
         if run is not None:
             self.sink.offer_drop(run[3], self.next_seq, run[0], run[1], run[2])
             self.next_seq += 1
+
+    def mark_gap(self, recv_us: int, description: bytes) -> int:
+        """A gap row: an unknown number of messages lost here (a crash); its seq."""
+        self.mark_lost_run()
+        self.gaps += 1
+        seq = self.next_seq
+        self.sink.offer_drop(recv_us, seq, GAP, b"", description)
+        self.next_seq += 1
+        return seq
 
     def dropped_by_bus(self, count: int, first: bytes, last: bytes) -> None:
         """A drop notice: the bus dropped `count` messages meant for us."""
@@ -397,9 +414,15 @@ class RecordService(service.Service):
         from sbus.services.shutdown import exit_zero_on_sigterm
         exit_zero_on_sigterm(self.reactor)
         writer = RecordingWriter(self.out, log=self._from_thread, **self.settings)
-        if writer.cleaned:
+        found = writer.recovery
+        for name, rows, published in found.recovered:
+            log.warn("recovered {rows} messages from the unpublished leftover {name} in {tmp} "
+                     "(the last run stopped without publishing it): published as {published}",
+                     rows=rows, name=name, tmp=writer.tmp, published=published)
+        if found.removed:
             log.warn("removed {n} unpublished leftover(s) from {tmp}: {names}",
-                     n=len(writer.cleaned), tmp=writer.tmp, names=", ".join(writer.cleaned))
+                     n=len(found.removed), tmp=writer.tmp,
+                     names="; ".join(f"{name} ({why})" for name, why in found.removed))
         self._done = defer.Deferred()
         self.sink = BoundedWriter(writer, self.queue_bytes, report=self._from_thread,
                                   on_done=lambda: self.reactor.callFromThread(self._done.callback, None),
@@ -407,6 +430,8 @@ class RecordService(service.Service):
                                   call_in_reactor=self.reactor.callFromThread)
         secret = [p for p in self.patterns if p.startswith(SECRET_ROOT)]
         self.recorder = Recorder(self.sink, writer.next_seq, secret, self.exclude)
+        if found.unclean:
+            self._markCrash(writer)
         self.sink.start()
         log.info("recording {patterns} from {bus} into {out} (next seq {seq}; roll at {rb} bytes "
                  "or {ra}s; queue {qb} bytes; {mode}; not recording {excl})",
@@ -450,6 +475,20 @@ class RecordService(service.Service):
         self._loop = LoopingCall(self._report)
         self._loop.clock = self.reactor
         self._loop.start(self.report_interval, now=False)
+
+    def _markCrash(self, writer) -> None:
+        """The last run did not stop cleanly: what it had not written and what was published
+        while no recorder ran are lost, how many is unknown. One gap row marks it."""
+        import json
+
+        recv_us, count, key, payload = writer.gap_row(time.time_ns() // 1000)
+        seq = self.recorder.mark_gap(recv_us, payload)
+        gap = json.loads(payload)
+        log.warn("the last run did not stop cleanly (crash or kill -9): the messages it had not yet "
+                 "written and those published before this start are lost, how many is unknown; "
+                 "marked by a gap row at seq {seq} (after seq {after}, between {t0} and {t1}; "
+                 "{rec} messages recovered)", seq=seq, after=gap["after_seq"], t0=gap["from"] or "the start",
+                 t1=gap["to"], rec=gap["recovered"])
 
     def disconnectNotice(self, reason: str, text: str) -> None:
         """The bus is about to close our connection (``CMSG server/disconnect``)."""
@@ -542,11 +581,14 @@ class RecordService(service.Service):
             if s is not None:
                 self._report()
                 rec = self.recorder
+                gaps = (f"; {rec.gaps} gap of unknown size (the last run did not stop cleanly; "
+                        f"{sum(n for _, n, _ in s.writer.recovery.recovered)} of its messages recovered)"
+                        if rec.gaps else "; no gaps")
                 log.info("stopped: {rec} messages recorded, {lost} lost ({bus} dropped by the bus, "
-                         "{drop} dropped by our queue, {werr} lost to write errors); {filt} secret "
+                         "{drop} dropped by our queue, {werr} lost to write errors){gaps}; {filt} secret "
                          "filtered, {excl} excluded; {files} files published",
                          rec=s.accepted - s.lost_rows, lost=rec.bus_dropped + s.dropped + s.lost_rows,
-                         bus=rec.bus_dropped, drop=s.dropped, werr=s.lost_rows, filt=rec.filtered,
+                         bus=rec.bus_dropped, drop=s.dropped, werr=s.lost_rows, gaps=gaps, filt=rec.filtered,
                          excl=rec.excluded, files=s.writer.files_published)
 
         return d.addBoth(flush).addCallback(done)
