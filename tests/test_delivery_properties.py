@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from helpers import cmsg, connect, msg, send, sub, sync, unique
@@ -41,6 +41,7 @@ scenario = st.fixed_dictionaries({
 })
 
 WHOAMI, ID = b"CMSG !/cred/whoami", b"CMSG server/id"
+_R = {"soft": "queue", "hard": "discard", "order": "queue", "burst": 1, "pause": 0.0, "hangup_after": None}
 
 
 class Receiver(threading.Thread):
@@ -66,10 +67,15 @@ class Receiver(threading.Thread):
         finally:
             self.done.set()
 
-    def _request(self):
-        self.sock.send(WHOAMI)
-        self.sock.send(ID)
+    def _request(self) -> bool:
+        try:
+            self.sock.send(WHOAMI)
+            self.sock.send(ID)
+        except OSError:  # it was disconnected (an `error` mode): the notice is in what it reads
+            self.disconnected = True
+            return False
         self.requests += 2
+        return True
 
     def _take(self, p: bytes) -> None:
         if p.startswith(b"MSG "):
@@ -92,8 +98,9 @@ class Receiver(threading.Thread):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.final.is_set() and not final_sent:
-                self._request()
                 final_sent = True
+                if not self._request():
+                    return
             try:
                 p = s.recv(1 << 20)
             except TimeoutError:
@@ -115,8 +122,8 @@ class Receiver(threading.Thread):
             if read % spec["burst"] == 0:
                 if spec["pause"]:
                     time.sleep(spec["pause"])  # a reader that stalls, then resumes (load shape)
-                if not final_sent:
-                    self._request()  # requests in the middle of the flood, two at once
+                if not final_sent and not self._request():  # requests amid the flood, two at once
+                    return
         raise AssertionError(f"receiver {spec} never got its last reply ({self.replies}/{self.requests})")
 
 
@@ -148,6 +155,13 @@ def test_random_scenarios_keep_the_protocols_promises(both_paths):
     @settings(max_examples=5, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(scenario)
+    # The shapes of faults 1 and 3 of issue 20, always tried: a `soft/discard` reader with a full
+    # socket asking in pairs amid a flood; a lossless reader behind slow default-mode ones.
+    @example({"receivers": [dict(_R, soft="discard", hard="discard", burst=1, pause=0.005)] * 2,
+              "publishers": [(400, 20000)] * 2})
+    @example({"receivers": [dict(_R, burst=1, pause=0.001), dict(_R, burst=1, pause=0.001),
+                            dict(_R, soft="block", hard="block", burst=10, pause=0.001)],
+              "publishers": [(2000, 400)] * 4})
     def run(sc):
         prefix = unique("prop/").encode() + b"/"
         receivers = [Receiver(bus.address, prefix, spec) for spec in sc["receivers"]]
