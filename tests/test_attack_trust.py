@@ -478,11 +478,9 @@ def test_gateway_memory_is_bounded_per_uid(start_bus, open_dir, tmp_path):
         gw.stop()
 
 
-# ---------------------------------------------------------------- still open: the server's -u list
+# ---------------------------------------------------------------- the server's -u list
 
 
-@pytest.mark.xfail(strict=True, reason="needs the server to report its -u list in server/stats "
-                   "('allowed_uids', to root and its own uid): the lead's broker; the services read it")
 def test_gateway_honours_the_servers_user_list(start_bus, open_dir, tmp_path):
     """The bus socket is 0777 but the server admits only root (-u 0): uid 65534 cannot use it.
     The gateway judges from the mode bits alone, so it admits 65534, who then publishes on the

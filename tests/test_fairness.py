@@ -12,9 +12,7 @@ The rates are compared within one run (alone, attacked, alone again), as a ratio
 from __future__ import annotations
 
 import os
-import shutil
 import socket
-import tempfile
 import threading
 import time
 
@@ -23,14 +21,6 @@ import pytest
 from helpers import connect, msg, run_as, send, sub, sync, unique
 
 ATTACKER = 65534
-
-
-@pytest.fixture
-def shared_dir():
-    d = tempfile.mkdtemp(prefix="sbus-fair-")
-    os.chmod(d, 0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _rate(address: str, seconds: float = 2.0) -> float:

@@ -1058,6 +1058,8 @@ class BrokerFactory(protocol.Factory):
         }
         if private:
             result["scope"] = "uid"
+        else:  # who may connect (the -u list; None: anyone the socket's mode lets in), for services
+            result["allowed_uids"] = sorted(self.allowed_uids) if self.allowed_uids is not None else None
         upstream_stats = getattr(self.upstream, "stats", None)
         if upstream_stats is not None and not private:
             result["upstream"] = upstream_stats()
