@@ -60,6 +60,7 @@ from sbus.core.topology import CHANGE_KEY
 from sbus.interfaces import IUpstream
 from sbus.options import MISSING_BUS_HELP
 from sbus.server import tap
+from sbus.server.address import parse_address
 from sbus.server.config import ServerConfig
 
 log = Logger(namespace="sbus.relay")
