@@ -338,7 +338,7 @@ def cmd_sub(args) -> int:
     try:
         return _sub(args)
     except BaseException:
-        if args.ready_file and not getattr(args, "_ready", False):
+        if args.ready_file and not getattr(args, "ready_signalled", False):
             _abandon_ready(args.ready_file)
         raise
 
@@ -370,7 +370,7 @@ def _sub(args) -> int:
         _request(bus.whoami, "whoami")
         if args.ready_file:
             _signal_ready(args.ready_file)
-            args._ready = True
+            args.ready_signalled = True
         received = dropped = 0
         while args.count is None or received < args.count:
             left = None

@@ -45,7 +45,7 @@ def _run(cli, cmd, body: bytes, env: dict, capture: bool) -> subprocess.Complete
 def _ready(args, cli) -> None:
     if args.ready_file:
         cli.signal_ready(args.ready_file)
-        args._ready = True
+        args.ready_signalled = True
 
 
 def _guard(fn):
@@ -53,7 +53,7 @@ def _guard(fn):
         try:
             return fn(args, cli)
         except BaseException:
-            if getattr(args, "ready_file", None) and not getattr(args, "_ready", False):
+            if getattr(args, "ready_file", None) and not getattr(args, "ready_signalled", False):
                 cli.abandon_ready(args.ready_file)
             raise
     return run

@@ -291,8 +291,8 @@ def test_link_tls_control_the_right_certificate_links(start_bus, open_dir, tmp_p
             b.wait_log("link up")
             r = connect(bus_b.address)
             send(r, sub(b"probe/"))
-            sync(r)
-            wait_flow(bus_a.address, r)
+            assert sync(r) == []
+            assert wait_flow(bus_a.address, r), f"nothing crossed the link with the {cert} certificate"
             r.close()
         finally:
             b.stop()

@@ -153,7 +153,7 @@ def tls_pair(tmp_path, procs, bus_a, bus_b, pki, *extra_a, client_cert="client")
     return a, b
 
 
-def wait_flow(pub_address: str, receiver: socket.socket, timeout: float = TIMEOUT) -> None:
+def wait_flow(pub_address: str, receiver: socket.socket, timeout: float = TIMEOUT) -> bool:
     """Publish probes on `pub_address` every 50 ms until `receiver` (subscribed to probe/) gets one."""
     key = f"probe/{uuid.uuid4().hex[:8]}"
     deadline = time.monotonic() + timeout
@@ -164,7 +164,7 @@ def wait_flow(pub_address: str, receiver: socket.socket, timeout: float = TIMEOU
                 while True:
                     got = recv(receiver, 0.05)
                     if got.startswith(b"MSG " + key.encode()):
-                        return
+                        return True
             except TimeoutError:
                 continue
     raise AssertionError(f"no probe from {pub_address} within {timeout}s")

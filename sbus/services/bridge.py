@@ -351,7 +351,7 @@ class BridgeService(service.Service):
 
             def connectionFailed(self, reason):
                 if self.failureIsNews:
-                    bridge._failed(self.side, self.lastFailure)
+                    bridge.sideFailed(self.side, self.lastFailure)
 
         for side in SIDES:
             client = Client(side, self.reactor, self.address[side], protocol_factory(side),
@@ -469,7 +469,7 @@ class BridgeService(service.Service):
 
         proto.sync().addCallbacks(probed, lambda f: None)
 
-    def _failed(self, side: str, what: str) -> None:
+    def sideFailed(self, side: str, what: str) -> None:
         """A connect attempt failed, with another error than the one before (`what`: the full
         address and why): said once, the retries are quiet."""
         log.warn("side {side}: cannot connect to {what}; retrying quietly with back-off",

@@ -77,7 +77,7 @@ class QueueService(service.Service):
 
         class Intake(SbusProtocol):
             def messageReceived(self, key, payload, packet):
-                svc._intake(key, payload)
+                svc.intakeMessage(key, payload)
 
             def dropNotice(self, count, first, last):
                 svc.core.intake_dropped(count)
@@ -85,11 +85,11 @@ class QueueService(service.Service):
 
         class Control(SbusProtocol):
             def messageReceived(self, key, payload, packet):
-                svc._controlMessage(self, key, payload)
+                svc.controlMessage(self, key, payload)
 
             def unsolicitedControl(self, key, payload):
                 if key == codec.INTEREST:
-                    svc._send(svc.core.interest(payload))
+                    svc.sendAll(svc.core.interest(payload))
                     if payload == b"=":
                         log.info("control: following the members ({n} now)", n=len(svc.core.members))
 
@@ -101,7 +101,7 @@ class QueueService(service.Service):
                 if svc.intake_connects > 1:
                     log.warn("intake: reconnected to the bus (what was queued for the old "
                              "connection is lost, uncounted)")
-                protocol.sync().addCallbacks(lambda _: svc._intakeReady(), lambda f: None)
+                protocol.sync().addCallbacks(lambda _: svc.intakeReady(), lambda f: None)
 
             def connectionLost(self, reason):
                 svc.intake_ready = False
@@ -112,7 +112,7 @@ class QueueService(service.Service):
             def connectionMade(self, protocol):
                 svc.control_connects += 1
                 svc.following = False
-                svc._follow()
+                svc.follow()
                 log.info("control: connected to {bus} as {who}", bus=svc.bus or "(default bus)",
                          who=(protocol.credentials or b"").decode("utf-8", "replace"))
 
@@ -142,15 +142,15 @@ class QueueService(service.Service):
         self._loop.start(self.stats_interval, now=False)
         exit_zero_on_sigterm(self.reactor)
 
-    def _intakeReady(self) -> None:
+    def intakeReady(self) -> None:
         log.info("intake: subscribed to {p}", p=", ".join(repr(g.pattern) for g in self.core.groups.values()))
         self.intake_ready = True
         if self.running and not self.control_started:
             self.control_started = True
             self.control.start()
-        self._follow()
+        self.follow()
 
-    def _follow(self) -> None:
+    def follow(self) -> None:
         """Ask for the interest feed (and so learn the members, tell them hello and deliver) only
         while the intake is subscribed: a member told hello can have work published for it at
         once, after a start as after the bus came back."""
@@ -171,7 +171,7 @@ class QueueService(service.Service):
 
     # -- traffic
 
-    def _send(self, packets) -> None:
+    def sendAll(self, packets) -> None:
         if not packets:
             return
         proto = self.control.protocol if self.control is not None else None
@@ -180,8 +180,8 @@ class QueueService(service.Service):
         for packet in packets:
             proto.sendPacket(packet)
 
-    def _intake(self, key: bytes, payload: bytes) -> None:
-        self._send(self.core.message(key, payload))
+    def intakeMessage(self, key: bytes, payload: bytes) -> None:
+        self.sendAll(self.core.message(key, payload))
         if not self.paused and self.core.should_pause():
             self.paused = True
             self.pauses += 1
@@ -196,9 +196,9 @@ class QueueService(service.Service):
             if proto is not None and proto.connected:
                 proto.transport.resumeProducing()
 
-    def _controlMessage(self, proto, key: bytes, payload: bytes) -> None:
+    def controlMessage(self, proto, key: bytes, payload: bytes) -> None:
         if key == ACK_KEY:
-            self._send(self.core.ack(payload))
+            self.sendAll(self.core.ack(payload))
             self._maybeResume()
         elif key == STATS_REQUEST:
             packet = self.responder.answer(payload)
