@@ -276,6 +276,12 @@ def test_watchers_that_never_read_pin_at_most_their_control_budget(both_paths):
                                       for e in st["queues"]) == 3, timeout=30)
     heaviest = max(e["queued_bytes"] for e in st["queues"])
     assert heaviest <= (1 << 20) + 2048, f"a watcher pins {heaviest} bytes"
+    # a watcher that reads as fast as it can from the start (its socket never fills: the
+    # server's own sends empty its queue, not the writer) gets the whole listing, then `=`
+    fast = connect(bus.address)
+    send(fast, cmsg("server/interest"))
+    got = _read_all(fast, lambda got: got and got[-1] == INTEREST + b"=", timeout=60)
+    assert len(got) == 5001
     # ... and a watcher that does read gets the whole listing, then `=`
     w = watchers[0]
     got = _read_all(w, lambda got: got and got[-1] == INTEREST + b"=", timeout=60)
@@ -447,3 +453,23 @@ def test_a_reference_client_sees_only_the_reference_protocol(both_paths):
             tail.append(x)
         assert [x.split(b"\0")[:2] for x in tail] == (
             [[b"CMSG server/disconnect", b"forbidden_subscription"]] if extensions else [])
+
+
+@pytest.mark.timeout(60)
+def test_a_publisher_held_for_a_queue_the_server_itself_emptied_is_released(both_paths):
+    """A `hard/block` subscriber with a 1,000-byte queue limit gets a 2,000-byte message: it is
+    over the limit, so the publisher is held, and the server's own send at the end of the batch
+    empties the queue at once (the socket had room). The publisher must be released then, not
+    when the hold budget runs out 30 s later and the subscriber is cut off as stalled."""
+    bus = both_paths("--queue-bytes", "1000")
+    key = unique("e/").encode()
+    s = connect(bus.address)
+    send(s, cmsg("blocking/hard/block"), sub(key))
+    assert sync(s) == []
+    p = connect(bus.address)
+    for i in range(3):
+        send(p, msg(key, b"%d:" % i + b"x" * 2000))
+        assert sync(p, timeout=10) == []  # held until the stall timeout before
+    s.settimeout(10)
+    assert [s.recv(1 << 16)[len(msg(key)):].split(b":")[0] for _ in range(3)] == [b"0", b"1", b"2"]
+    assert sync(s) == []

@@ -53,6 +53,8 @@ DISCONNECT_HARD = 5  # (`hard_error`)
 #: Not decided yet: the queue holds half its limits of packets the socket may still take; send
 #: them first (the transport's `flush`), then ask again with `decide` (never FLUSH).
 FLUSH = -1
+#: The queue is closed (`clear`): the packet goes nowhere, and nothing is counted.
+CLOSED = -2
 DROPPED = DROPPED_SOFT  # any value <= DROPPED_HARD and >= DROPPED is a drop
 DISCONNECT = DISCONNECT_SOFT  # any value >= DISCONNECT is a disconnection
 
@@ -118,7 +120,7 @@ class Outbox:
 
     __slots__ = ("soft", "hard", "order", "max_bytes", "max_packets", "nbytes", "_items", "_heap",
                  "_seq", "_n", "_dead_items", "_dead_heap", "reason", "budget", "_server", "_charged",
-                 "blocked", "_ctl", "ctl_bytes", "ctl_limit", "_batch_bytes", "_batch_packets")
+                 "blocked", "_ctl", "ctl_bytes", "ctl_limit", "_batch_bytes", "_batch_packets", "closed")
 
     def __init__(self, max_bytes: int, max_packets: int, ctl_limit: int = DEFAULT_CONTROL_BYTES):
         self.soft = QUEUE
@@ -145,8 +147,10 @@ class Outbox:
         #: What is charged to the budgets: `nbytes` as of the last push (sends are settled at the
         #: next push or when the queue empties, so the budgets never count less than is queued).
         self._charged = 0
-        #: The socket refused a send and the queue has not emptied since.
+        #: The socket refused a send and the queue has not emptied since (or the queue is closed).
         self.blocked = False
+        #: `clear`ed: the connection is going; what is offered from now on goes nowhere (CLOSED).
+        self.closed = False
         #: Control packets waiting ahead of every message (orders other than `queue`).
         self._ctl: deque | None = None
         #: Bytes of control packets queued, and how many may be before the client is not read.
@@ -188,7 +192,7 @@ class Outbox:
         decides, and the uid's and the server's budgets count too. (What waits for the next
         send of a socket that took everything so far, at most one read batch, is charged to
         those budgets only if the socket refuses it: `refused`.)"""
-        if self.blocked or self._heap is not None:
+        if self.blocked:  # (a dual outbox's `offer` is `decide`)
             return self.decide(packet)
         nbytes = self.nbytes + len(packet)
         if nbytes - self.ctl_bytes > self._batch_bytes or len(self._items) >= self._batch_packets:
@@ -199,6 +203,8 @@ class Outbox:
 
     def decide(self, packet: bytes) -> int:
         """`offer` without FLUSH: what the limits and the soft mode say now."""
+        if self.closed:
+            return CLOSED
         blocked = self.blocked
         if blocked:
             soft = self.soft
@@ -274,15 +280,17 @@ class Outbox:
 
     def _settle(self) -> None:
         """The queue is empty: nothing is charged any more, the socket took the last packet."""
-        charged, self._charged = self._charged, 0
-        self.budget.used -= charged
-        self._server.used -= charged
-        self.blocked = False
+        charged = self._charged
+        if charged:
+            self._charged = 0
+            self.budget.used -= charged
+            self._server.used -= charged
+        self.blocked = self.closed
 
     def writable(self) -> None:
         """The socket took everything queued (it was writable): it is not full any more."""
         if not self.nbytes:
-            self.blocked = False
+            self.blocked = self.closed
 
     def peek(self) -> bytes:
         """The packet to send next."""
@@ -448,7 +456,8 @@ class Outbox:
         self.hard = {DISCARD: DISCARD, BLOCK: BLOCK, ERROR: ERROR}[mode]
 
     def clear(self) -> int:
-        """Forget everything queued; return how many packets that was."""
+        """Forget everything queued, and whatever is offered later (the connection is going);
+        return how many packets were queued."""
         n = len(self)
         self._items = deque()
         self._ctl = None
@@ -456,6 +465,7 @@ class Outbox:
             self._heap = []
         self._settle()
         self._n = self.nbytes = self._dead_items = self._dead_heap = self.ctl_bytes = 0
+        self.closed = self.blocked = True
         return n
 
 
@@ -465,6 +475,9 @@ class _DualOutbox(Outbox):
     are entries like messages (`_ctl` holds those queued in `stack` order before the switch)."""
 
     __slots__ = ()
+
+    def offer(self, packet: bytes) -> int:
+        return self.decide(packet)
 
     def __len__(self) -> int:
         return self._n + (len(self._ctl) if self._ctl else 0)

@@ -255,10 +255,8 @@ class BrokerProtocol(protocol.Protocol):
         """Offer a routed message to this client's queue; it is sent when the batch is done."""
         if self.dropped:
             self._tellDrops()
-        if self.transport.disconnecting:
-            return
         out = self.outbox
-        action = out.offer(packet)
+        action = out.offer(packet)  # a closing client's queue is closed: CLOSED, nothing sent
         if action == flood.QUEUED:
             self._queuedSinceNotice = True
             if not self.dirty:
@@ -267,14 +265,13 @@ class BrokerProtocol(protocol.Protocol):
             return
         if action == flood.FLUSH:  # half its limits wait to be sent: does the socket take them?
             self.flush(feeder)
-            if self.transport.disconnecting:
-                return
             action = out.decide(packet)
             if action == flood.QUEUED:
                 self._queuedSinceNotice = True
                 self._markDirty()
                 return
-        self._decided(action, feeder, (packet,))
+        if action != flood.CLOSED:
+            self._decided(action, feeder, (packet,))
 
     def _decided(self, action: int, feeder, packets) -> None:
         """Act on what the queue decided for `packets` (not plainly queued)."""
@@ -311,7 +308,12 @@ class BrokerProtocol(protocol.Protocol):
         decides about the messages it did not take, and `feeder` is who fed them."""
         self.dirty = False
         out = self.outbox
-        if not out.blocked and not self.transport.flush() and not out.blocked:
+        if out.blocked:
+            return  # the transport writes when the socket is writable, and says when it drained
+        if self.transport.flush():
+            if self._replyHeld or self.dropped or self._watching or self._stall is not None:
+                self._drained()  # emptied here, not by the writer: what waits for that goes on
+        elif not out.blocked:
             self.refused(feeder)
 
     def sendRefused(self) -> None:
@@ -386,6 +388,12 @@ class BrokerProtocol(protocol.Protocol):
             self._queueControl(packet)
 
     def outboxDrained(self):
+        """The transport's writer emptied the queue."""
+        self._drained()
+        self.factory.flushDirty()
+
+    def _drained(self) -> None:
+        """The queue is empty: release what waited for that, and queue what the room allows."""
         self._releaseFeeders()
         if self._replyHeld:
             self._replyHeld = False
@@ -395,7 +403,6 @@ class BrokerProtocol(protocol.Protocol):
             self._tellDrops()
         if self._watching:
             self.tellInterest()
-        self.factory.flushDirty()
 
     # -- block modes and their hold budget
 
@@ -864,9 +871,8 @@ class BrokerFactory(protocol.Factory):
         """Send from every queue that got packets since it was last sent from: the end of a
         read batch (`feeder` is the publisher whose batch it was), or of anything else that
         queued packets outside one (timers, a client leaving)."""
-        dirty = self.dirty
-        if dirty:
-            self.dirty = []
+        while self.dirty:  # a queue emptied here may queue more (notices, interest): again
+            dirty, self.dirty = self.dirty, []
             for client in dirty:
                 client.flush(feeder)
 
