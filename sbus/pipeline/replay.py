@@ -342,9 +342,9 @@ def replay(directory, bus, *, keys=(), time_from=None, time_to=None, speed=None,
                         behind = -delay
                         worst_behind = max(worst_behind, behind)
                         rate = sent / max(clock() - start, 1e-9)
-                        held = f"; waited {pacer.waited:.1f} s for slow subscribers" if pacer and pacer.waited else ""
+                        paced = f"; waited {pacer.waited:.1f} s for slow subscribers" if pacer and pacer.waited else ""
                         warn(f"{behind:.1f} s behind the requested pace (--speed {speed:g}); "
-                             f"replaying at {rate:,.0f} msg/s{held}")
+                             f"replaying at {rate:,.0f} msg/s{paced}")
             t_send = clock()
             client.publish(key, payload)
             took = clock() - t_send
