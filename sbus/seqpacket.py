@@ -756,7 +756,9 @@ class BatchSeqPacketTransport(SeqPacketTransport):
         if self._stash is not None:
             stash, self._stash = self._stash, None
             why = self._route(stash)
-            if why is not None or not self._reading:
+            if why is not None or not self._reading or self._stash is not None:
+                # Held again in it (and perhaps released at its end): the rest of it goes
+                # first, at the next read; a new batch now would overtake and replace it.
                 return why
         for _ in range(2):
             try:

@@ -16,6 +16,7 @@ One server per path serves every example (fresh keys each time).
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -54,6 +55,8 @@ class Receiver(threading.Thread):
         assert sync(self.sock) == []
         self.got: dict[int, list[int]] = {}
         self.noted = self.requests = self.replies = 0
+        self.pending: list[bytes] = []
+        self.why = ""  # the reason a `server/disconnect` notice gave
         self.disconnected = self.hung_up = False
         self.final = threading.Event()  # set by the test: send the final request, read to its reply
         self.done = threading.Event()
@@ -67,40 +70,55 @@ class Receiver(threading.Thread):
         finally:
             self.done.set()
 
-    def _request(self) -> bool:
-        try:
-            self.sock.send(WHOAMI)
-            self.sock.send(ID)
-        except OSError:  # it was disconnected (an `error` mode): the notice is in what it reads
-            self.disconnected = True
-            return False
-        self.requests += 2
+    def _request(self) -> None:
+        """Two requests at once; sent when the socket takes them (`_pump`)."""
+        self.pending += [WHOAMI, ID]
+
+    def _pump(self) -> bool:
+        """Send the requests waiting; False if the connection is gone. A socket that does not
+        take them now is not a disconnection: the server is not reading this client while its
+        replies wait over the control budget, so it reads on and tries again."""
+        while self.pending:
+            try:
+                self.sock.send(self.pending[0], socket.MSG_DONTWAIT)
+            except (BlockingIOError, TimeoutError):
+                return True
+            except OSError:  # it was disconnected (an `error` mode): the notice is in what it read
+                self.disconnected = True
+                return False
+            del self.pending[0]
+            self.requests += 1
         return True
 
-    def _take(self, p: bytes) -> None:
+    def _take(self, p: bytes) -> bool:
+        """Account for one packet; True if it was a message."""
         if p.startswith(b"MSG "):
             j, i = p.split(b"\0", 1)[1].split(b":")[:2]
             self.got.setdefault(int(j), []).append(int(i))
-        elif p.startswith((WHOAMI + b"\0", ID + b"\0")):
+            return True
+        if p.startswith((WHOAMI + b"\0", ID + b"\0")):
             self.replies += 1
         elif p.startswith(b"CMSG server/dropped\0"):
             self.noted += int(p.split(b"\0")[1])
         elif p.startswith(b"CMSG server/disconnect\0"):
             self.disconnected = True
+            self.why = p.split(b"\0")[1].split(b" ")[0].decode()
         else:
             raise AssertionError(f"unexpected packet {p[:40]!r}")
+        return False
 
     def _run(self):
         s, spec = self.sock, self.spec
         s.settimeout(0.2)
-        read = 0
+        read = 0  # messages read
         final_sent = False
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.final.is_set() and not final_sent:
                 final_sent = True
-                if not self._request():
-                    return
+                self._request()
+            if not self._pump():
+                return
             try:
                 p = s.recv(1 << 20)
             except TimeoutError:
@@ -111,10 +129,11 @@ class Receiver(threading.Thread):
             if not p:
                 self.disconnected = True
                 return
-            self._take(p)
+            if not self._take(p):
+                if final_sent and not self.pending and self.replies == self.requests:
+                    return
+                continue
             read += 1
-            if final_sent and self.replies == self.requests:
-                return
             if spec["hangup_after"] is not None and read >= spec["hangup_after"] and not self.final.is_set():
                 self.hung_up = True
                 s.close()
@@ -122,8 +141,8 @@ class Receiver(threading.Thread):
             if read % spec["burst"] == 0:
                 if spec["pause"]:
                     time.sleep(spec["pause"])  # a reader that stalls, then resumes (load shape)
-                if not final_sent and not self._request():  # requests amid the flood, two at once
-                    return
+                if not final_sent:
+                    self._request()  # requests amid the flood, two at once
         raise AssertionError(f"receiver {spec} never got its last reply ({self.replies}/{self.requests})")
 
 
@@ -189,7 +208,11 @@ def test_random_scenarios_keep_the_protocols_promises(both_paths):
             if r.hung_up:
                 continue
             if r.disconnected:
-                assert "error" in (r.spec["soft"], r.spec["hard"]), f"{r.spec} was disconnected"
+                # Only a client that chose `error`, or one in a block mode that held publishers
+                # past its hold budget (`stalled`: a loaded machine makes readers slow).
+                modes = (r.spec["soft"], r.spec["hard"])
+                assert "error" in modes or (r.why == "stalled" and "block" in modes), (
+                    f"{r.spec} was disconnected ({r.why or 'no notice'})")
                 continue
             assert r.replies == r.requests, f"{r.spec}: {r.replies} replies to {r.requests} requests"
             for j, (n, _) in enumerate(sc["publishers"]):
