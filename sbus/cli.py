@@ -602,7 +602,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Subscribe to the PATTERNs and print what arrives, until interrupted, "
                                    "--count messages or --timeout seconds.")
     p.add_argument("patterns", metavar="PATTERN", nargs="+",
-                   help="'' matches every key; a trailing '/' matches everything below it ('a/'); "
+                   help="'' matches every key (but the services' sbus/topology/ chatter: name it, 'sbus/topology/'); a trailing '/' matches everything below it ('a/'); "
                         "'*' matches one segment ('a/*/c'). '#' and '>' are literal keys here")
     p.add_argument("-n", "--count", type=COUNT, metavar="N", help="exit after N messages (N >= 1)")
     p.add_argument("-t", "--timeout", type=SECONDS, metavar="S",

@@ -31,7 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from helpers import MAX_PACKET, recv, set_big_buffers, sync, wait_closed
 from sbus.core.credentials import SECRET_ROOT as ROOT
-from sbus.core.patterns import matches
+from sbus.core.patterns import reaches
 from helpers import SbusdProcess
 
 NOBODY = 65534
@@ -82,7 +82,7 @@ def model_delivers(client, key: bytes, sender) -> bool:
         return False
     if key.startswith(ROOT) and not key.startswith(b"!/cred/%d/%d/%d/" % client.cred):
         return False
-    return any(matches(p, key) for p in client.patterns)
+    return any(reaches(p, key) for p in client.patterns)
 
 
 # ---------------------------------------------------------------- clients in their own processes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from sbus.core.patterns import matches
+from sbus.core.patterns import matches, reaches
 from sbus.core.router import Router
 
 ALPHABET = [b"a", b"b", b"/", b"*", b"!"]
@@ -28,12 +28,15 @@ PATTERNS = st.one_of(
     _tokens(4).map(lambda p: b"/" + p + b"/"),
     st.sampled_from([b"", b"*/", b"**/", b"!/", b"*", b"*/*", b"!/cred/", b"a/*/b/", b"x*/", b"x**/", b"a*/b",
                      b"a**/b"]),
+    # the reserved keys' rule: only patterns starting with `sbus/` reach `sbus/topology/...`
+    st.sampled_from([b"sbus/", b"sbus/topology/", b"sbus/*/hello", b"*/topology/", b"sbus/topology/hello", b"sbus*/"]),
 )
 KEYS = st.one_of(
     _bytes(7),
     _tokens(6),
     _tokens(4).map(lambda k: b"/" + k + b"/"),
     st.sampled_from([b"", b"/", b"a/", b"a//b", b"!/cred/1/2/3/a", b"!/cred/4/5/6/a/b", b"!/cred/1/2/3/*"]),
+    st.sampled_from([b"sbus/topology/hello", b"sbus/topology/", b"sbus/topology/x/y", b"sbus/other"]),
 )
 SECRET_PREFIXES = {"c0": b"!/cred/1/2/3/", "c1": b"!/cred/4/5/6/", "c2": b"!/cred/1/2/3/", "c3": None}
 
@@ -47,7 +50,7 @@ class Model:
     def expected(self, key: bytes) -> set:
         out = set()
         for c, pats in self.held.items():
-            if any(matches(p, key) for p in pats):
+            if any(reaches(p, key) for p in pats):
                 if key.startswith(b"!/cred/"):
                     prefix = SECRET_PREFIXES[c]
                     if prefix is None or not key.startswith(prefix):

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from sbus.core.credentials import SECRET_ROOT
-from sbus.core.patterns import matches
+from sbus.core.patterns import reaches
 from sbus.core.router import Router
 
 CLIENTS = ["c0", "c1", "c2", "c3"]
@@ -48,6 +48,7 @@ PATTERNS = st.one_of(
     _joined(PATTERN_SEGMENTS, 2).map(lambda p: b"/" + p),
     st.sampled_from([b"", b"*/", b"**/", b"x*/", b"x**/", b"a*/b", b"a**/b", b"!/", b"!/cred/1/2/3/",
                      b"!/cred/1/2/3/x*", b"!/cred/1/2/3/!/cred/7/8/9/"]),
+    st.sampled_from([b"sbus/", b"sbus/topology/", b"sbus/*/", b"*/topology/", b"sbus*/"]),
 )
 KEYS = st.one_of(
     _joined(KEY_SEGMENTS, 5),
@@ -56,6 +57,7 @@ KEYS = st.one_of(
     _joined(KEY_SEGMENTS, 3).map(lambda k: b"!/cred/1/2/3/" + k),
     _joined(KEY_SEGMENTS, 2).map(lambda k: b"!/cred/1/2/3/!/cred/7/8/9/" + k),
     _joined(KEY_SEGMENTS, 2).map(lambda k: b"!/cred/4/5/6/" + k),
+    _joined(KEY_SEGMENTS, 2).map(lambda k: b"sbus/topology/" + k),
 )
 
 
@@ -72,7 +74,7 @@ class RouterMachine(RuleBasedStateMachine):
     def expected(self, key: bytes) -> set:
         out = set()
         for c, pats in self.held.items():
-            if any(matches(p, key) for p in pats):
+            if any(reaches(p, key) for p in pats):
                 if key.startswith(SECRET_ROOT):
                     prefix = SECRET_PREFIXES[c]
                     if prefix is None or not key.startswith(prefix):

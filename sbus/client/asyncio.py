@@ -30,7 +30,7 @@ from collections import deque
 
 from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, Control, Message, ProtocolError
-from sbus.core.patterns import matches
+from sbus.core.patterns import reaches
 from sbus.core.reqrep import RequestTimeout, Requester, Responder, parse_request
 from sbus.core.workqueue import Delivery, Membership, WorkerBase
 
@@ -377,7 +377,7 @@ class Client:
                 m = await self.receive()
             except ConnectionClosed:
                 break
-            if type(m) is not Message or not matches(pattern, m.key):
+            if type(m) is not Message or not reaches(pattern, m.key):
                 continue
             handled += 1
             parsed = parse_request(m.payload)

@@ -28,7 +28,7 @@ from collections import deque
 
 from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, Control, DisconnectNotice, DropNotice, Message, ProtocolError
-from sbus.core.patterns import matches
+from sbus.core.patterns import reaches
 from sbus.core.reqrep import RequestTimeout, Requester, Responder
 from sbus.core.workqueue import Delivery, Membership, WorkerBase
 
@@ -407,7 +407,7 @@ class Client:
                 m = self.receive(timeout=timeout)
             except ConnectionClosed:
                 break
-            if type(m) is not Message or not matches(pattern, m.key):
+            if type(m) is not Message or not reaches(pattern, m.key):
                 continue
             handled += 1
             reply = responder.handle(m.payload, handler, m.key)

@@ -38,7 +38,7 @@ from twisted.python.failure import Failure
 from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, Control, Message, ProtocolError
 from sbus.core.credentials import CredentialError, Credentials, SECRET_ROOT, check_pattern
-from sbus.core.patterns import matches
+from sbus.core.patterns import reaches
 from sbus.core.reqrep import RequestTimeout, Requester, Responder, parse_request
 from sbus.core.workqueue import Delivery, Membership, Refused, WorkerBase
 from sbus.interfaces import IPacketProtocol
@@ -255,7 +255,7 @@ class SbusProtocol(Protocol):
         called = None
         for sub in self._subs:
             cb = sub.callback
-            if cb is None or not matches(sub.match, key):
+            if cb is None or not reaches(sub.match, key):
                 continue
             if called is None:
                 called = [cb]

@@ -12,6 +12,21 @@ from __future__ import annotations
 _SLASH = ord("/")
 _STAR = ord("*")
 
+#: The services' own chatter (spanning-tree announcements and changes, `sbus.core.topology`).
+#: A key under it reaches only patterns whose first segment is literally ``sbus``: never the
+#: catch-all ``""`` nor a pattern that starts with a star, so a client that did not ask for it
+#: never sees it (MQTT's rule for ``$SYS/`` topics and ``#``; docs/protocol.md "Reserved keys").
+SYSTEM = b"sbus/topology/"
+_SYSTEM_PATTERN = b"sbus/"
+
+
+def reaches(pattern: bytes, key: bytes) -> bool:
+    """Does a message with `key` reach a subscriber of `pattern`? `matches`, except for keys
+    under `SYSTEM`. (Secret keys have their own rule besides: docs/protocol.md.)"""
+    if key.startswith(SYSTEM) and not pattern.startswith(_SYSTEM_PATTERN):
+        return False
+    return matches(pattern, key)
+
 
 def matches(pattern: bytes, key: bytes) -> bool:
     """True if routing-key `pattern` matches routing `key`."""

@@ -4,7 +4,8 @@ The trie makes the cost of a match depend on the patterns that can match,
 not on how many subscriptions exist; the cache makes repeated keys (the
 common case on a bus) one dict lookup. Its answers are exactly those of the
 reference matcher `patterns.matches`, for every key (a '*' in a key is an
-ordinary byte), plus the secrecy rule of docs/protocol.md "Credentials and secret keys", which the router enforces
+ordinary byte), with the reserved keys' rule of `patterns.reaches` (a key
+under ``sbus/topology/`` only reaches patterns that start with ``sbus/``), plus the secrecy rule of docs/protocol.md "Credentials and secret keys", which the router enforces
 itself so no pattern can leak a secret key.
 
 How the reference matcher decomposes (see `patterns.matches`): a '*' never
@@ -49,7 +50,7 @@ from zope.interface import implementer
 from sbus.interfaces import IRouter
 
 from .credentials import SECRET_ROOT
-from .patterns import matches
+from .patterns import SYSTEM, matches
 
 #: Default memory bound of the match cache (estimated bytes).
 DEFAULT_CACHE_BYTES = 16 << 20
@@ -334,13 +335,24 @@ class Router:
         return result
 
     def _walk(self, key: bytes) -> set:
-        found = set(self._all)
         segs = key.split(b"/")
         last = len(segs) - 1
-        live = [self._root]
         visited = 0
         starred = b"*" in key
-        for i, s in enumerate(segs):
+        if key.startswith(SYSTEM):
+            # Reserved: only patterns whose first segment is literally `sbus` (`patterns.reaches`).
+            first = self._root.literal.get(segs[0]) if self._root.literal else None
+            if first is None:
+                return set()
+            found = set()
+            live = [first]
+            start = 1
+        else:
+            found = set(self._all)
+            live = [self._root]
+            start = 0
+        for i in range(start, last + 1):
+            s = segs[i]
             visited += len(live)
             nxt: list[_Node] = []
             final = i == last
