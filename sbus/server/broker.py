@@ -228,7 +228,7 @@ class BrokerProtocol(protocol.Protocol):
 
     def spent(self, seconds: float) -> None:
         """Charge reactor time this client's request took (routing a key the cache did not know,
-        a SUB or UNSUB) to its uid. While other uids are connected, a uid past its share
+        a SUB or UNSUB, an interest listing) to its uid. While other uids are connected, a uid past its share
         (`sbus.core.accounting.WORK_SHARE`) is not read until it has earned the time back."""
         factory = self.factory
         if len(factory.users) < 2 or self.charge is None:
@@ -241,6 +241,9 @@ class BrokerProtocol(protocol.Protocol):
     def _workEarned(self) -> None:
         self._workWait = None
         self.pauses.release()
+        if self._watching and not self.transport.disconnecting:
+            self.tellInterest()  # the rest of a listing that waited for the time
+            self.factory.flushDirty()
 
     def packetTooLarge(self, size: int):
         self.misbehaved(OVERSIZE, f"packet of {size} bytes exceeds the {self.factory.config.max_packet}-byte limit")
@@ -613,7 +616,9 @@ class BrokerProtocol(protocol.Protocol):
         changes nothing. The first listing ends with `=`, which comes before any later reply."""
         if not self._watching:
             self._watching = True
-            self.factory.watchInterest(self)
+            t0 = perf_counter()
+            self.factory.watchInterest(self)  # O(patterns held): charged like routing work
+            self.spent(perf_counter() - t0)
             self.tellInterest()
 
     def _extensions(self):
@@ -631,11 +636,14 @@ class BrokerProtocol(protocol.Protocol):
         if table is None or self.transport.disconnecting:
             return True
         out = self.outbox
-        if not out.blocked and out.ctl_bytes < out.ctl_limit:
+        if not out.blocked and out.ctl_bytes < out.ctl_limit and self._workWait is None:
+            # (A uid past its share of the reactor gets the rest when it has earned the time.)
+            t0 = perf_counter()
             for payload in table.changes(self):
                 self._queueControl(_INTEREST + payload)
                 if out.blocked or out.ctl_bytes >= out.ctl_limit:
                     break
+            self.spent(perf_counter() - t0)
         if table.pending(self):
             return False
         waiting = self._waitingReplies
