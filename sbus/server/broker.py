@@ -87,7 +87,7 @@ class BrokerProtocol(protocol.Protocol):
     # them would give every connection an instance dict (Twisted's protocols have no slots).
     __slots__ = (
         "factory", "transport", "connected", "cred", "echo", "packets_in", "bytes_in", "drops",
-        "pauses", "holds", "reason", "subscriptions", "subscription_bytes",
+        "_pauses", "holds", "reason", "subscriptions", "subscription_bytes",
         "_stall", "_budget",
         "owner", "_cached", "_prefix", "_secret_root", "charge", "_workWait",
         "dropped", "_dropFirst", "_dropLast", "_queuedSinceNotice",
@@ -103,8 +103,8 @@ class BrokerProtocol(protocol.Protocol):
         self.packets_in = 0
         self.bytes_in = 0
         self.drops: Counter | None = None
-        #: Who holds this client's reading paused (subscribers it filled, the relay, its own replies).
-        self.pauses: Pauses | None = None
+        #: `pauses`, once asked for.
+        self._pauses: Pauses | None = None
         #: Publishers this client's full queue holds paused (soft/hard `block`); made at the first.
         self.holds: Holds | None = None
         self.reason = CLOSED
@@ -158,6 +158,16 @@ class BrokerProtocol(protocol.Protocol):
     def whoami_reply(self) -> bytes:
         return _WHOAMI_REPLY + whoami(self._prefix, self.cred)
 
+    @property
+    def pauses(self) -> Pauses | None:
+        """Who holds this client's reading paused (subscribers it filled, the relay, its own
+        replies); None until it is connected. Made at the first hold (48 bytes an idle client
+        does not need)."""
+        pauses = self._pauses
+        if pauses is None and self.transport is not None:
+            pauses = self._pauses = Pauses(self.transport)
+        return pauses
+
     def repricePattern(self, delta: int) -> None:
         """One stored pattern's cost changed by `delta` bytes (a relay moved it to a new prefix)."""
         self.subscription_bytes += delta
@@ -174,7 +184,6 @@ class BrokerProtocol(protocol.Protocol):
 
     def connectionMade(self):
         self.transport.useQueue(self.outbox)
-        self.pauses = Pauses(self.transport)
         self.factory.clientConnected(self)
 
     def connectionLost(self, reason=None):
