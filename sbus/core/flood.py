@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from functools import lru_cache
 from itertools import islice
 from typing import NamedTuple
 
@@ -70,6 +71,14 @@ _COMPACT_SLACK = 64
 #: first packet makes the deque and the last one sent lets it go (a deque with its block is
 #: about 1.3 KB, more than everything else an idle connection pins).
 _NO_ITEMS = ()
+
+
+@lru_cache(maxsize=64)
+def _half(limit: int) -> int:
+    """Half a limit, at least 1; cached so that every outbox with the same limits shares one
+    int object (one of its own would cost every idle connection 32 bytes)."""
+    return max(1, limit // 2)
+
 
 #: Replies and notices one client may have queued beyond its message limits before the server
 #: stops reading that client until they drain (a client that asks without reading).
@@ -163,8 +172,8 @@ class Outbox:
         self.ctl_bytes = 0
         self.ctl_limit = ctl_limit
         #: While not blocked: past half the limits, send what is queued before deciding more.
-        self._batch_bytes = max(1, max_bytes // 2)
-        self._batch_packets = max(1, max_packets // 2)
+        self._batch_bytes = _half(max_bytes)
+        self._batch_packets = _half(max_packets)
 
     def set_budget(self, budget: Budget) -> None:
         """Charge to `budget` (and its parent) from now on, moving what is queued there."""
