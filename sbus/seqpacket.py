@@ -99,8 +99,8 @@ class SeqPacketTransport:
 
     __slots__ = (
         "socket", "protocol", "reactor", "peer", "outbox", "max_packet", "drain_cap",
-        "connected", "disconnecting", "_fd", "_reading", "_writing", "_send", "_recv_into",
-        "_buf", "_packetReceived", "_producer", "_producerPaused", "_streaming", "_host", "packets_out",
+        "connected", "disconnecting", "_fd", "_reading", "_writing",
+        "_buf", "_producer", "_producerPaused", "_streaming", "_host", "packets_out",
         "bytes_out", "packets_unsendable", "_aborted", "_closing", "_batchDone", "_sendRefused",
         "_drainLeft", "__weakref__",
     )
@@ -120,11 +120,8 @@ class SeqPacketTransport:
         self.connected = True
         self.disconnecting = False
         self._reading = self._writing = False
-        self._send = sock.send
-        self._recv_into = sock.recv_into
         # MSG_TRUNC makes recv_into report a bigger packet's real size, so one spare byte is not needed.
         self._buf = receive_buffer(max_packet)
-        self._packetReceived = protocol.packetReceived
         self._producer = None
         self._producerPaused = False
         self._streaming = True
@@ -133,9 +130,11 @@ class SeqPacketTransport:
         self.bytes_out = 0
         #: Packets dropped because the kernel refused them (EMSGSIZE), not because the peer left.
         self.packets_unsendable = 0
-        #: Optional protocol hooks, looked up once: after a wakeup's reads; when the socket refuses.
-        self._batchDone = getattr(protocol, "readBatchDone", None)
-        self._sendRefused = getattr(protocol, "sendRefused", None)
+        #: Whether the protocol has the optional hooks (looked up once; a flag, not a bound method,
+        #: which would cost every idle connection 64 bytes): after a wakeup's reads
+        #: (`readBatchDone`); when the socket refuses (`sendRefused`).
+        self._batchDone = hasattr(protocol, "readBatchDone")
+        self._sendRefused = hasattr(protocol, "sendRefused")
         #: After a failed send: how many more packets the peer may still have us read.
         self._drainLeft = 0
         self._aborted = False
@@ -174,10 +173,10 @@ class SeqPacketTransport:
 
     def doRead(self):
         """Read up to `drain_cap` packets (one wakeup's worth); None, or why the connection ended."""
-        recv_into = self._recv_into
+        recv_into = self.socket.recv_into
         buf = self._buf
         limit = self.max_packet
-        deliver = self._packetReceived
+        deliver = self.protocol.packetReceived
         why = None
         got = 0
         for _ in range(self.drain_cap):
@@ -205,8 +204,8 @@ class SeqPacketTransport:
                 deliver(buf[:n].tobytes())
             if not self._reading:
                 break
-        if got and self._batchDone is not None:
-            self._batchDone()
+        if got and self._batchDone:
+            self.protocol.readBatchDone()
         return why
 
     # -- writing
@@ -219,7 +218,7 @@ class SeqPacketTransport:
         """Send from the front of the queue until it is empty (True) or the socket is full
         (False: writing goes on when it is writable; the caller tells the queue, `refused`)."""
         outbox = self.outbox
-        send = self._send
+        send = self.socket.send
         while outbox.nbytes:
             packet = outbox.peek()
             try:
@@ -245,8 +244,8 @@ class SeqPacketTransport:
         """The socket is full with packets nobody judged yet: let the queue (through the
         protocol, if it keeps one with a policy) decide about what it did not take."""
         if not self.outbox.blocked:
-            if self._sendRefused is not None:
-                self._sendRefused()
+            if self._sendRefused:
+                self.protocol.sendRefused()
             else:
                 self.outbox.refused()
 
@@ -254,7 +253,7 @@ class SeqPacketTransport:
         """Send now, ahead of anything queued, if the socket takes it (the connection is closing)."""
         if self.connected:
             try:
-                self._send(packet, _NOSIGNAL)
+                self.socket.send(packet, _NOSIGNAL)
             except OSError:
                 return
             self.packets_out += 1
@@ -291,7 +290,7 @@ class SeqPacketTransport:
             return
         if not self.outbox.nbytes:  # nothing queued before it (no packet is empty): try now
             try:
-                self._send(packet, _NOSIGNAL)
+                self.socket.send(packet, _NOSIGNAL)
             except BlockingIOError:
                 pass
             except OSError as e:
@@ -363,7 +362,7 @@ class SeqPacketTransport:
         self._closing = None
         if not self.connected:
             return
-        recv_into = self._recv_into
+        recv_into = self.socket.recv_into
         buf = self._buf
         limit = self.max_packet
         done = False
@@ -386,10 +385,10 @@ class SeqPacketTransport:
             if n > limit:
                 self.protocol.packetTooLarge(n)
             else:
-                self._packetReceived(buf[:n].tobytes())
+                self.protocol.packetReceived(buf[:n].tobytes())
         self._drainLeft -= got
-        if got and self._batchDone is not None and self.connected:
-            self._batchDone()
+        if got and self._batchDone and self.connected:
+            self.protocol.readBatchDone()
         if not done and self._drainLeft > 0 and self.connected and not self._aborted:
             self._closing = self.reactor.callLater(0, self._drainThenLose, reason)
             return
@@ -446,9 +445,7 @@ class SeqPacketTransport:
         producer, self._producer = self._producer, None
         if producer is not None:
             producer.stopProducing()
-        protocol = self.protocol
-        self._packetReceived = None
-        protocol.connectionLost(reason)
+        self.protocol.connectionLost(reason)
 
     # -- ITransport odds and ends
 
@@ -774,8 +771,8 @@ class BatchSeqPacketTransport(SeqPacketTransport):
         return None
 
     def _route(self, packets: list):
-        deliver = self._packetReceived
         protocol = self.protocol
+        deliver = protocol.packetReceived
         why = None
         i = 0
         for packet in packets:
@@ -792,8 +789,8 @@ class BatchSeqPacketTransport(SeqPacketTransport):
                 if i < len(packets) and self.connected and not self.disconnecting:
                     self._stash = packets[i:]  # paused: the rest waits, as unread packets do
                 break
-        if self._batchDone is not None:
-            self._batchDone()
+        if self._batchDone:
+            protocol.readBatchDone()
         return why
 
     def resumeProducing(self):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from functools import lru_cache
 from itertools import islice
 from typing import NamedTuple
 
@@ -65,6 +66,19 @@ SOFT_ERROR = "soft_error"
 HARD_ERROR = "hard_error"
 
 _COMPACT_SLACK = 64
+
+#: What an `Outbox` holds instead of a deque while it is empty: nothing to append to, so the
+#: first packet makes the deque and the last one sent lets it go (a deque with its block is
+#: about 1.3 KB, more than everything else an idle connection pins).
+_NO_ITEMS = ()
+
+
+@lru_cache(maxsize=64)
+def _half(limit: int) -> int:
+    """Half a limit, at least 1; cached so that every outbox with the same limits shares one
+    int object (one of its own would cost every idle connection 32 bytes)."""
+    return max(1, limit // 2)
+
 
 #: Replies and notices one client may have queued beyond its message limits before the server
 #: stops reading that client until they drain (a client that asks without reading).
@@ -130,8 +144,9 @@ class Outbox:
         self.max_packets = max_packets
         #: Bytes queued, messages and control packets.
         self.nbytes = 0
-        #: Packets in arrival order (dual mode: entries ``[packet]``, ``[None]`` once sent).
-        self._items: deque = deque()
+        #: Packets in arrival order (dual mode: entries ``[packet]``, ``[None]`` once sent); while
+        #: the queue is empty (outside dual mode), `_NO_ITEMS`.
+        self._items: deque | tuple = _NO_ITEMS
         #: Dual mode only: ``(-size, seq, entry)`` for every entry.
         self._heap: list | None = None
         self._seq = 0
@@ -157,8 +172,8 @@ class Outbox:
         self.ctl_bytes = 0
         self.ctl_limit = ctl_limit
         #: While not blocked: past half the limits, send what is queued before deciding more.
-        self._batch_bytes = max(1, max_bytes // 2)
-        self._batch_packets = max(1, max_packets // 2)
+        self._batch_bytes = _half(max_bytes)
+        self._batch_packets = _half(max_packets)
 
     def set_budget(self, budget: Budget) -> None:
         """Charge to `budget` (and its parent) from now on, moving what is queued there."""
@@ -195,10 +210,13 @@ class Outbox:
         if self.blocked:  # (a dual outbox's `offer` is `decide`)
             return self.decide(packet)
         nbytes = self.nbytes + len(packet)
-        if nbytes - self.ctl_bytes > self._batch_bytes or len(self._items) >= self._batch_packets:
+        items = self._items
+        if nbytes - self.ctl_bytes > self._batch_bytes or len(items) >= self._batch_packets:
             return FLUSH  # much is waiting to be sent: find out whether the socket takes it
         self.nbytes = nbytes
-        self._items.append(packet)
+        if items is _NO_ITEMS:
+            items = self._items = deque()
+        items.append(packet)
         return QUEUED
 
     def decide(self, packet: bytes) -> int:
@@ -237,6 +255,8 @@ class Outbox:
 
     def _push_uncharged(self, packet: bytes) -> None:
         self.nbytes += len(packet)
+        if self._items is _NO_ITEMS:
+            self._items = deque()
         self._items.append(packet)
 
     def _charge(self) -> None:
@@ -254,6 +274,8 @@ class Outbox:
         self._charged = nbytes
         self.budget.used += charge
         self._server.used += charge
+        if self._items is _NO_ITEMS:
+            self._items = deque()
         self._items.append(packet)
 
     def push_control(self, packet: bytes) -> bool:
@@ -279,7 +301,11 @@ class Outbox:
         return self.ctl_bytes <= self.ctl_limit
 
     def _settle(self) -> None:
-        """The queue is empty: nothing is charged any more, the socket took the last packet."""
+        """The queue is empty: nothing is charged any more, the socket took the last packet.
+        Its deques go (the dual views stay): an idle client pins none."""
+        if self._heap is None:
+            self._items = _NO_ITEMS
+        self._ctl = None
         charged = self._charged
         if charged:
             self._charged = 0
@@ -328,9 +354,8 @@ class Outbox:
         items = self._items
         if n == len(items):
             nbytes = self.nbytes
-            items.clear()
             self.nbytes = self.ctl_bytes = 0
-            self._settle()
+            self._settle()  # lets the deque go (`clear` would keep a spare block in it)
             return nbytes
         total = ctl = 0
         popleft = items.popleft

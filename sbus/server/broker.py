@@ -83,28 +83,30 @@ def _overflow_ids() -> tuple[int, int] | None:
 class BrokerProtocol(protocol.Protocol):
     """One connected client: its credentials, subscriptions, echo and flood settings."""
 
+    # `transport` and `connected` (set by `makeConnection`) are slots too: otherwise the first of
+    # them would give every connection an instance dict (Twisted's protocols have no slots).
     __slots__ = (
-        "factory", "cred", "label", "echo", "packets_in", "bytes_in", "drops",
-        "pauses", "holds", "whoami_reply", "reason", "subscriptions", "subscription_bytes",
+        "factory", "transport", "connected", "cred", "echo", "packets_in", "bytes_in", "drops",
+        "_pauses", "holds", "reason", "subscriptions", "subscription_bytes",
         "_stall", "_budget",
-        "owner", "_cached", "_miss", "_prefix", "_secret_root", "charge", "_workWait",
+        "owner", "_cached", "_prefix", "_secret_root", "charge", "_workWait",
         "dropped", "_dropFirst", "_dropLast", "_queuedSinceNotice",
         "_replyHeld", "statsWanted", "_watching", "outbox", "dirty", "extensions", "_waitingReplies",
     )
 
     def __init__(self, factory: "BrokerFactory", cred):
         self.factory = factory
+        self.transport = None
+        self.connected = 0
         self.cred = cred
-        self.label = f"pid={cred.pid} uid={cred.uid} gid={cred.gid}"
         self.echo = True
         self.packets_in = 0
         self.bytes_in = 0
         self.drops: Counter | None = None
-        #: Who holds this client's reading paused (subscribers it filled, the relay, its own replies).
-        self.pauses: Pauses | None = None
-        #: Publishers this client's full queue holds paused (soft/hard `block`).
-        self.holds = Holds()
-        self.whoami_reply = _WHOAMI_REPLY + whoami(factory.config.cred_prefix, cred)
+        #: `pauses`, once asked for.
+        self._pauses: Pauses | None = None
+        #: Publishers this client's full queue holds paused (soft/hard `block`); made at the first.
+        self.holds: Holds | None = None
         self.reason = CLOSED
         self.subscriptions = 0
         #: Estimated memory its patterns pin (see `pattern_cost`).
@@ -115,8 +117,7 @@ class BrokerProtocol(protocol.Protocol):
         self._budget: HoldBudget | None = None  # made at the first hold: idle clients pin none
         #: The process that connected; None if it could not be proven alive at connect.
         self.owner: Owner | None = None
-        self._cached = factory.router.cached
-        self._miss = factory.router.miss
+        self._cached = factory.router.cached  # one dict's `get`, shared: it costs a connection nothing
         #: Its uid's `UserCharge` (set when it connects), and while it waits for its uid's
         #: routing work to be earned back, the call that ends the wait.
         self.charge: UserCharge | None = None
@@ -147,6 +148,26 @@ class BrokerProtocol(protocol.Protocol):
     def __repr__(self):
         return f"<client {self.label}>"
 
+    # Made when asked, not kept: a string each would cost every idle connection about 70 bytes.
+    @property
+    def label(self) -> str:
+        cred = self.cred
+        return f"pid={cred.pid} uid={cred.uid} gid={cred.gid}"
+
+    @property
+    def whoami_reply(self) -> bytes:
+        return _WHOAMI_REPLY + whoami(self._prefix, self.cred)
+
+    @property
+    def pauses(self) -> Pauses | None:
+        """Who holds this client's reading paused (subscribers it filled, the relay, its own
+        replies); None until it is connected. Made at the first hold (48 bytes an idle client
+        does not need)."""
+        pauses = self._pauses
+        if pauses is None and self.transport is not None:
+            pauses = self._pauses = Pauses(self.transport)
+        return pauses
+
     def repricePattern(self, delta: int) -> None:
         """One stored pattern's cost changed by `delta` bytes (a relay moved it to a new prefix)."""
         self.subscription_bytes += delta
@@ -158,13 +179,11 @@ class BrokerProtocol(protocol.Protocol):
         and secret keys follow it."""
         self._prefix = prefix
         self._secret_root = prefix + SECRET_ROOT
-        self.whoami_reply = _WHOAMI_REPLY + whoami(prefix, self.cred)
 
     # -- connection life
 
     def connectionMade(self):
         self.transport.useQueue(self.outbox)
-        self.pauses = Pauses(self.transport)
         self.factory.clientConnected(self)
 
     def connectionLost(self, reason=None):
@@ -199,7 +218,7 @@ class BrokerProtocol(protocol.Protocol):
             clients = self._cached(key)
             if clients is None:
                 t0 = perf_counter()
-                clients = self._miss(key)
+                clients = self.factory.router.miss(key)
                 self.spent(perf_counter() - t0)
             for client in clients:
                 if client is self and not self.echo:
@@ -430,7 +449,10 @@ class BrokerProtocol(protocol.Protocol):
                 budget = self._budget = self.factory.holdBudget(self.cred.uid)
             left = budget.start(self, reactor.seconds())
             self._stall = reactor.callLater(max(left, 0.0), self._stalled)
-        self.holds.add(pauses)
+        holds = self.holds
+        if holds is None:
+            holds = self.holds = Holds()
+        holds.add(pauses)
 
     def _stalled(self):
         self._stall = None
@@ -447,7 +469,8 @@ class BrokerProtocol(protocol.Protocol):
             if stall.active():
                 stall.cancel()
             self._budget.stop(self, self.factory.reactor.seconds())
-        self.holds.release()
+        if self.holds is not None:
+            self.holds.release()
 
     # -- requests
 
