@@ -11,16 +11,16 @@ rounds. Attacks, each on two connections of the attacker's uid:
 
 * ``misses``: 40,000 patterns whose star pieces all match one family of keys, then a distinct
   key per publish (every publish a cache miss that walks all 40,000 patterns);
-* ``listings``: 100,000 plain patterns held, then, over and over, a new connection that asks
-  `CMSG server/interest` and closes at once (the server builds the listing of 100,000 lines
-  and sends what the socket takes: the most server work per attacker's packet);
+* ``listings``: 100,000 plain patterns held and 400 more connections; when root starts,
+  each of those asks `CMSG server/interest` (400 listings of 100,000 lines) and reads nothing;
 * ``churn``: `SUB`/`UNSUB` of fresh patterns as fast as the server takes them, beside
   50,000 held ones;
 * ``flood``: `MSG` on a key nobody holds, as fast as the server takes them (each costs
-  the server a read and a cache hit: the plain cost of a packet).
+  the server a read and a cache hit: the plain cost of a packet);
+* ``connect``: connect, one request, close, as fast as the server accepts.
 
-The issue's goal names the first two (and holding many patterns, which all but ``flood``
-do); ``churn`` and ``flood`` measure what any packet costs.
+The issue's goal names the first two (and holding many patterns, which the first three do);
+``churn``, ``flood`` and ``connect`` measure what any packet or connection costs.
 
 Needs root (the attacker runs as uid 65534, niced: the row measures how the server shares
 its reactor, not how the kernel shares the CPUs between the attacker and root's client). Prints one line per round and attack, then the
@@ -43,17 +43,26 @@ import time
 
 ATTACKER = 65534
 WHOAMI = b"CMSG !/cred/whoami"
-ATTACKS = ("misses", "listings", "churn", "flood")
+ATTACKS = ("misses", "listings", "churn", "flood", "connect")
 
 
-def dial(path: str, big: bool = False) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    if big:
-        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            s.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
-    s.settimeout(60)
-    s.connect(path)
-    return s
+def dial(path: str, big: bool = False, retry: bool = False) -> socket.socket:
+    """A connection; `retry`: while the listen backlog is full (EAGAIN), for up to 60 s."""
+    deadline = time.monotonic() + 60
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        if big:
+            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                s.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+        s.settimeout(60)
+        try:
+            s.connect(path)
+            return s
+        except BlockingIOError:
+            s.close()
+            if not retry or time.monotonic() > deadline:
+                raise
+            time.sleep(0.001)
 
 
 def sync(s: socket.socket) -> None:
@@ -65,7 +74,7 @@ def sync(s: socket.socket) -> None:
 def rate(path: str, seconds: float) -> float:
     """Messages per second one root publisher gets through to its own subscriber."""
     key = b"fair/%d" % time.monotonic_ns()
-    sub, pub = dial(path, True), dial(path, True)
+    sub, pub = dial(path, True, retry=True), dial(path, True, retry=True)
     sub.send(b"SUB " + key)
     sync(sub)
     n = 0
@@ -119,10 +128,22 @@ def attack(name: str, path: str, ready: int, stop: int) -> None:
             k[0] += 1
     elif name == "listings":
         _hold(conns, (b"held/%d" % i for i in range(100_000)))
+        watchers = [dial(path) for _ in range(400)]
+        for w in watchers:
+            sync(w)
+        os.write(ready, b"r")
+        for w in watchers:  # 400 listings of 100,000 lines each asked at once, none read
+            w.send(b"CMSG server/interest")
+        select.select([stop], [], [])
+        return
+    elif name == "connect":
         os.write(ready, b"r")
         while not select.select([stop], [], [], 0)[0]:
-            w = dial(path)
-            w.send(b"CMSG server/interest")  # the server lists 100,000 patterns for nobody
+            try:
+                w = dial(path)
+                w.send(b"CMSG server/id")
+            except OSError:  # the backlog is full, or refused at accept: again
+                continue
             w.close()
         return
     elif name == "flood":
@@ -157,6 +178,8 @@ def run_attack(name: str, path: str, seconds: float) -> tuple[float, float, floa
             attack(name, path, ready_w, stop_r)
         except BaseException as e:  # noqa: BLE001 - one line, then exit
             print(f"fairness: attacker ({name}): {e}", file=sys.stderr)
+            if os.environ.get("FAIR_DEBUG"):
+                import traceback; traceback.print_exc()
             code = 1
         os._exit(code)
     try:

@@ -569,7 +569,7 @@ class TwistdBus(LoggedProcess):
         self.address = address
         super().__init__([sys.executable, "-m", "twisted", "--log-format", "text", "sbus",
                           "--socket", address, *options], log_path)
-        wait_until(lambda: self.alive_or_raise() and self._accepts(), f"twistd sbus accepting on {address}")
+        wait_until(lambda: self.alive_or_raise() and self._accepts(), f"twistd sbus accepting on {address}", timeout=60)
 
     def _accepts(self) -> bool:
         try:

@@ -33,6 +33,11 @@ class WorkBudget:
         self.credit = burst
         self.since = now
 
+    def owed(self, now: float) -> float:
+        """How long the uid must still wait to be out of debt (0: it is not in debt)."""
+        credit = min(self.burst, self.credit + (now - self.since) * self.share)
+        return 0.0 if credit >= 0 else -credit / self.share
+
     def spend(self, seconds: float, now: float) -> float:
         """Charge `seconds` of work; return how long the uid must now wait (0: not at all)."""
         credit = min(self.burst, self.credit + (now - self.since) * self.share) - seconds

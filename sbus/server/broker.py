@@ -257,11 +257,34 @@ class BrokerProtocol(protocol.Protocol):
             self.pauses.hold()
             self._workWait = factory.reactor.callLater(wait, self._workEarned)
 
+    def _waitForWork(self) -> bool:
+        """Before costly work for this client: if its uid is in debt (other uids connected),
+        do not read it until the uid has earned the time back; True if it must wait. (A uid
+        whose every connection spends once and is paused would otherwise spend with new
+        connections: connect, ask for a 100,000-line listing, close, again.)"""
+        factory = self.factory
+        if self._workWait is not None:
+            return True
+        if len(factory.users) < 2 or self.charge is None or self.transport.disconnecting:
+            return False
+        wait = self.charge.work.owed(factory.reactor.seconds())
+        if wait <= 0:
+            return False
+        self.pauses.hold()
+        self._workWait = factory.reactor.callLater(wait, self._workEarned)
+        return True
+
     def _workEarned(self) -> None:
         self._workWait = None
         self.pauses.release()
         if self._watching and not self.transport.disconnecting:
-            self.tellInterest()  # the rest of a listing that waited for the time
+            interest = self.factory.interest
+            if interest is None or not interest.watching(self):
+                # Asked while its uid was in debt; its other connections may have spent since.
+                if not self._waitForWork():
+                    self._startListing()
+            else:
+                self.tellInterest()  # the rest of a listing that waited for the time
             self.factory.flushDirty()
 
     def packetTooLarge(self, size: int):
@@ -639,10 +662,14 @@ class BrokerProtocol(protocol.Protocol):
         changes nothing. The first listing ends with `=`, which comes before any later reply."""
         if not self._watching:
             self._watching = True
-            t0 = perf_counter()
-            self.factory.watchInterest(self)  # O(patterns held): charged like routing work
-            self.spent(perf_counter() - t0)
-            self.tellInterest()
+            if not self._waitForWork():  # else `_workEarned` starts it
+                self._startListing()
+
+    def _startListing(self) -> None:
+        t0 = perf_counter()
+        self.factory.watchInterest(self)  # O(patterns held): charged like routing work
+        self.spent(perf_counter() - t0)
+        self.tellInterest()
 
     def _extensions(self):
         """`CMSG server/extensions`: from now on send this client the server's notices
@@ -656,8 +683,10 @@ class BrokerProtocol(protocol.Protocol):
         watcher that does not read is told the outcome, not every change. True when it has
         been told everything; then the replies that waited for that are queued."""
         table = self.factory.interest
-        if table is None or self.transport.disconnecting:
+        if self.transport.disconnecting:
             return True
+        if table is None or not table.watching(self):
+            return not self._watching  # asked while its uid was in debt: the listing waits
         out = self.outbox
         if not out.blocked and out.ctl_bytes < out.ctl_limit and self._workWait is None:
             # (A uid past its share of the reactor gets the rest when it has earned the time.)
