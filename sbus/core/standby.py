@@ -1,0 +1,249 @@
+"""A standby's window: what it saw on one side that the active path has not yet delivered on
+the other (sans-I/O, plain Python; used by ``twistd sbus-bridge``).
+
+A standby bridge subscribes on both its buses like the active one, so it sees each message
+twice: where it was published, and where the active path delivered it. Messages are not
+numbered on a bus, so the window pairs the two sightings by **content and order**: a message
+seen on side X with key ``k`` and payload ``p``, which this bridge would forward to side Y as
+``t`` (its rules, prefix rewriting included), waits in the window until ``(t, p)`` is seen on
+Y; the oldest waiting copy is taken first. When the standby takes over it forwards what still
+waits, in the order it was seen, and nothing twice: `Window.drain`.
+
+Which sighting comes first is not fixed. The standby reads its two connections in turns, so
+the active path's copy on Y may be read before the original on X (a burst queued on X). A
+message seen on X that pairs with nothing is therefore kept both ways: as a message to forward
+X -> Y, and as a possible early copy of something still unread on Y. Whichever pairing comes
+first settles it. Before draining, the caller must have read everything its two servers
+delivered up to one moment after the active path stopped (a whoami round trip on each side):
+then every copy the active path made has met its original, and what waits is exactly what it
+did not deliver.
+
+Assumptions (docs/deploy.md, "Failover without loss"):
+
+* **Identical messages.** Copies with the same key and payload are interchangeable: consecutive
+  identical messages are counted, not told apart, which is exact. A message published on Y
+  identical to one published on X within the window (same resulting key and payload) may be
+  taken for the active path's copy of it; the standby would then not forward it at takeover.
+* **The active path forwards what this bridge would**, in order (same rules, same buses). What
+  it does not carry, while it visibly delivers later messages of the same side, is dropped after
+  `SKIP_AGE` seconds and counted as ``skipped``, not as a loss.
+* **The window is bounded**: at most `MAX_MESSAGES` messages and `MAX_BYTES` bytes of keys and
+  payloads (at 5,000 msg/s, 20 s of traffic; a takeover after ``kill -9`` takes about 3 s). What
+  falls out of it unpaired, newer than the last message the active path was seen delivering,
+  is counted as ``gap`` at the next takeover: those messages may be lost.
+* A message the dead active wrote to a server that had not read it when the standby's round trip
+  came back arrives twice; the takeover comes seconds after the death, so the server has long
+  read it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+
+MAX_MESSAGES = 100_000
+MAX_BYTES = 32 * 1024 * 1024
+SKIP_AGE = 10.0
+#: Per-record overhead charged against `max_bytes` besides key and payload.
+OVERHEAD = 64
+
+
+class _Record:
+    __slots__ = ("rid", "side", "key", "payload", "units", "twin", "t", "size")
+
+    def __init__(self, rid, side, key, payload, units, twin, t):
+        self.rid, self.side, self.key, self.payload = rid, side, key, payload
+        self.units = units      # target keys on the other side still awaiting the active's copy
+        self.twin = twin        # may still be an early copy of a message unread on the other side
+        self.t = t
+        self.size = len(key) + len(payload) + OVERHEAD
+
+
+class Window:
+    """See the module docstring. `sides` are the two side names (``("a", "b")``)."""
+
+    def __init__(self, sides=("a", "b"), *, max_messages: int = MAX_MESSAGES, max_bytes: int = MAX_BYTES,
+                 skip_age: float = SKIP_AGE, clock=time.monotonic):
+        if len(sides) != 2 or sides[0] == sides[1]:
+            raise ValueError("a window has two distinct sides")
+        if max_messages < 1 or max_bytes < 1:
+            raise ValueError("window bounds must be positive")
+        self.sides = tuple(sides)
+        self.other = {sides[0]: sides[1], sides[1]: sides[0]}
+        self.max_messages = max_messages
+        self.max_bytes = max_bytes
+        self.skip_age = skip_age
+        self.clock = clock
+        self._records: OrderedDict[int, _Record] = OrderedDict()
+        #: (side it would appear on, key, payload) -> record ids awaiting that copy (oldest first)
+        self._wanted: dict[tuple, deque] = {}
+        #: (side seen on, key, payload) -> record ids that may be early copies (oldest first)
+        self._early: dict[tuple, deque] = {}
+        self._next = 0
+        self._bytes = 0
+        #: per source side: the newest record id whose copy the active path delivered
+        self._last_delivered = dict.fromkeys(sides, -1)
+        #: per source side: ids of unpaired records pushed out by the bounds, newer than that
+        self._overflow = {s: deque() for s in sides}
+        # counters, per source side (the direction source -> other)
+        self.seen = dict.fromkeys(sides, 0)
+        self.delivered = dict.fromkeys(sides, 0)
+        self.skipped = dict.fromkeys(sides, 0)
+        self.replayed = dict.fromkeys(sides, 0)
+        self.gap = dict.fromkeys(sides, 0)
+
+    def __len__(self):
+        return len(self._records)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def pending(self) -> int:
+        """Messages (target copies) that would be forwarded if the standby took over now."""
+        return sum(len(r.units) for r in self._records.values())
+
+    # -- input
+
+    def seen_on(self, side, key: bytes, payload: bytes, targets=()) -> None:
+        """A message arrived on `side`; `targets`: the keys this bridge would publish it as on the
+        other side (empty if no rule forwards it that way)."""
+        other = self.other[side]
+        copy = (side, key, payload)
+        rec = self._take(self._wanted, copy, lambda r: key in r.units)
+        if rec is not None:                 # the active path's copy of a message seen on `other`
+            rec.units.remove(key)
+            rec.twin = False                # it was an original after all
+            self._unindex(self._early, (rec.side, rec.key, rec.payload), rec.rid)
+            self._delivered(rec)
+            if not rec.units:
+                self._drop(rec)
+            return
+        remaining = []
+        early = False
+        for target in targets:
+            twin = self._take(self._early, (other, target, payload), lambda r: r.twin)
+            if twin is None:
+                remaining.append(target)
+                continue
+            # `twin` was our copy, read on `other` before we read this original: settled.
+            early = True
+            self.seen[other] -= 1           # it was a copy, not a message published there
+            self._drop(twin)
+        self.seen[side] += 1
+        if early:
+            self.delivered[side] += 1
+            self._last_delivered[side] = self._next
+        if not remaining and early:
+            self._next += 1
+            return
+        rec = _Record(self._next, side, key, payload, remaining, not early, self.clock())
+        self._next += 1
+        self._records[rec.rid] = rec
+        self._bytes += rec.size
+        for target in remaining:
+            self._wanted.setdefault((other, target, payload), deque()).append(rec.rid)
+        if rec.twin:
+            self._early.setdefault(copy, deque()).append(rec.rid)
+        self._bound()
+
+    # -- takeover
+
+    def drain(self) -> list[tuple]:
+        """What to forward now, in order: ``(source side, target key, payload)`` per copy. Counts
+        the replayed copies and the gap, and empties the window."""
+        out = []
+        for rec in self._records.values():
+            for target in rec.units:
+                out.append((rec.side, target, rec.payload))
+                self.replayed[rec.side] += 1
+        for side, ids in self._overflow.items():
+            self.gap[side] += len(ids)
+        self.reset()
+        return out
+
+    def reset(self) -> None:
+        """Forget everything (a side reconnected, or this bridge stopped forwarding)."""
+        self._records.clear()
+        self._wanted.clear()
+        self._early.clear()
+        self._bytes = 0
+        for side in self.sides:
+            self._overflow[side].clear()
+            self._last_delivered[side] = self._next - 1
+
+    def stats(self) -> dict:
+        return {"messages": len(self._records), "bytes": self._bytes, "pending": self.pending(),
+                "max_messages": self.max_messages, "max_bytes": self.max_bytes}
+
+    # -- inside
+
+    def _take(self, index: dict, what: tuple, ok):
+        ids = index.get(what)
+        while ids:
+            rec = self._records.get(ids[0])
+            if rec is not None and ok(rec):
+                self._unindex(index, what, rec.rid)
+                return rec
+            ids.popleft()                   # settled meanwhile
+        if ids is not None and not ids:
+            del index[what]
+        return None
+
+    @staticmethod
+    def _unindex(index: dict, what: tuple, rid: int) -> None:
+        ids = index.get(what)
+        if ids is None:
+            return
+        try:
+            ids.remove(rid)
+        except ValueError:
+            pass
+        if not ids:
+            del index[what]
+
+    def _delivered(self, rec: _Record) -> None:
+        side = rec.side
+        self.delivered[side] += 1
+        if rec.rid > self._last_delivered[side]:
+            self._last_delivered[side] = rec.rid
+            overflow = self._overflow[side]
+            while overflow and overflow[0] < rec.rid:   # the active path went on past them
+                overflow.popleft()
+                self.skipped[side] += 1
+
+    def _drop(self, rec: _Record) -> None:
+        del self._records[rec.rid]
+        self._bytes -= rec.size
+        other = self.other[rec.side]
+        for target in rec.units:
+            self._unindex(self._wanted, (other, target, rec.payload), rec.rid)
+        if rec.twin:
+            self._unindex(self._early, (rec.side, rec.key, rec.payload), rec.rid)
+
+    def _bound(self) -> None:
+        records = self._records
+        while len(records) > self.max_messages or self._bytes > self.max_bytes:
+            rec = next(iter(records.values()))
+            self._drop(rec)
+            if rec.units:
+                if rec.rid < self._last_delivered[rec.side]:
+                    self.skipped[rec.side] += 1
+                else:
+                    overflow = self._overflow[rec.side]
+                    overflow.append(rec.rid)
+                    if len(overflow) > self.max_messages:
+                        overflow.popleft()
+                        self.gap[rec.side] += 1   # counted now: too many to keep
+        # Old records the active path went past (it delivered later ones of that side): it does
+        # not carry them. Old records without anything to forward: never paired, not a loss.
+        now = self.clock()
+        while records:
+            rec = next(iter(records.values()))
+            if now - rec.t < self.skip_age:
+                break
+            if rec.units and rec.rid > self._last_delivered[rec.side]:
+                break                       # may still be the active path's loss: keep it
+            self._drop(rec)
+            if rec.units:
+                self.skipped[rec.side] += 1
