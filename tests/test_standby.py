@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sbus.core.standby import Window
+from sbus.core.standby import OVERHEAD, Window
 
 
 class Clock:
@@ -97,7 +97,7 @@ def test_past_the_bound_the_oldest_unpaired_are_counted_as_the_gap():
 
 
 def test_the_byte_bound():
-    w = Window(max_bytes=10 * (100 + 2 + 64))
+    w = Window(max_bytes=10 * (100 + 2 + OVERHEAD))
     for i in range(20):
         seen(w, "a", b"k%d" % (i % 10), b"x" * 100)
     assert len(w) == 10

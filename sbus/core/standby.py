@@ -27,10 +27,11 @@ Assumptions (docs/deploy.md, "Failover without loss"):
 * **The active path forwards what this bridge would**, in order (same rules, same buses). What
   it does not carry, while it visibly delivers later messages of the same side, is dropped after
   `SKIP_AGE` seconds and counted as ``skipped``, not as a loss.
-* **The window is bounded**: at most `MAX_MESSAGES` messages and `MAX_BYTES` bytes of keys and
-  payloads (at 5,000 msg/s, 20 s of traffic; a takeover after ``kill -9`` takes about 3 s). What
-  falls out of it unpaired, newer than the last message the active path was seen delivering,
-  is counted as ``gap`` at the next takeover: those messages may be lost.
+* **The window is bounded**: at most `MAX_MESSAGES` messages and `MAX_BYTES` bytes (keys,
+  payloads and `OVERHEAD` per message): at 5,000 msg/s, 20 s of traffic, and a takeover after
+  ``kill -9`` takes about 3 s. What falls out of it unpaired, newer than the last message the
+  active path was seen delivering, is counted as ``gap`` at the next takeover: those messages
+  may be lost.
 * A message the dead active wrote to a server that had not read it when the standby's round trip
   came back arrives twice; the takeover comes seconds after the death, so the server has long
   read it.
@@ -42,10 +43,11 @@ import time
 from collections import OrderedDict, deque
 
 MAX_MESSAGES = 100_000
-MAX_BYTES = 32 * 1024 * 1024
+MAX_BYTES = 64 * 1024 * 1024
 SKIP_AGE = 10.0
-#: Per-record overhead charged against `max_bytes` besides key and payload.
-OVERHEAD = 64
+#: What each message costs besides its key and payload (measured: about 600 bytes of records
+#: and indexes for a small message), charged against `max_bytes`.
+OVERHEAD = 512
 
 
 class _Record:
@@ -142,9 +144,9 @@ class Window:
         self._records[rec.rid] = rec
         self._bytes += rec.size
         for target in remaining:
-            self._wanted.setdefault((other, target, payload), deque()).append(rec.rid)
+            self._index(self._wanted, (other, target, payload), rec.rid)
         if rec.twin:
-            self._early.setdefault(copy, deque()).append(rec.rid)
+            self._index(self._early, copy, rec.rid)
         self._bound()
 
     # -- takeover
@@ -178,28 +180,49 @@ class Window:
 
     # -- inside
 
+    # An index maps a content to one record id (an int: most contents are seen once) or to a
+    # deque of them, oldest first (identical messages): a deque per record cost 600 bytes.
+
     def _take(self, index: dict, what: tuple, ok):
-        ids = index.get(what)
-        while ids:
-            rec = self._records.get(ids[0])
+        while True:
+            ids = index.get(what)
+            if ids is None:
+                return None
+            rid = ids if type(ids) is int else ids[0]
+            rec = self._records.get(rid)
+            self._unindex(index, what, rid)
             if rec is not None and ok(rec):
-                self._unindex(index, what, rec.rid)
                 return rec
-            ids.popleft()                   # settled meanwhile
-        if ids is not None and not ids:
-            del index[what]
-        return None
+
+    @staticmethod
+    def _index(index: dict, what: tuple, rid: int) -> None:
+        ids = index.get(what)
+        if ids is None:
+            index[what] = rid
+        elif type(ids) is int:
+            index[what] = deque((ids, rid))
+        else:
+            ids.append(rid)
 
     @staticmethod
     def _unindex(index: dict, what: tuple, rid: int) -> None:
         ids = index.get(what)
         if ids is None:
             return
-        try:
-            ids.remove(rid)
-        except ValueError:
-            pass
-        if not ids:
+        if type(ids) is int:
+            if ids == rid:
+                del index[what]
+            return
+        if ids[0] == rid:
+            ids.popleft()
+        else:
+            try:
+                ids.remove(rid)
+            except ValueError:
+                return
+        if len(ids) == 1:
+            index[what] = ids[0]
+        elif not ids:
             del index[what]
 
     def _delivered(self, rec: _Record) -> None:

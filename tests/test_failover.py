@@ -1,0 +1,187 @@
+"""Hot standby without loss, through real processes (issue 23): a publisher sends numbered
+messages at a steady rate, the forwarding bridge is killed with ``kill -9`` mid-flow, and the
+subscribers on the far buses get every message exactly once, in order.
+
+Two shapes: two parallel bridges between two buses, and a loop of three buses and bridges.
+The kill is placed by an event (the far subscriber got message K), never by a clock; the
+checks wait for the last message with generous timeouts (CI is a loaded 2-core machine).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+from helpers import SERVICE_TIMEOUT, child_env, connect, send, sub, sync, wait_until
+from test_lossless import HARD_BLOCK, routed
+from test_topology_services import bridge, services, settled  # noqa: F401  (fixture)
+
+from sbus.client.blocking import connect as sbus_connect
+
+RATE = 2000          # messages a second
+AFTER_KILL = 8000    # messages published after the kill point (4 s: longer than a takeover)
+DONE_TIMEOUT = 120.0
+
+
+class SteadyPublisher(threading.Thread):
+    """Publishes ``PREFIX<i>`` (payload ``<i>``) for i < n at `rate` a second, with sbus's own
+    blocking client. The pacing is the workload, not synchronisation."""
+
+    def __init__(self, address, prefix: bytes, n: int, rate: float = RATE):
+        super().__init__(daemon=True)
+        self.client = sbus_connect(address)
+        self.prefix, self.n, self.rate = prefix, n, rate
+        self.sent = 0
+        self.error = None
+
+    def run(self):
+        start = time.monotonic()
+        try:
+            for i in range(self.n):
+                ahead = start + i / self.rate - time.monotonic()
+                if ahead > 0:
+                    time.sleep(ahead)
+                self.client.publish(self.prefix + b"%d" % i, b"%d" % i)
+                self.sent += 1
+        except Exception as e:  # noqa: BLE001
+            self.error = e
+
+
+class Receiver(threading.Thread):
+    """Reads a subscriber socket; `got` is the list of numbers received under `prefix`."""
+
+    def __init__(self, sock, prefix: bytes):
+        super().__init__(daemon=True)
+        self.sock, self.prefix = sock, prefix
+        self.got: list[int] = []
+        self.error = None
+        self.stopping = False
+
+    def run(self):
+        head = b"MSG " + self.prefix
+        self.sock.settimeout(0.5)
+        while not self.stopping:
+            try:
+                p = self.sock.recv(1 << 20)
+            except socket.timeout:
+                continue
+            except OSError as e:
+                self.error = e
+                return
+            if not p:
+                self.error = "disconnected"
+                return
+            if p.startswith(head) and not p.startswith(head + b"probe"):
+                self.got.append(int(p[len(head):p.index(b"\0")]))
+
+    def has(self, i: int) -> bool:
+        assert self.error is None, self.error
+        return bool(self.got) and self.got[-1] >= i
+
+
+def far_subscriber(address, prefix: bytes):
+    s = connect(address, big=True)
+    send(s, HARD_BLOCK, sub(prefix))
+    sync(s)
+    return s
+
+
+def check_once_in_order(name: str, got: list[int], n: int) -> None:
+    if got == list(range(n)):
+        return
+    seen = set(got)
+    missing = [i for i in range(n) if i not in seen]
+    dups = len(got) - len(seen)
+    back = sum(1 for x, y in zip(got, got[1:]) if y <= x)
+    raise AssertionError(f"{name}: {len(got)} received of {n}: {len(missing)} missing "
+                         f"(first {missing[:5]}), {dups} duplicated, {back} out of order")
+
+
+def bridge_stats(address) -> list[dict]:
+    """What `sbus stats --services` prints for the bridges on `address`."""
+    res = subprocess.run([sys.executable, "-c", "import sys; from sbus.cli import main; sys.exit(main())",
+                          "-s", address, "stats", "--services"],
+                         capture_output=True, timeout=SERVICE_TIMEOUT, env=child_env())
+    assert res.returncode == 0, res.stderr[-500:]
+    return [a for a in json.loads(res.stdout) if a["service"] == "sbus-bridge"]
+
+
+READY = re.compile(r"side [ab]: .*; ready")
+
+
+def armed(*bridges):
+    """Each bridge has both sides connected and probed (a standby's window watches from then)."""
+    for b in bridges:
+        b.wait_log(READY, count=2)
+
+
+def run_flow(pub_address, far: dict, victim, kill_at: int) -> None:
+    """Publish kill_at + AFTER_KILL numbered messages on `pub_address`; kill -9 `victim` once the
+    first far subscriber got message `kill_at`; every far subscriber must get all, once, in order."""
+    prefix = f"f/{uuid.uuid4().hex[:6]}/".encode()
+    socks = {name: far_subscriber(addr, prefix) for name, addr in far.items()}
+    for s in socks.values():
+        routed(pub_address, s, prefix)
+    n = kill_at + AFTER_KILL
+    receivers = {name: Receiver(s, prefix) for name, s in socks.items()}
+    for r in receivers.values():
+        r.start()
+    pub = SteadyPublisher(pub_address, prefix, n)
+    pub.start()
+    first = next(iter(receivers.values()))
+    wait_until(lambda: first.has(kill_at), f"message {kill_at} across", DONE_TIMEOUT)
+    victim.proc.kill()
+    killed_after = pub.sent
+    for name, r in receivers.items():
+        wait_until(lambda: r.has(n - 1) or (pub.error and pytest.fail(str(pub.error))),
+                   f"{name}: the last message ({len(r.got)} received)", DONE_TIMEOUT)
+    pub.join(DONE_TIMEOUT)
+    assert pub.error is None, pub.error
+    for name, r in receivers.items():
+        r.stopping = True
+        r.join(5)
+        sync(socks[name])     # anything delivered after the last message (a duplicate) is in got
+        check_once_in_order(name, r.got, n)
+    print(f"killed after {killed_after} of {n} published; all {n} arrived once, in order")
+
+
+@pytest.mark.parametrize("kill_at", [300, 3000, 6000])
+def test_parallel_bridges_kill_the_forwarding_one_loses_nothing(start_bus, services, kill_at):  # noqa: F811
+    a, b = start_bus(), start_bus()
+    b1, b2 = bridge(services, a.address, b.address), bridge(services, a.address, b.address)
+    settled([b1, b2], forwarding=1)
+    armed(b1, b2)
+    active = b1 if b1.state() == "forwarding" else b2
+    standby = b2 if active is b1 else b1
+    run_flow(a.address, {"b": b.address}, active, kill_at)
+    assert standby.state() == "forwarding"
+    text = standby.wait_log("taking over: forwarded")
+    replayed = int(re.search(r"taking over: forwarded (\d+)", text).group(1))
+    gap = re.search(r"failover gap a>b=(\d+) b>a=(\d+)", text).groups()
+    print(f"standby replayed {replayed} message(s) at takeover, gap {gap}")
+    assert gap == ("0", "0"), text[-2000:]
+    (st,) = bridge_stats(a.address)
+    assert st["stats"]["failover_gap"] == {"a>b": 0, "b>a": 0}
+    assert st["stats"]["standby"]["replayed_at_takeover"]["a>b"] == replayed
+
+
+@pytest.mark.parametrize("kill_at", [500, 4000])
+def test_loop_of_three_kill_a_forwarding_bridge_loses_nothing(start_bus, services, kill_at):  # noqa: F811
+    buses = [start_bus() for _ in range(3)]
+    bridges = [bridge(services, buses[i].address, buses[(i + 1) % 3].address) for i in range(3)]
+    settled(bridges, forwarding=2)
+    armed(*bridges)
+    # bridges[i] joins bus i and bus i+1; kill a forwarding one, publish on its bus i: the far
+    # buses are reached through the dying bridge and then through the loop's standby
+    i = next(i for i, b in enumerate(bridges) if b.state() == "forwarding")
+    far = {f"bus{j}": buses[j].address for j in range(3) if j != i}
+    run_flow(buses[i].address, far, bridges[i], kill_at)
+    settled([b for j, b in enumerate(bridges) if j != i], forwarding=2)
