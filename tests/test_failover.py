@@ -123,14 +123,15 @@ def armed(*bridges):
         b.wait_log(READY, count=2)
 
 
-def run_flow(pub_address, far: dict, victim, kill_at: int) -> None:
-    """Publish kill_at + AFTER_KILL numbered messages on `pub_address`; kill -9 `victim` once the
-    first far subscriber got message `kill_at`; every far subscriber must get all, once, in order."""
+def run_flow(pub_address, far: dict, victim, kill_at: int, after: int = AFTER_KILL) -> None:
+    """Publish kill_at + `after` numbered messages on `pub_address`; once the first far subscriber
+    got message `kill_at`, kill -9 `victim` (or call it, when it is a function); every far
+    subscriber must get all, once, in order."""
     prefix = f"f/{uuid.uuid4().hex[:6]}/".encode()
     socks = {name: far_subscriber(addr, prefix) for name, addr in far.items()}
     for s in socks.values():
         routed(pub_address, s, prefix)
-    n = kill_at + AFTER_KILL
+    n = kill_at + after
     receivers = {name: Receiver(s, prefix) for name, s in socks.items()}
     for r in receivers.values():
         r.start()
@@ -138,8 +139,9 @@ def run_flow(pub_address, far: dict, victim, kill_at: int) -> None:
     pub.start()
     first = next(iter(receivers.values()))
     wait_until(lambda: first.has(kill_at), f"message {kill_at} across", DONE_TIMEOUT)
-    victim.proc.kill()
     killed_after = pub.sent
+    victim() if callable(victim) else victim.proc.kill()
+    acted_until = pub.sent
     for name, r in receivers.items():
         wait_until(lambda: r.has(n - 1) or (pub.error and pytest.fail(str(pub.error))),
                    f"{name}: the last message ({len(r.got)} received)", DONE_TIMEOUT)
@@ -150,7 +152,8 @@ def run_flow(pub_address, far: dict, victim, kill_at: int) -> None:
         r.join(5)
         sync(socks[name])     # anything delivered after the last message (a duplicate) is in got
         check_once_in_order(name, r.got, n)
-    print(f"killed after {killed_after} of {n} published; all {n} arrived once, in order")
+    print(f"killed after {killed_after} of {n} published (done with it after {acted_until}); "
+          f"all {n} arrived once, in order")
 
 
 @pytest.mark.parametrize("kill_at", [300, 3000, 6000])
@@ -185,3 +188,37 @@ def test_loop_of_three_kill_a_forwarding_bridge_loses_nothing(start_bus, service
     far = {f"bus{j}": buses[j].address for j in range(3) if j != i}
     run_flow(buses[i].address, far, bridges[i], kill_at)
     settled([b for j, b in enumerate(bridges) if j != i], forwarding=2)
+
+
+def test_parallel_bridges_sigterm_of_the_forwarding_one_loses_nothing(start_bus, services):  # noqa: F811
+    """A clean stop says goodbye: the standby takes over after the forward delay (1 s)."""
+    a, b = start_bus(), start_bus()
+    b1, b2 = bridge(services, a.address, b.address), bridge(services, a.address, b.address)
+    settled([b1, b2], forwarding=1)
+    armed(b1, b2)
+    active = b1 if b1.state() == "forwarding" else b2
+    run_flow(a.address, {"b": b.address}, lambda: active.proc.terminate(), 2000)
+    assert "failover gap a>b=0 b>a=0" in (b2 if active is b1 else b1).wait_log("taking over: forwarded")
+
+
+def test_parallel_bridges_kill_restart_and_kill_again_loses_nothing(start_bus, services):  # noqa: F811
+    """Killed, replaced by a new bridge (which may win the tree back), and the one forwarding
+    then killed too, all in one flow, both ways across."""
+    a, b = start_bus(), start_bus()
+    first = [bridge(services, a.address, b.address), bridge(services, a.address, b.address)]
+    settled(first, forwarding=1)
+    armed(*first)
+
+    def kill_restart_kill():
+        active = next(x for x in first if x.state() == "forwarding")
+        standby = next(x for x in first if x is not active)
+        active.proc.kill()
+        standby.wait_log("taking over: forwarded", timeout=DONE_TIMEOUT)
+        new = bridge(services, a.address, b.address)
+        settled([standby, new], forwarding=1, timeout=DONE_TIMEOUT)
+        armed(new)
+        now = next(x for x in (standby, new) if x.state() == "forwarding")
+        now.proc.kill()
+        (new if now is standby else standby).wait_log("taking over: forwarded", timeout=DONE_TIMEOUT)
+
+    run_flow(b.address, {"a": a.address}, kill_restart_kill, 1000, after=40000)

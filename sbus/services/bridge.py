@@ -70,6 +70,18 @@ What this does not prevent is a loop through *several* bridges (A-B, B-C,
 C-A with overlapping rules): each bridge only knows its own two buses. Do
 not build cycles, or give each hop a disjoint key prefix.
 
+Standing by, taking over
+------------------------
+
+While the spanning tree keeps this bridge standing by (another path joins
+its buses), it forwards nothing but watches: `sbus.core.standby.Window`
+pairs what it sees on one side with the active path's copy arriving on the
+other. When the tree makes it forward, it reads both servers up to a whoami
+round trip, forwards what the old path had not delivered, in order, and then
+everything new. The assumptions (identical messages, the window's bounds,
+100,000 messages and 64 MiB) and their counters (``failover_gap``,
+``skipped_by_active``) are in docs/deploy.md, "Failover without loss".
+
 Reconnection, back-pressure, statistics
 ---------------------------------------
 
@@ -82,8 +94,9 @@ the other server then applies its own flood control to the bridge.
 
 A stats line is logged every ``--stats-interval`` seconds (if anything
 changed) and at stop: messages forwarded each way, reconnects per side,
-drops (other side down, rewritten key invalid or too long for a packet) and
-secret keys filtered.
+drops (other side down, rewritten key invalid or too long for a packet),
+secret keys filtered, what the active path delivered while we stood by,
+what we forwarded from the window at takeover and the failover gap.
 """
 
 from __future__ import annotations
