@@ -205,3 +205,23 @@ def test_takeover_forwards_exactly_what_was_not_delivered(flow):
     for side in "ab":
         assert [o for o in out if o[0] == side] == [x for x in lost if x[0] == side]
     assert w.gap == {"a": 0, "b": 0}
+
+
+def test_a_late_copy_of_a_message_pushed_out_is_not_forwarded_back():
+    """More in flight on the active path than the window holds: the copies that come after
+    their originals were pushed out are the active path's, not messages published there."""
+    w = Window(max_messages=3)
+    for i in range(6):
+        seen(w, "a", b"k%d" % i)
+    for i in range(6):
+        seen(w, "b", b"k%d" % i)
+    assert w.drain() == []
+    assert w.gap == {"a": 0, "b": 0} and w.delivered == {"a": 6, "b": 0}
+
+
+def test_a_gap_longer_than_the_window_is_counted_whole():
+    w = Window(max_messages=3)
+    for i in range(20):
+        seen(w, "a", b"k%d" % i)
+    assert len(w.drain()) == 3
+    assert w.gap == {"a": 17, "b": 0} and w.last_gap == {"a": 17, "b": 0}

@@ -87,6 +87,15 @@ class Window:
         self._last_delivered = dict.fromkeys(sides, -1)
         #: per source side: ids of unpaired records pushed out by the bounds, newer than that
         self._overflow = {s: deque() for s in sides}
+        #: per source side: more of them than `max_messages` (ids no longer kept)
+        self._overflow_more = dict.fromkeys(sides, 0)
+        #: the gap of the last `drain`, per source side
+        self.last_gap = dict.fromkeys(sides, 0)
+        #: hash((side, key, payload)) of copies still expected for records pushed out by the
+        #: bounds -> their ids, and the order they were pushed out in (at most `max_messages`):
+        #: a late copy of one is the active path's, not a message to forward back
+        self._evicted: dict[int, object] = {}
+        self._evicted_order: deque = deque()
         # counters, per source side (the direction source -> other)
         self.seen = dict.fromkeys(sides, 0)
         self.delivered = dict.fromkeys(sides, 0)
@@ -120,6 +129,8 @@ class Window:
             self._delivered(rec)
             if not rec.units:
                 self._drop(rec)
+            return
+        if self._evicted and self._late_copy(side, hash(copy)):
             return
         remaining = []
         early = False
@@ -160,7 +171,8 @@ class Window:
                 out.append((rec.side, target, rec.payload))
                 self.replayed[rec.side] += 1
         for side, ids in self._overflow.items():
-            self.gap[side] += len(ids)
+            self.last_gap[side] = len(ids) + self._overflow_more[side]
+            self.gap[side] += self.last_gap[side]
         self.reset()
         return out
 
@@ -169,9 +181,12 @@ class Window:
         self._records.clear()
         self._wanted.clear()
         self._early.clear()
+        self._evicted.clear()
+        self._evicted_order.clear()
         self._bytes = 0
         for side in self.sides:
             self._overflow[side].clear()
+            self._overflow_more[side] = 0
             self._last_delivered[side] = self._next - 1
 
     def stats(self) -> dict:
@@ -226,14 +241,34 @@ class Window:
             del index[what]
 
     def _delivered(self, rec: _Record) -> None:
-        side = rec.side
+        self._went_past(rec.side, rec.rid)
+
+    def _went_past(self, side, rid: int) -> None:
+        """The active path delivered record `rid` of `side`."""
         self.delivered[side] += 1
-        if rec.rid > self._last_delivered[side]:
-            self._last_delivered[side] = rec.rid
+        if rid > self._last_delivered[side]:
+            self._last_delivered[side] = rid
             overflow = self._overflow[side]
-            while overflow and overflow[0] < rec.rid:   # the active path went on past them
+            while overflow and overflow[0] < rid:   # the active path went on past them
                 overflow.popleft()
                 self.skipped[side] += 1
+
+    def _late_copy(self, side, h: int) -> bool:
+        """Is a message on `side` (content hash `h`) the active path's copy of a record the bounds
+        pushed out? Then that record was not lost after all."""
+        ids = self._evicted.get(h)
+        if ids is None:
+            return False
+        rid = ids if type(ids) is int else ids[0]
+        self._unindex(self._evicted, h, rid)
+        source = self.other[side]
+        overflow = self._overflow[source]
+        try:
+            overflow.remove(rid)
+        except ValueError:
+            pass
+        self._went_past(source, rid)
+        return True
 
     def _drop(self, rec: _Record) -> None:
         del self._records[rec.rid]
@@ -249,6 +284,13 @@ class Window:
         while len(records) > self.max_messages or self._bytes > self.max_bytes:
             rec = next(iter(records.values()))
             self._drop(rec)
+            other = self.other[rec.side]
+            for target in rec.units:
+                h = hash((other, target, rec.payload))
+                self._index(self._evicted, h, rec.rid)
+                self._evicted_order.append((h, rec.rid))
+                if len(self._evicted_order) > self.max_messages:
+                    self._unindex(self._evicted, *self._evicted_order.popleft())
             if rec.units:
                 if rec.rid < self._last_delivered[rec.side]:
                     self.skipped[rec.side] += 1
@@ -257,7 +299,7 @@ class Window:
                     overflow.append(rec.rid)
                     if len(overflow) > self.max_messages:
                         overflow.popleft()
-                        self.gap[rec.side] += 1   # counted now: too many to keep
+                        self._overflow_more[rec.side] += 1   # too many to keep: a gap whatever comes
         # Old records the active path went past (it delivered later ones of that side): it does
         # not carry them. Old records without anything to forward: never paired, not a loss.
         now = self.clock()

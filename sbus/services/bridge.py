@@ -118,7 +118,7 @@ from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, ProtocolError
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key
 from sbus.core.patterns import matches
-from sbus.core.standby import Window
+from sbus.core.standby import MAX_MESSAGES, Window
 from sbus.core.topology import RESERVED as TOPOLOGY
 from sbus.options import MISSING_BUS_HELP
 from sbus.services.safeconnect import OwnerConnector, parse_user
@@ -284,7 +284,7 @@ class BridgeService(service.Service):
     def __init__(self, a, b, rules: list[Rule], *, stats_interval: float = 60.0,
                  initial_delay: float = 0.1, max_delay: float = 10.0,
                  max_packet: int = MAX_PACKET, reactor=None, users: dict | None = None,
-                 spanning_tree: bool = True, trusted_uids=()):
+                 spanning_tree: bool = True, trusted_uids=(), standby_window: int = MAX_MESSAGES):
         if not rules:
             raise ValueError("a bridge needs at least one rule")
         self.address = {"a": a, "b": b}
@@ -317,7 +317,7 @@ class BridgeService(service.Service):
         #: Standing by: what we saw on one side that the active path has not yet delivered on the
         #: other (sbus.core.standby); forwarded when we take over. Armed once both sides are
         #: connected and have answered a round trip.
-        self.window = Window(SIDES)
+        self.window = Window(SIDES, max_messages=standby_window)
         self._ready = {"a": False, "b": False}
         #: Messages seen while standing by before the window was armed (a side just connected).
         self.unwatched = {"a": 0, "b": 0}
@@ -604,8 +604,10 @@ class BridgeService(service.Service):
 
     def _forwardingChanged(self, forwarding: bool) -> None:
         if not forwarding:
-            self._catching_up = False
-            self.window.reset()   # a fresh window from the moment we stand by
+            if self._catching_up:
+                self._catching_up = False   # back to standing by: the window stays as it is
+            else:
+                self.window.reset()         # a fresh window from the moment we stand by
             return
         if not (self._ready["a"] and self._ready["b"]):
             return                # nothing watched (the window is empty): forward from now on
@@ -633,11 +635,10 @@ class BridgeService(service.Service):
         defer.gatherResults(ds, consumeErrors=True).addCallbacks(caught_up, failed)
 
     def _replay(self) -> None:
-        gap_before = dict(self.window.gap)
         out = self.window.drain()
         for src, target, payload in out:
             self._forward(src, target, target, payload, None)
-        gap = {s: self.window.gap[s] - gap_before[s] for s in SIDES}
+        gap = self.window.last_gap
         log.info("taking over: forwarded {n} message(s) the old path had not delivered "
                  "(a>b={ab} b>a={ba}); failover gap a>b={gab} b>a={gba}",
                  n=len(out), ab=sum(1 for s, _, _ in out if s == "a"), ba=sum(1 for s, _, _ in out if s == "b"),
@@ -752,6 +753,9 @@ class Options(usage.Options):
         ["a-user", None, None, "When run as root: connect to bus A as this user (name or uid); "
                                "default: the owner of the socket's directory."],
         ["b-user", None, None, "The same for bus B."],
+        ["standby-window", None, str(MAX_MESSAGES), "Standing by, remember at most this many messages "
+                                                    "the active path has not yet delivered (forwarded "
+                                                    "if we take over; see docs/deploy.md)."],
     ]
     optFlags = [
         ["no-spanning-tree", None, "Forward always, taking no part in the spanning tree (only for a "
@@ -805,6 +809,12 @@ class Options(usage.Options):
         same = same_socket(self["a"], self["b"])
         if same:
             raise usage.UsageError(f"refusing to bridge a bus to itself: --a and --b {same}")
+        try:
+            self["standby-window"] = int(self["standby-window"])
+        except ValueError:
+            raise usage.UsageError(f"--standby-window: not a whole number: {self['standby-window']!r}") from None
+        if self["standby-window"] < 1:
+            raise usage.UsageError("--standby-window: must be at least 1")
         for name in ("stats-interval", "max-delay"):
             try:
                 value = float(self[name])
@@ -838,4 +848,4 @@ def makeService(options) -> BridgeService:
                          stats_interval=options["stats-interval"], max_delay=options["max-delay"],
                          users={"a": options["a-user"], "b": options["b-user"]},
                          spanning_tree=not options["no-spanning-tree"],
-                         trusted_uids=options["trust-uids"])
+                         trusted_uids=options["trust-uids"], standby_window=options["standby-window"])
