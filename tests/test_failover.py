@@ -130,35 +130,41 @@ def armed(*bridges):
 
 
 def run_flow(pub_address, far: dict, victim, kill_at: int, after: int = AFTER_KILL,
-             check=check_once_in_order) -> None:
+             check=check_once_in_order, also=None) -> None:
     """Publish kill_at + `after` numbered messages on `pub_address`; once the first far subscriber
     got message `kill_at`, kill -9 `victim` (or call it with the publisher, when it is a
-    function); every far subscriber must get all, once, in order (or pass `check`)."""
-    prefix = f"f/{uuid.uuid4().hex[:6]}/".encode()
-    socks = {name: far_subscriber(addr, prefix) for name, addr in far.items()}
-    for s in socks.values():
-        routed(pub_address, s, prefix)
+    function); every far subscriber must get all, once, in order (or pass `check`). `also`:
+    another (publisher address, far subscribers) flowing at the same time, checked the same."""
     n = kill_at + after
-    receivers = {name: Receiver(s, prefix) for name, s in socks.items()}
-    for r in receivers.values():
-        r.start()
-    pub = SteadyPublisher(pub_address, prefix, n)
-    pub.start()
+    flows = []
+    for address, subscribers in [(pub_address, far)] + ([also] if also else []):
+        prefix = f"f/{uuid.uuid4().hex[:6]}/".encode()
+        socks = {name: far_subscriber(addr, prefix) for name, addr in subscribers.items()}
+        for s in socks.values():
+            routed(address, s, prefix)
+        receivers = {name: Receiver(s, prefix) for name, s in socks.items()}
+        flows.append((SteadyPublisher(address, prefix, n), socks, receivers))
+    for pub, _, receivers in flows:
+        for r in receivers.values():
+            r.start()
+        pub.start()
+    pub, _, receivers = flows[0]
     first = next(iter(receivers.values()))
     wait_until(lambda: first.has(kill_at), f"message {kill_at} across", DONE_TIMEOUT)
     killed_after = pub.sent
     victim(pub) if callable(victim) else victim.proc.kill()
     acted_until = pub.sent
-    for name, r in receivers.items():
-        wait_until(lambda: r.has(n - 1) or (pub.error and pytest.fail(str(pub.error))),
-                   f"{name}: the last message ({len(r.got)} received)", DONE_TIMEOUT)
-    pub.join(DONE_TIMEOUT)
-    assert pub.error is None, pub.error
-    for name, r in receivers.items():
-        r.stopping = True
-        r.join(5)
-        sync(socks[name])     # anything delivered after the last message (a duplicate) is in got
-        check(name, r.got, n)
+    for pub, socks, receivers in flows:
+        for name, r in receivers.items():
+            wait_until(lambda: r.has(n - 1) or (pub.error and pytest.fail(str(pub.error))),
+                       f"{name}: the last message ({len(r.got)} received)", DONE_TIMEOUT)
+        pub.join(DONE_TIMEOUT)
+        assert pub.error is None, pub.error
+        for name, r in receivers.items():
+            r.stopping = True
+            r.join(5)
+            sync(socks[name])     # anything delivered after the last message (a duplicate) is in got
+            check(name, r.got, n)
     print(f"killed after {killed_after} of {n} published (done with it after {acted_until}); "
           f"every far subscriber passed the check")
 
@@ -290,3 +296,17 @@ def test_standby_window_usage_errors_are_one_line(tmp_path):
                              capture_output=True, timeout=SERVICE_TIMEOUT, cwd=tmp_path, env=child_env())
         out = (res.stderr + res.stdout).decode()
         assert res.returncode != 0 and needle in out and "Traceback" not in out, out[-500:]
+
+
+@pytest.mark.parametrize("kill_at", [1000, 4000])
+def test_parallel_bridges_both_ways_kill_the_forwarding_one_loses_nothing(start_bus, services, kill_at):  # noqa: F811
+    """Publishers on both buses: the standby reads the active path's copies on each side
+    interleaved with originals, some before the originals themselves."""
+    a, b = start_bus(), start_bus()
+    b1, b2 = bridge(services, a.address, b.address), bridge(services, a.address, b.address)
+    settled([b1, b2], forwarding=1)
+    armed(b1, b2)
+    active = b1 if b1.state() == "forwarding" else b2
+    run_flow(a.address, {"b": b.address}, active, kill_at, also=(b.address, {"a": a.address}))
+    replayed, *gap = takeover(b2 if active is b1 else b1)
+    assert gap == [0, 0]
