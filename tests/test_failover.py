@@ -197,7 +197,9 @@ def test_loop_of_three_kill_a_forwarding_bridge_loses_nothing(start_bus, service
     # buses are reached through the dying bridge and then through the loop's standby
     i = next(i for i, b in enumerate(bridges) if b.state() == "forwarding")
     far = {f"bus{j}": buses[j].address for j in range(3) if j != i}
-    run_flow(buses[i].address, far, bridges[i], kill_at)
+    k = (i + 1) % 3     # and a publisher on the dying bridge's other bus
+    run_flow(buses[i].address, far, bridges[i], kill_at,
+             also=(buses[k].address, {f"bus{j}": buses[j].address for j in range(3) if j != k}))
     settled([b for j, b in enumerate(bridges) if j != i], forwarding=2)
 
 
