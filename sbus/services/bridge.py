@@ -689,7 +689,8 @@ class BridgeService(service.Service):
         self._last_stats = seen
         log.info("{what}: forwarded a>b={ab} b>a={ba}; reconnects a={ra} b={rb}; drops a>b={dab} "
                  "b>a={dba}; secret filtered={sf}; echoes suppressed={es}; connected a={ca} b={cb}; "
-                 "standby a>b={sab} b>a={sba}; replayed at takeover a>b={rab} b>a={rba}; "
+                 "standing by, delivered by the active path a>b={sab} b>a={sba}; "
+                 "replayed at takeover a>b={rab} b>a={rba}; "
                  "failover gap a>b={gab} b>a={gba}; drop reasons {why}",
                  rab=st["standby"]["replayed_at_takeover"]["a>b"], rba=st["standby"]["replayed_at_takeover"]["b>a"],
                  gab=st["failover_gap"]["a>b"], gba=st["failover_gap"]["b>a"],
