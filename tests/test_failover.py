@@ -226,13 +226,13 @@ def test_parallel_bridges_kill_restart_and_kill_again_loses_nothing(start_bus, s
         active = next(x for x in first if x.state() == "forwarding")
         standby = next(x for x in first if x is not active)
         active.proc.kill()
-        takeover(standby)
+        settled([standby], forwarding=1, timeout=DONE_TIMEOUT)
         new = bridge(services, a.address, b.address)
         settled([standby, new], forwarding=1, timeout=DONE_TIMEOUT)
         armed(new)
         now = next(x for x in (standby, new) if x.state() == "forwarding")
         now.proc.kill()
-        takeover(new if now is standby else standby)
+        settled([new if now is standby else standby], forwarding=1, timeout=DONE_TIMEOUT)
 
     run_flow(b.address, {"a": a.address}, kill_restart_kill, 1000, after=40000)
 
