@@ -225,3 +225,16 @@ def test_a_gap_longer_than_the_window_is_counted_whole():
         seen(w, "a", b"k%d" % i)
     assert len(w.drain()) == 3
     assert w.gap == {"a": 17, "b": 0} and w.last_gap == {"a": 17, "b": 0}
+
+
+def test_what_was_seen_before_watching_only_pairs():
+    """Just subscribed: a sighting whose other half came before we subscribed must not be
+    forwarded at takeover, but what pairs with it later is settled."""
+    w = Window()
+    w.seen_on("b", b"copy-of-old", b"", [b"copy-of-old"], replay=False)  # its original came before
+    w.seen_on("a", b"orig", b"", [b"orig"], replay=False)
+    seen(w, "b", b"orig")                           # watching now: the copy of "orig"
+    seen(w, "a", b"new")
+    w.seen_on("b", b"old", b"", [b"old"], replay=False)   # never paired: not forwarded, not lost
+    assert w.drain() == [("a", b"new", b"")]
+    assert w.gap == {"a": 0, "b": 0}

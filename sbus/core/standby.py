@@ -51,10 +51,11 @@ OVERHEAD = 512
 
 
 class _Record:
-    __slots__ = ("rid", "side", "key", "payload", "units", "twin", "t", "size")
+    __slots__ = ("rid", "side", "key", "payload", "units", "twin", "t", "size", "replay")
 
-    def __init__(self, rid, side, key, payload, units, twin, t):
+    def __init__(self, rid, side, key, payload, units, twin, t, replay=True):
         self.rid, self.side, self.key, self.payload = rid, side, key, payload
+        self.replay = replay    # False: seen before watching began; only paired, never forwarded
         self.units = units      # target keys on the other side still awaiting the active's copy
         self.twin = twin        # may still be an early copy of a message unread on the other side
         self.t = t
@@ -112,13 +113,15 @@ class Window:
 
     def pending(self) -> int:
         """Messages (target copies) that would be forwarded if the standby took over now."""
-        return sum(len(r.units) for r in self._records.values())
+        return sum(len(r.units) for r in self._records.values() if r.replay)
 
     # -- input
 
-    def seen_on(self, side, key: bytes, payload: bytes, targets=()) -> None:
+    def seen_on(self, side, key: bytes, payload: bytes, targets=(), replay: bool = True) -> None:
         """A message arrived on `side`; `targets`: the keys this bridge would publish it as on the
-        other side (empty if no rule forwards it that way)."""
+        other side (empty if no rule forwards it that way). ``replay=False``: we are not yet sure
+        to see both sightings of what arrives now (just subscribed): it only pairs with its
+        other sighting, and is never forwarded nor counted as lost."""
         other = self.other[side]
         copy = (side, key, payload)
         rec = self._take(self._wanted, copy, lambda r: key in r.units)
@@ -141,16 +144,18 @@ class Window:
                 continue
             # `twin` was our copy, read on `other` before we read this original: settled.
             early = True
-            self.seen[other] -= 1           # it was a copy, not a message published there
+            if twin.replay:
+                self.seen[other] -= 1       # it was a copy, not a message published there
             self._drop(twin)
-        self.seen[side] += 1
+        if replay:
+            self.seen[side] += 1
         if early:
             self.delivered[side] += 1
             self._last_delivered[side] = self._next
         if not remaining and early:
             self._next += 1
             return
-        rec = _Record(self._next, side, key, payload, remaining, not early, self.clock())
+        rec = _Record(self._next, side, key, payload, remaining, not early, self.clock(), replay)
         self._next += 1
         self._records[rec.rid] = rec
         self._bytes += rec.size
@@ -167,6 +172,8 @@ class Window:
         the replayed copies and the gap, and empties the window."""
         out = []
         for rec in self._records.values():
+            if not rec.replay:
+                continue
             for target in rec.units:
                 out.append((rec.side, target, rec.payload))
                 self.replayed[rec.side] += 1
@@ -284,6 +291,8 @@ class Window:
         while len(records) > self.max_messages or self._bytes > self.max_bytes:
             rec = next(iter(records.values()))
             self._drop(rec)
+            if not rec.replay:
+                continue
             other = self.other[rec.side]
             for target in rec.units:
                 h = hash((other, target, rec.payload))
@@ -307,8 +316,8 @@ class Window:
             rec = next(iter(records.values()))
             if now - rec.t < self.skip_age:
                 break
-            if rec.units and rec.rid > self._last_delivered[rec.side]:
+            if rec.replay and rec.units and rec.rid > self._last_delivered[rec.side]:
                 break                       # may still be the active path's loss: keep it
             self._drop(rec)
-            if rec.units:
+            if rec.replay and rec.units:
                 self.skipped[rec.side] += 1

@@ -454,7 +454,6 @@ class BridgeService(service.Service):
             proto.server_request(SERVER_ID).addCallbacks(lambda p: self._serverId(side, proto, p), lambda f: None)
         except Exception:
             pass
-        self.tree.port_up(PORT[side], proto.credentials)
         proto.echo_filter = RecentPackets()  # until the probe shows echo/off is honoured
         # back-pressure: when this side's queue is full, stop reading the other side
         proto.transport.registerProducer(_Pauser(self, other), True)
@@ -467,6 +466,7 @@ class BridgeService(service.Service):
         if SECRET_ROOT not in who:
             log.warn("side {side}: {what} to {addr}; no usable whoami, cannot check echo/off",
                      side=side, what=what, addr=self.address[side])
+            self.tree.port_up(PORT[side], proto.credentials)   # no round trip: no window either
             return
         def bridge_ready():
             if proto is self.clients[side].protocol and proto.connected:
@@ -477,7 +477,7 @@ class BridgeService(service.Service):
             proto.subscribe(proto.probe_key)
             proto.publish(proto.probe_key, b"")
         except Exception:
-            return
+            return   # the connection is going away: _lost follows
 
         def probed(_):
             try:
@@ -531,10 +531,13 @@ class BridgeService(service.Service):
             if not self.clients[OTHER[side]].connected:
                 self.dropped[side] += 1
                 self.drop_reasons[side]["side_down"] += 1
-            elif self._ready[side] and self._ready[OTHER[side]]:
-                self.window.seen_on(side, key, payload, self._targets(side, proto, key)[0])
             else:
-                self.unwatched[side] += 1
+                # Until both sides answered a round trip we may miss one sighting of what arrives:
+                # it is only paired, never forwarded (sbus.core.standby).
+                watched = self._ready[side] and self._ready[OTHER[side]]
+                if not watched:
+                    self.unwatched[side] += 1
+                self.window.seen_on(side, key, payload, self._targets(side, proto, key)[0], watched)
             return
         if proto.echo_filter is not None and proto.echo_filter.take(packet):
             self.echoes_suppressed += 1
@@ -597,10 +600,12 @@ class BridgeService(service.Service):
     # -- standing by and taking over
 
     def _sideReady(self, side: str) -> None:
-        """`side` is connected, subscribed and answered a round trip: the window may watch it."""
+        """`side` is connected, subscribed and answered a round trip: the window may watch it, and
+        only now does the tree hear of the port (so we never forward, nor make another bridge
+        stand by, before the window watches both sides)."""
         self._ready[side] = True
-        if self._ready[OTHER[side]]:
-            self.window.reset()   # from now on both sightings of every message are read
+        proto = self.clients[side].protocol
+        self.tree.port_up(PORT[side], proto.credentials)
 
     def _forwardingChanged(self, forwarding: bool) -> None:
         if not forwarding:
