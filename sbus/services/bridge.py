@@ -70,6 +70,18 @@ What this does not prevent is a loop through *several* bridges (A-B, B-C,
 C-A with overlapping rules): each bridge only knows its own two buses. Do
 not build cycles, or give each hop a disjoint key prefix.
 
+Standing by, taking over
+------------------------
+
+While the spanning tree keeps this bridge standing by (another path joins
+its buses), it forwards nothing but watches: `sbus.core.standby.Window`
+pairs what it sees on one side with the active path's copy arriving on the
+other. When the tree makes it forward, it reads both servers up to a whoami
+round trip, forwards what the old path had not delivered, in order, and then
+everything new. The assumptions (identical messages, the window's bounds,
+100,000 messages and 64 MiB) and their counters (``failover_gap``,
+``skipped_by_active``) are in docs/deploy.md, "Failover without loss".
+
 Reconnection, back-pressure, statistics
 ---------------------------------------
 
@@ -82,8 +94,9 @@ the other server then applies its own flood control to the bridge.
 
 A stats line is logged every ``--stats-interval`` seconds (if anything
 changed) and at stop: messages forwarded each way, reconnects per side,
-drops (other side down, rewritten key invalid or too long for a packet) and
-secret keys filtered.
+drops (other side down, rewritten key invalid or too long for a packet),
+secret keys filtered, what the active path delivered while we stood by,
+what we forwarded from the window at takeover and the failover gap.
 """
 
 from __future__ import annotations
@@ -105,6 +118,7 @@ from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, ProtocolError
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key
 from sbus.core.patterns import matches
+from sbus.core.standby import MAX_MESSAGES, Window
 from sbus.core.topology import RESERVED as TOPOLOGY
 from sbus.options import MISSING_BUS_HELP
 from sbus.services.safeconnect import OwnerConnector, parse_user
@@ -270,7 +284,7 @@ class BridgeService(service.Service):
     def __init__(self, a, b, rules: list[Rule], *, stats_interval: float = 60.0,
                  initial_delay: float = 0.1, max_delay: float = 10.0,
                  max_packet: int = MAX_PACKET, reactor=None, users: dict | None = None,
-                 spanning_tree: bool = True, trusted_uids=()):
+                 spanning_tree: bool = True, trusted_uids=(), standby_window: int = MAX_MESSAGES):
         if not rules:
             raise ValueError("a bridge needs at least one rule")
         self.address = {"a": a, "b": b}
@@ -300,8 +314,16 @@ class BridgeService(service.Service):
         #: Why messages were not forwarded, by source side: side_down (the other side is not
         #: connected), bad_key (the rewritten key is invalid or too long).
         self.drop_reasons = {"a": Counter(), "b": Counter()}
-        #: Messages that arrived while this bridge stands by (another path carries them).
-        self.standby = {"a": 0, "b": 0}
+        #: Standing by: what we saw on one side that the active path has not yet delivered on the
+        #: other (sbus.core.standby); forwarded when we take over. Armed once both sides are
+        #: connected and have answered a round trip.
+        self.window = Window(SIDES, max_messages=standby_window)
+        self._ready = {"a": False, "b": False}
+        #: Messages seen while standing by before the window was armed (a side just connected).
+        self.unwatched = {"a": 0, "b": 0}
+        #: Taking over: the round trips on both sides are under way (nothing forwarded yet).
+        self._catching_up = False
+        self._takeovers = 0
         self.spanning_tree = spanning_tree
         self.tree = None
         self.server_ids: dict[str, bytes] = {}
@@ -373,7 +395,7 @@ class BridgeService(service.Service):
             self.clients[side] = client
         self.tree = Tree(self.reactor, default_name("sbus-bridge", f"a={self.address['a']} b={self.address['b']}"),
                          {1: "a", 2: "b"}, self._sendTree, log, enabled=self.spanning_tree,
-                         trusted_uids=self.trusted_uids)
+                         trusted_uids=self.trusted_uids, on_change=self._forwardingChanged)
         self.tree.start()
         self.responder = StatsResponder("sbus-bridge", self.tree.node.name, self.stats, self._publicStats)
         for rule in self.rules:
@@ -432,7 +454,6 @@ class BridgeService(service.Service):
             proto.server_request(SERVER_ID).addCallbacks(lambda p: self._serverId(side, proto, p), lambda f: None)
         except Exception:
             pass
-        self.tree.port_up(PORT[side], proto.credentials)
         proto.echo_filter = RecentPackets()  # until the probe shows echo/off is honoured
         # back-pressure: when this side's queue is full, stop reading the other side
         proto.transport.registerProducer(_Pauser(self, other), True)
@@ -445,19 +466,25 @@ class BridgeService(service.Service):
         if SECRET_ROOT not in who:
             log.warn("side {side}: {what} to {addr}; no usable whoami, cannot check echo/off",
                      side=side, what=what, addr=self.address[side])
+            self.tree.port_up(PORT[side], proto.credentials)   # no round trip: no window either
             return
+        def bridge_ready():
+            if proto is self.clients[side].protocol and proto.connected:
+                self._sideReady(side)
+
         proto.probe_key = who + PROBE_SEGMENT + os.urandom(6).hex().encode()
         try:
             proto.subscribe(proto.probe_key)
             proto.publish(proto.probe_key, b"")
         except Exception:
-            return
+            return   # the connection is going away: _lost follows
 
         def probed(_):
             try:
                 proto.unsubscribe(proto.probe_key)
             except Exception:
                 pass
+            bridge_ready()
             if proto.probe_seen:
                 log.warn("side {side}: the server ignores echo/off; suppressing echoes of our own "
                          "publishes by memory", side=side)
@@ -477,6 +504,8 @@ class BridgeService(service.Service):
 
     def _lost(self, side: str, reason) -> None:
         self.connectors[side].release()
+        self._ready[side] = False
+        self.window.reset()
         self.server_ids.pop(side, None)
         if self.tree is not None:
             self.tree.port_down(PORT[side])
@@ -498,16 +527,32 @@ class BridgeService(service.Service):
         if proto.probe_key is not None and key == proto.probe_key:
             proto.probe_seen = True
             return
-        if not self.tree.forwarding:
-            if self.clients[OTHER[side]].connected:
-                self.standby[side] += 1
-            else:
+        if not self.tree.forwarding or self._catching_up:
+            if not self.clients[OTHER[side]].connected:
                 self.dropped[side] += 1
                 self.drop_reasons[side]["side_down"] += 1
+            else:
+                # Until both sides answered a round trip we may miss one sighting of what arrives:
+                # it is only paired, never forwarded (sbus.core.standby).
+                watched = self._ready[side] and self._ready[OTHER[side]]
+                if not watched:
+                    self.unwatched[side] += 1
+                self.window.seen_on(side, key, payload, self._targets(side, proto, key)[0], watched)
             return
         if proto.echo_filter is not None and proto.echo_filter.take(packet):
             self.echoes_suppressed += 1
             return
+        targets, filtered = self._targets(side, proto, key)
+        if not targets:
+            if filtered:
+                self.secret_filtered += 1
+            return
+        for target in targets:
+            self._forward(side, key, target, payload, packet)
+
+    def _targets(self, side: str, proto, key: bytes) -> tuple[list[bytes], bool]:
+        """The keys a message `key` from `side` is published as on the other side, and whether a
+        rule matched that a secret key may not cross."""
         secret = key.startswith(SECRET_ROOT)
         targets: list[bytes] = []
         filtered = False
@@ -524,32 +569,85 @@ class BridgeService(service.Service):
             target = route.dst_prefix + key[len(src):]
             if target not in targets:
                 targets.append(target)
-        if not targets:
-            if filtered:
-                self.secret_filtered += 1
-            return
-        dest = self.clients[OTHER[side]].protocol
-        for target in targets:
-            if target == key:
-                out = packet
-            else:
-                try:
-                    check_key(target)
-                    out = codec.encode_msg(target, payload, self.max_packet)
-                except (CredentialError, ProtocolError) as e:
-                    self.dropped[side] += 1
-                    self.drop_reasons[side]["bad_key"] += 1
-                    log.warn("side {side}: not forwarding {key!r} as {target!r}: {err}",
-                             side=side, key=key, target=target, err=e)
-                    continue
-            if dest is None or not dest.connected:
+        return targets, filtered
+
+    def _forward(self, side: str, key: bytes, target: bytes, payload: bytes, packet: bytes | None) -> bool:
+        """Publish one message from `side` as `target` on the other side (`packet`: the original
+        packet, reused when the key is unchanged)."""
+        if target == key and packet is not None:
+            out = packet
+        else:
+            try:
+                check_key(target)
+                out = codec.encode_msg(target, payload, self.max_packet)
+            except (CredentialError, ProtocolError) as e:
                 self.dropped[side] += 1
-                self.drop_reasons[side]["side_down"] += 1
-                continue
-            if dest.echo_filter is not None:
-                dest.echo_filter.add(out)
-            dest.sendPacket(out)
-            self.forwarded[side] += 1
+                self.drop_reasons[side]["bad_key"] += 1
+                log.warn("side {side}: not forwarding {key!r} as {target!r}: {err}",
+                         side=side, key=key, target=target, err=e)
+                return False
+        dest = self.clients[OTHER[side]].protocol
+        if dest is None or not dest.connected:
+            self.dropped[side] += 1
+            self.drop_reasons[side]["side_down"] += 1
+            return False
+        if dest.echo_filter is not None:
+            dest.echo_filter.add(out)
+        dest.sendPacket(out)
+        self.forwarded[side] += 1
+        return True
+
+    # -- standing by and taking over
+
+    def _sideReady(self, side: str) -> None:
+        """`side` is connected, subscribed and answered a round trip: the window may watch it, and
+        only now does the tree hear of the port (so we never forward, nor make another bridge
+        stand by, before the window watches both sides)."""
+        self._ready[side] = True
+        proto = self.clients[side].protocol
+        self.tree.port_up(PORT[side], proto.credentials)
+
+    def _forwardingChanged(self, forwarding: bool) -> None:
+        if not forwarding:
+            if self._catching_up:
+                self._catching_up = False   # back to standing by: the window stays as it is
+            else:
+                self.window.reset()         # a fresh window from the moment we stand by
+            return
+        if not (self._ready["a"] and self._ready["b"]):
+            return                # nothing watched (the window is empty): forward from now on
+        # Read everything both servers delivered up to now before forwarding the window: then
+        # every copy the old path made has met its original (sbus.core.standby).
+        self._catching_up = True
+        self._takeovers += 1
+        generation = self._takeovers
+        protos = [self.clients[s].protocol for s in SIDES]
+        ds = [p.sync() for p in protos]
+
+        def caught_up(_):
+            if generation != self._takeovers or not self._catching_up:
+                return
+            self._catching_up = False
+            if not self.tree.forwarding:
+                return
+            self._replay()
+
+        def failed(f):
+            if generation == self._takeovers:
+                self._catching_up = False
+                self.window.reset()   # a side went away: _lost counted what it could
+
+        defer.gatherResults(ds, consumeErrors=True).addCallbacks(caught_up, failed)
+
+    def _replay(self) -> None:
+        out = self.window.drain()
+        for src, target, payload in out:
+            self._forward(src, target, target, payload, None)
+        gap = self.window.last_gap
+        log.info("taking over: forwarded {n} message(s) the old path had not delivered "
+                 "(a>b={ab} b>a={ba}); failover gap a>b={gab} b>a={gba}",
+                 n=len(out), ab=sum(1 for s, _, _ in out if s == "a"), ba=sum(1 for s, _, _ in out if s == "b"),
+                 gab=gap["a"], gba=gap["b"])
 
     # -- statistics
 
@@ -562,11 +660,23 @@ class BridgeService(service.Service):
             "echoes_suppressed": self.echoes_suppressed,
             "connected": {s: bool(c.connected) for s, c in self.clients.items()},
             "drop_reasons": {"a>b": dict(self.drop_reasons["a"]), "b>a": dict(self.drop_reasons["b"])},
-            "standby_not_forwarded": {"a>b": self.standby["a"], "b>a": self.standby["b"]},
+            "standby_not_forwarded": self._byDirection(self.window.delivered),
+            "standby": {
+                "delivered_by_active": self._byDirection(self.window.delivered),
+                "replayed_at_takeover": self._byDirection(self.window.replayed),
+                "skipped_by_active": self._byDirection(self.window.skipped),
+                "unwatched": self._byDirection(self.unwatched),
+                "window": self.window.stats(),
+            },
+            "failover_gap": self._byDirection(self.window.gap),
             "paused_reading": {s: self._pausedCount[s] for s in SIDES},
             "server_id": {s: v.decode("ascii", "replace") for s, v in self.server_ids.items()},
             "spanning_tree": self.tree.stats() if self.tree is not None else None,
         }
+
+    @staticmethod
+    def _byDirection(counts: dict) -> dict:
+        return {"a>b": counts["a"], "b>a": counts["b"]}
 
     def _publicStats(self) -> dict:
         tree = self.tree.stats() if self.tree is not None else {}
@@ -577,14 +687,18 @@ class BridgeService(service.Service):
     def _report(self, final: bool) -> None:
         st = self.stats()
         seen = {k: st[k] for k in ("forwarded", "reconnects", "drops", "secret_filtered", "echoes_suppressed",
-                                    "connected", "standby_not_forwarded")}
+                                    "connected", "standby_not_forwarded", "standby", "failover_gap")}
         seen["forwarding"] = self.tree is None or self.tree.forwarding
         if not final and seen == self._last_stats:
             return
         self._last_stats = seen
         log.info("{what}: forwarded a>b={ab} b>a={ba}; reconnects a={ra} b={rb}; drops a>b={dab} "
                  "b>a={dba}; secret filtered={sf}; echoes suppressed={es}; connected a={ca} b={cb}; "
-                 "standby a>b={sab} b>a={sba}; drop reasons {why}",
+                 "standing by, delivered by the active path a>b={sab} b>a={sba}; "
+                 "replayed at takeover a>b={rab} b>a={rba}; "
+                 "failover gap a>b={gab} b>a={gba}; drop reasons {why}",
+                 rab=st["standby"]["replayed_at_takeover"]["a>b"], rba=st["standby"]["replayed_at_takeover"]["b>a"],
+                 gab=st["failover_gap"]["a>b"], gba=st["failover_gap"]["b>a"],
                  sab=st["standby_not_forwarded"]["a>b"], sba=st["standby_not_forwarded"]["b>a"],
                  why=json.dumps(st["drop_reasons"], separators=(",", ":")),
                  what="stopped" if final else "stats",
@@ -645,6 +759,9 @@ class Options(usage.Options):
         ["a-user", None, None, "When run as root: connect to bus A as this user (name or uid); "
                                "default: the owner of the socket's directory."],
         ["b-user", None, None, "The same for bus B."],
+        ["standby-window", None, str(MAX_MESSAGES), "Standing by, remember at most this many messages "
+                                                    "the active path has not yet delivered (forwarded "
+                                                    "if we take over; see docs/deploy.md)."],
     ]
     optFlags = [
         ["no-spanning-tree", None, "Forward always, taking no part in the spanning tree (only for a "
@@ -698,6 +815,12 @@ class Options(usage.Options):
         same = same_socket(self["a"], self["b"])
         if same:
             raise usage.UsageError(f"refusing to bridge a bus to itself: --a and --b {same}")
+        try:
+            self["standby-window"] = int(self["standby-window"])
+        except ValueError:
+            raise usage.UsageError(f"--standby-window: not a whole number: {self['standby-window']!r}") from None
+        if self["standby-window"] < 1:
+            raise usage.UsageError("--standby-window: must be at least 1")
         for name in ("stats-interval", "max-delay"):
             try:
                 value = float(self[name])
@@ -731,4 +854,4 @@ def makeService(options) -> BridgeService:
                          stats_interval=options["stats-interval"], max_delay=options["max-delay"],
                          users={"a": options["a-user"], "b": options["b-user"]},
                          spanning_tree=not options["no-spanning-tree"],
-                         trusted_uids=options["trust-uids"])
+                         trusted_uids=options["trust-uids"], standby_window=options["standby-window"])

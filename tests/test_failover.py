@@ -1,0 +1,314 @@
+"""Hot standby without loss, through real processes (issue 23): a publisher sends numbered
+messages at a steady rate, the forwarding bridge is killed with ``kill -9`` mid-flow, and the
+subscribers on the far buses get every message exactly once, in order.
+
+Two shapes: two parallel bridges between two buses, and a loop of three buses and bridges.
+The kill is placed by an event (the far subscriber got message K), never by a clock; the
+checks wait for the last message with generous timeouts (CI is a loaded 2-core machine).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+from helpers import SERVICE_TIMEOUT, child_env, connect, send, sub, sync, wait_until
+from test_lossless import HARD_BLOCK, routed
+from test_topology_services import TWISTD, bridge, services, settled  # noqa: F401  (fixture)
+
+from sbus.client.blocking import connect as sbus_connect
+
+RATE = 2000          # messages a second
+AFTER_KILL = 8000    # messages published after the kill point (4 s: longer than a takeover)
+DONE_TIMEOUT = 120.0
+
+
+class SteadyPublisher(threading.Thread):
+    """Publishes ``PREFIX<i>`` (payload ``<i>``) for i < n at `rate` a second, with sbus's own
+    blocking client. The pacing is the workload, not synchronisation."""
+
+    def __init__(self, address, prefix: bytes, n: int, rate: float = RATE):
+        super().__init__(daemon=True)
+        self.client = sbus_connect(address)
+        self.prefix, self.n, self.rate = prefix, n, rate
+        self.sent = 0
+        self.error = None
+
+    def run(self):
+        start = time.monotonic()
+        try:
+            for i in range(self.n):
+                ahead = start + i / self.rate - time.monotonic()
+                if ahead > 0:
+                    time.sleep(ahead)
+                self.client.publish(self.prefix + b"%d" % i, b"%d" % i)
+                self.sent += 1
+        except Exception as e:  # noqa: BLE001
+            self.error = e
+
+
+class Receiver(threading.Thread):
+    """Reads a subscriber socket; `got` is the list of numbers received under `prefix`."""
+
+    def __init__(self, sock, prefix: bytes):
+        super().__init__(daemon=True)
+        self.sock, self.prefix = sock, prefix
+        self.got: list[int] = []
+        self.error = None
+        self.stopping = False
+
+    def run(self):
+        head = b"MSG " + self.prefix
+        self.sock.settimeout(0.5)
+        while not self.stopping:
+            try:
+                p = self.sock.recv(1 << 20)
+            except socket.timeout:
+                continue
+            except OSError as e:
+                self.error = e
+                return
+            if not p:
+                self.error = "disconnected"
+                return
+            if p.startswith(head) and not p.startswith(head + b"probe"):
+                self.got.append(int(p[len(head):p.index(b"\0")]))
+
+    def has(self, i: int) -> bool:
+        assert self.error is None, self.error
+        return bool(self.got) and self.got[-1] >= i
+
+
+def far_subscriber(address, prefix: bytes):
+    s = connect(address, big=True)
+    send(s, HARD_BLOCK, sub(prefix))
+    sync(s)
+    return s
+
+
+def check_once_in_order(name: str, got: list[int], n: int) -> None:
+    if got == list(range(n)):
+        return
+    seen = set(got)
+    missing = [i for i in range(n) if i not in seen]
+    dups = len(got) - len(seen)
+    back = sum(1 for x, y in zip(got, got[1:]) if y <= x)
+    raise AssertionError(f"{name}: {len(got)} received of {n}: {len(missing)} missing "
+                         f"(first {missing[:5]}), {dups} duplicated, {back} out of order")
+
+
+def bridge_stats(address) -> list[dict]:
+    """What `sbus stats --services` prints for the bridges on `address`."""
+    res = subprocess.run([sys.executable, "-c", "import sys; from sbus.cli import main; sys.exit(main())",
+                          "-s", address, "stats", "--services"],
+                         capture_output=True, timeout=SERVICE_TIMEOUT, env=child_env())
+    assert res.returncode == 0, res.stderr[-500:]
+    return [a for a in json.loads(res.stdout) if a["service"] == "sbus-bridge"]
+
+
+READY = re.compile(r"side [ab]: .*; ready")
+TAKEOVER = re.compile(r"taking over: forwarded (\d+) .*failover gap a>b=(\d+) b>a=(\d+)")
+
+
+def takeover(service) -> tuple[int, int, int]:
+    """(forwarded from the window, failover gap a>b, b>a) of the service's takeover line."""
+    return tuple(int(x) for x in TAKEOVER.search(service.wait_log(TAKEOVER, timeout=DONE_TIMEOUT)).groups())
+
+
+def armed(*bridges):
+    """Each bridge has both sides connected and probed (a standby's window watches from then)."""
+    for b in bridges:
+        b.wait_log(READY, count=2)
+
+
+def run_flow(pub_address, far: dict, victim, kill_at: int, after: int = AFTER_KILL,
+             check=check_once_in_order, also=None) -> None:
+    """Publish kill_at + `after` numbered messages on `pub_address`; once the first far subscriber
+    got message `kill_at`, kill -9 `victim` (or call it with the publisher, when it is a
+    function); every far subscriber must get all, once, in order (or pass `check`). `also`:
+    another (publisher address, far subscribers) flowing at the same time, checked the same."""
+    n = kill_at + after
+    flows = []
+    for address, subscribers in [(pub_address, far)] + ([also] if also else []):
+        prefix = f"f/{uuid.uuid4().hex[:6]}/".encode()
+        socks = {name: far_subscriber(addr, prefix) for name, addr in subscribers.items()}
+        for s in socks.values():
+            routed(address, s, prefix)
+        receivers = {name: Receiver(s, prefix) for name, s in socks.items()}
+        flows.append((SteadyPublisher(address, prefix, n), socks, receivers))
+    for pub, _, receivers in flows:
+        for r in receivers.values():
+            r.start()
+        pub.start()
+    pub, _, receivers = flows[0]
+    first = next(iter(receivers.values()))
+    wait_until(lambda: first.has(kill_at), f"message {kill_at} across", DONE_TIMEOUT)
+    killed_after = pub.sent
+    victim(pub) if callable(victim) else victim.proc.kill()
+    acted_until = pub.sent
+    for pub, socks, receivers in flows:
+        for name, r in receivers.items():
+            wait_until(lambda: r.has(n - 1) or (pub.error and pytest.fail(str(pub.error))),
+                       f"{name}: the last message ({len(r.got)} received)", DONE_TIMEOUT)
+        pub.join(DONE_TIMEOUT)
+        assert pub.error is None, pub.error
+        for name, r in receivers.items():
+            r.stopping = True
+            r.join(5)
+            sync(socks[name])     # anything delivered after the last message (a duplicate) is in got
+            check(name, r.got, n)
+    print(f"killed after {killed_after} of {n} published (done with it after {acted_until}); "
+          f"every far subscriber passed the check")
+
+
+@pytest.mark.parametrize("kill_at", [300, 3000, 6000])
+def test_parallel_bridges_kill_the_forwarding_one_loses_nothing(start_bus, services, kill_at):  # noqa: F811
+    a, b = start_bus(), start_bus()
+    b1, b2 = bridge(services, a.address, b.address), bridge(services, a.address, b.address)
+    settled([b1, b2], forwarding=1)
+    armed(b1, b2)
+    active = b1 if b1.state() == "forwarding" else b2
+    standby = b2 if active is b1 else b1
+    run_flow(a.address, {"b": b.address}, active, kill_at)
+    assert standby.state() == "forwarding"
+    replayed, *gap = takeover(standby)
+    print(f"standby replayed {replayed} message(s) at takeover, gap {gap}")
+    assert gap == [0, 0]
+    (st,) = bridge_stats(a.address)
+    assert st["stats"]["failover_gap"] == {"a>b": 0, "b>a": 0}
+    assert st["stats"]["standby"]["replayed_at_takeover"]["a>b"] == replayed
+
+
+@pytest.mark.parametrize("kill_at", [500, 4000])
+def test_loop_of_three_kill_a_forwarding_bridge_loses_nothing(start_bus, services, kill_at):  # noqa: F811
+    buses = [start_bus() for _ in range(3)]
+    bridges = [bridge(services, buses[i].address, buses[(i + 1) % 3].address) for i in range(3)]
+    settled(bridges, forwarding=2)
+    armed(*bridges)
+    # bridges[i] joins bus i and bus i+1; kill a forwarding one, publish on its bus i: the far
+    # buses are reached through the dying bridge and then through the loop's standby
+    i = next(i for i, b in enumerate(bridges) if b.state() == "forwarding")
+    far = {f"bus{j}": buses[j].address for j in range(3) if j != i}
+    k = (i + 1) % 3     # and a publisher on the dying bridge's other bus
+    run_flow(buses[i].address, far, bridges[i], kill_at,
+             also=(buses[k].address, {f"bus{j}": buses[j].address for j in range(3) if j != k}))
+    settled([b for j, b in enumerate(bridges) if j != i], forwarding=2)
+
+
+def test_parallel_bridges_sigterm_of_the_forwarding_one_loses_nothing(start_bus, services):  # noqa: F811
+    """A clean stop says goodbye: the standby takes over after the forward delay (1 s)."""
+    a, b = start_bus(), start_bus()
+    b1, b2 = bridge(services, a.address, b.address), bridge(services, a.address, b.address)
+    settled([b1, b2], forwarding=1)
+    armed(b1, b2)
+    active = b1 if b1.state() == "forwarding" else b2
+    run_flow(a.address, {"b": b.address}, lambda pub: active.proc.terminate(), 2000)
+    assert takeover(b2 if active is b1 else b1)[1:] == (0, 0)
+
+
+def test_parallel_bridges_kill_restart_and_kill_again_loses_nothing(start_bus, services):  # noqa: F811
+    """Killed, replaced by a new bridge (which may win the tree back), and the one forwarding
+    then killed too, all in one flow, both ways across."""
+    a, b = start_bus(), start_bus()
+    first = [bridge(services, a.address, b.address), bridge(services, a.address, b.address)]
+    settled(first, forwarding=1)
+    armed(*first)
+
+    def kill_restart_kill(pub):
+        active = next(x for x in first if x.state() == "forwarding")
+        standby = next(x for x in first if x is not active)
+        active.proc.kill()
+        settled([standby], forwarding=1, timeout=DONE_TIMEOUT)
+        new = bridge(services, a.address, b.address)
+        settled([standby, new], forwarding=1, timeout=DONE_TIMEOUT)
+        armed(new)
+        now = next(x for x in (standby, new) if x.state() == "forwarding")
+        now.proc.kill()
+        settled([new if now is standby else standby], forwarding=1, timeout=DONE_TIMEOUT)
+
+    run_flow(b.address, {"a": a.address}, kill_restart_kill, 1000, after=40000)
+
+
+def test_single_bridge_restarted_forwards_what_it_saw_while_starting(start_bus, services):  # noqa: F811
+    """No other path: what is published while no bridge runs is lost (nobody saw it), but from
+    the moment the new bridge watches both sides (before the tree lets it forward, 1 s later)
+    nothing is: its window holds it. Every message arrives at most once, in order."""
+    a, b = start_bus(), start_bus()
+    old = bridge(services, a.address, b.address)
+    settled([old], forwarding=1)
+    watching = {}
+
+    def kill_and_restart(pub):
+        old.proc.kill()
+        new = bridge(services, a.address, b.address)
+        armed(new)
+        watching["from"] = pub.sent     # published after the new bridge watched both sides
+        settled([new], forwarding=1, timeout=DONE_TIMEOUT)
+
+    def check(name, got, n):
+        start = watching["from"]
+        assert all(x < y for x, y in zip(got, got[1:])), f"{name}: duplicated or out of order"
+        missing = sorted(set(range(start, n)) - set(got))
+        assert not missing, f"{name}: {len(missing)} of those after {start} missing (first {missing[:5]})"
+        print(f"lost {n - len(got)} while no bridge watched (published before {start})")
+
+    run_flow(a.address, {"b": b.address}, kill_and_restart, 1000, after=16000, check=check)
+
+
+def test_past_a_small_window_what_is_lost_is_counted_as_the_failover_gap(start_bus, services):  # noqa: F811
+    """--standby-window 300 at 2,000 msg/s holds less than a takeover's 3 s: the oldest of what
+    the dead path did not deliver falls out. Those, and only those, are lost, and counted:
+    received + failover_gap = sent, and nothing arrives twice."""
+    a, b = start_bus(), start_bus()
+    small = [services("sbus-bridge", "--a", a.address, "--b", b.address, "--rule", "'' both",
+                      "--max-delay", "0.5", "--stats-interval", "1", "--standby-window", "300")
+             for _ in range(2)]
+    settled(small, forwarding=1)
+    armed(*small)
+    active = next(x for x in small if x.state() == "forwarding")
+    standby = next(x for x in small if x is not active)
+    result = {}
+
+    def check(name, got, n):
+        assert all(x < y for x, y in zip(got, got[1:])), f"{name}: duplicated or out of order"
+        replayed, gap, back = takeover(standby)
+        result.update(lost=n - len(got), gap=gap, replayed=replayed)
+        assert replayed == 300 and back == 0, (replayed, back)
+        assert n - len(got) == gap, f"{n - len(got)} lost, failover gap {gap}"
+
+    run_flow(a.address, {"b": b.address}, active, 2000, check=check)
+    print(f"window 300: replayed {result['replayed']}, lost {result['lost']} = failover gap {result['gap']}")
+    (st,) = bridge_stats(a.address)
+    assert st["stats"]["failover_gap"]["a>b"] == result["gap"]
+
+
+def test_standby_window_usage_errors_are_one_line(tmp_path):
+    for value, needle in (("0", "--standby-window: must be at least 1"),
+                          ("many", "--standby-window: not a whole number")):
+        res = subprocess.run([*TWISTD, "sbus-bridge", "--a", "x", "--b", "y", "--rule", "'' both",
+                              "--standby-window", value],
+                             capture_output=True, timeout=SERVICE_TIMEOUT, cwd=tmp_path, env=child_env())
+        out = (res.stderr + res.stdout).decode()
+        assert res.returncode != 0 and needle in out and "Traceback" not in out, out[-500:]
+
+
+@pytest.mark.parametrize("kill_at", [1000, 4000])
+def test_parallel_bridges_both_ways_kill_the_forwarding_one_loses_nothing(start_bus, services, kill_at):  # noqa: F811
+    """Publishers on both buses: the standby reads the active path's copies on each side
+    interleaved with originals, some before the originals themselves."""
+    a, b = start_bus(), start_bus()
+    b1, b2 = bridge(services, a.address, b.address), bridge(services, a.address, b.address)
+    settled([b1, b2], forwarding=1)
+    armed(b1, b2)
+    active = b1 if b1.state() == "forwarding" else b2
+    run_flow(a.address, {"b": b.address}, active, kill_at, also=(b.address, {"a": a.address}))
+    replayed, *gap = takeover(b2 if active is b1 else b1)
+    assert gap == [0, 0]
