@@ -53,9 +53,9 @@ TABLES = ("windows", "window_stats", "top_keys", "size_hist", "summary")
 
 #: The one Spark pass (`compute`) groups every row four ways at once (Spark's grouping sets);
 #: each output row belongs to one set, told by its ``gid`` (Spark's ``grouping_id()``).
-GROUP_COLS = ("w", "prefix", "msize", "sec_us", "key_s")
-SETS = {"windows": ("w", "prefix"),  # the windows table
-        "sizes": ("w", "msize"),  # per window and payload size: window_stats, size_hist, summary
+GROUP_COLS = ("w_us", "prefix", "msize", "sec_us", "key_s")
+SETS = {"windows": ("w_us", "prefix"),  # the windows table
+        "sizes": ("w_us", "msize"),  # per window and payload size: window_stats, size_hist, summary
         "seconds": ("sec_us",),  # per 1-second window: the headline's peak rate
         "keys": ("key_s",)}  # per key: top_keys and the number of distinct keys
 
@@ -90,13 +90,17 @@ def compute(spark, directory: str, window_seconds: float, depth: int = 1):
     from .units import spark_interval
 
     df = read(spark, directory)
+    # the window in µs as F.window takes it (`spark_interval`: whole milliseconds), its start
+    # computed as F.window does; grouping on numbers, not F.window's struct, is cheaper
+    spark_interval(window_seconds)  # (refuses a window of 0)
+    width = round(window_seconds * 1000) * 1000
     d = F.col("dropped")
     is_msg = d == 0
     us = F.unix_micros("recv_time")
     rows = with_prefix(df, depth).select(
-        F.window("recv_time", spark_interval(window_seconds)).alias("w"), "prefix",
+        (us - F.pmod(us, F.lit(width))).alias("w_us"), "prefix",  # (F.window's start, as a number)
         F.when(is_msg, F.col("size")).alias("msize"),
-        (us - F.pmod(us, F.lit(1_000_000))).alias("sec_us"),  # (one F.window per query)
+        (us - F.pmod(us, F.lit(1_000_000))).alias("sec_us"),
         F.when(is_msg, F.col("key").cast("string")).alias("key_s"),
         "recv_time", "size", "dropped")
     agg = rows.groupingSets([list(s) for s in SETS.values()], *GROUP_COLS).agg(
@@ -109,7 +113,8 @@ def compute(spark, directory: str, window_seconds: float, depth: int = 1):
         F.count(F.when(d < 0, F.lit(1))).alias("gap_rows"),
         F.min(F.when(is_msg, F.col("recv_time"))).alias("first"),
         F.max(F.when(is_msg, F.col("recv_time"))).alias("last"))
-    parts = agg.select("gid", F.col("w.start").alias("window_start"), F.col("w.end").alias("window_end"),
+    parts = agg.select("gid", F.timestamp_micros("w_us").alias("window_start"),
+                       F.timestamp_micros(F.col("w_us") + width).alias("window_end"),
                        "prefix", "msize", "sec_us", F.col("key_s").alias("key"), "messages", "bytes",
                        "msg_bytes", "lost", "drop_rows", "gap_rows", "first", "last")
     return parts, df
