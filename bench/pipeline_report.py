@@ -3,6 +3,7 @@
     .venv/bin/python bench/pipeline_report.py [--messages 1000000] [--work bench/out/pipeline]
                                               [--synthetic] [--docs docs/pipeline]
                                               [--crash-at 0.5 [--downtime 2]] [--no-floor]
+                                              [--recording DIR] [--pairs N]
 
 1. starts ``sbusd`` and ``twistd -n sbus-record`` (real processes, real sockets);
 2. one publisher process sends ``--messages`` messages through the bus in
@@ -23,10 +24,14 @@ every message sent is recorded or lost at the gap row the restart wrote
 (each payload starts with its number), and that the report's first line
 names the gap.
 
-Then (unless ``--no-floor``) it times the *floor*, ``bench/spark_floor.py``:
-a Spark job that starts, reads the same files and counts them, in the same
-run; the report's time is given as a multiple of it, with the report's own
-breakdown (``timings.json``).
+Before the report (unless ``--no-floor``) it times the *floor*,
+``bench/spark_floor.py``: a Spark job that starts, reads the same files and
+counts them, in the same run; the report's time is given as a multiple of
+it, with the report's own breakdown (``timings.json``). ``--pairs N`` times N
+such pairs, floor then report, one after the other (on a shared machine only
+a pair's own ratio means much), and gives each pair's ratio and their median.
+``--recording DIR`` times an existing recording instead of making one (its
+``run.json`` then goes to ``--work``, the docs' charts are left alone).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -253,54 +259,85 @@ def record_synthetic(n, work):
             "recorded": count_rows(rec)}
 
 
+def run_report(rec, report_dir, window):
+    """Run ``sbus-pipeline report`` on `rec`; its wall time in seconds."""
+    cmd = [sys.executable, "-m", "sbus.pipeline", "report", rec, "--out", report_dir, "--window", window]
+    print("$", " ".join(cmd), flush=True)
+    t = time.monotonic()
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return time.monotonic() - t
+
+
+def run_floor(rec):
+    """Time the floor (`bench/spark_floor.py`) on `rec`: its JSON line plus ``wall_seconds``."""
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "spark_floor.py"), rec]
+    print("$", " ".join(cmd), flush=True)
+    t = time.monotonic()
+    floor = json.loads(subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True).stdout)
+    floor["wall_seconds"] = round(time.monotonic() - t, 1)
+    return floor
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--messages", type=int, default=1_000_000)
     ap.add_argument("--work", default=os.path.join(ROOT, "bench", "out", "pipeline"))
-    ap.add_argument("--docs", default=os.path.join(ROOT, "docs", "pipeline"))
+    ap.add_argument("--docs", default=None,
+                    help="where the charts, summary.txt and run.json go (default docs/pipeline; "
+                         "with --recording: --work)")
     ap.add_argument("--window", default="2s")
     ap.add_argument("--synthetic", action="store_true")
     ap.add_argument("--crash-at", type=float, default=None, metavar="F",
                     help="kill -9 the recorder when about F of the messages are recorded, then restart it")
     ap.add_argument("--downtime", type=float, default=2.0, help="seconds the recorder stays down")
     ap.add_argument("--no-floor", action="store_true", help="do not time the floor (bench/spark_floor.py)")
+    ap.add_argument("--recording", metavar="DIR", help="time this existing recording (records nothing)")
+    ap.add_argument("--pairs", type=int, default=1, metavar="N",
+                    help="time N pairs of floor then report (their ratios and the median go in run.json)")
     ap.add_argument("--publish", metavar="ADDRESS", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.publish:
         return publisher(args.publish, args.messages)
 
-    shutil.rmtree(args.work, ignore_errors=True)
-    os.makedirs(args.work)
-    info = record_synthetic(args.messages, args.work) if args.synthetic else \
-        record_via_bus(args.messages, args.work, args.crash_at, args.downtime)
-    rec = os.path.join(args.work, "rec")
+    if args.recording:  # time an existing recording: no bus, no writing
+        rec = args.recording
+        os.makedirs(args.work, exist_ok=True)
+        info = {"method": f"existing recording {rec}", "rows": count_rows(rec)}
+    else:
+        shutil.rmtree(args.work, ignore_errors=True)
+        os.makedirs(args.work)
+        info = record_synthetic(args.messages, args.work) if args.synthetic else \
+            record_via_bus(args.messages, args.work, args.crash_at, args.downtime)
+        rec = os.path.join(args.work, "rec")
     size = sum(os.path.getsize(os.path.join(rec, f)) for f in os.listdir(rec) if f.endswith(".parquet"))
     report_dir = os.path.join(args.work, "report")
-    cmd = [sys.executable, "-m", "sbus.pipeline", "report", rec, "--out", report_dir, "--window", args.window]
-    print("$", " ".join(cmd), flush=True)
-    t = time.monotonic()
-    subprocess.run(cmd, check=True, cwd=ROOT)
-    took = time.monotonic() - t
-    info.update(report_seconds=round(took, 1), recording_bytes=size,
-                files=len([f for f in os.listdir(rec) if f.endswith(".parquet")]))
-    with open(os.path.join(report_dir, "timings.json")) as f:
-        info["report_breakdown"] = json.load(f)
+    info.update(recording_bytes=size, files=len([f for f in os.listdir(rec) if f.endswith(".parquet")]))
+    pairs = []
+    for i in range(args.pairs):
+        # floor and report alternate, so each pair ran under the same load (the machine may be shared)
+        floor = None if args.no_floor else run_floor(rec)
+        took = run_report(rec, report_dir, args.window)
+        with open(os.path.join(report_dir, "timings.json")) as f:
+            pair = {"report_seconds": round(took, 1), "report_breakdown": json.load(f)}
+        if floor:
+            pair.update(floor=floor, report_over_floor=round(took / floor["wall_seconds"], 2))
+        print(json.dumps(pair), flush=True)
+        pairs.append(pair)
+    info.update(pairs[-1])
+    if len(pairs) > 1:
+        info["pairs"] = pairs
+        if not args.no_floor:
+            info["median_report_over_floor"] = statistics.median(p["report_over_floor"] for p in pairs)
     first_line = open(os.path.join(report_dir, "summary.txt")).readline().rstrip("\n")
     info["headline"] = first_line
     if info.get("gaps") and "gap" not in first_line:
         raise SystemExit(f"the report's first line does not name the gap: {first_line}")
-    if not args.no_floor:
-        cmd = [sys.executable, os.path.join(ROOT, "bench", "spark_floor.py"), rec]
-        print("$", " ".join(cmd), flush=True)
-        t = time.monotonic()
-        floor = json.loads(subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True).stdout)
-        floor["wall_seconds"] = round(time.monotonic() - t, 1)
-        info["floor"] = floor
-        info["report_over_floor"] = round(took / floor["wall_seconds"], 2)
-    os.makedirs(args.docs, exist_ok=True)
+    docs = args.docs or (args.work if args.recording else os.path.join(ROOT, "docs", "pipeline"))
+    os.makedirs(docs, exist_ok=True)
     for name in ("rate.png", "top_keys.png", "sizes.png", "summary.txt"):
-        shutil.copy(os.path.join(report_dir, name), os.path.join(args.docs, name))
-    with open(os.path.join(args.docs, "run.json"), "w") as f:
+        if os.path.realpath(docs) != os.path.realpath(report_dir):
+            shutil.copy(os.path.join(report_dir, name), os.path.join(docs, name))
+    with open(os.path.join(docs, "run.json"), "w") as f:
         json.dump(info, f, indent=1)
     print(json.dumps(info))
 

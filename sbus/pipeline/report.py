@@ -1,6 +1,7 @@
 """``sbus-pipeline report DIR --out REPORT_DIR``: batch analytics over a recording.
 
-Computes, with Spark:
+Computes (one Spark pass over the recording, `compute`, then the tables from
+its counts in Python, `derive`):
 
 ``windows``       per window and key prefix: messages, payload bytes
 ``window_stats``  per window: messages, bytes, msg/s, bytes/s, payload size min/p50/p90/p99/max
@@ -27,8 +28,9 @@ cuts) are rated over the time it covers (``covered_seconds``, ``partial``),
 and drawn with open markers. The size chart counts from zero unless the
 spread needs a log axis, which its title then says (``sizes.json``).
 
-Percentiles are exact (Spark's ``percentile``: linear interpolation between
-closest ranks, as ``numpy.percentile``'s default). Windows are tumbling,
+Percentiles are exact (linear interpolation between closest ranks, as
+Spark's ``percentile`` and ``numpy.percentile``'s default; per window with
+Spark's formula, `group_percentiles`, to the last bit). Windows are tumbling,
 aligned to the epoch, in UTC. A key's prefix is its first ``--depth``
 ``/``-separated parts.
 """
@@ -49,102 +51,289 @@ SUMMARY_PERCENTILES = (0.5, 0.9, 0.99, 0.999)
 TABLES = ("windows", "window_stats", "top_keys", "size_hist", "summary")
 
 
-def _pct_expr(col: str, ps) -> str:
-    return f"percentile({col}, array({', '.join(repr(p) for p in ps)}))"
+#: The one Spark pass (`compute`) groups every row four ways at once (Spark's grouping sets);
+#: each output row belongs to one set, told by its ``gid`` (Spark's ``grouping_id()``).
+GROUP_COLS = ("w_us", "prefix", "msize", "sec_us", "key_s")
+SETS = {"windows": ("w_us", "prefix"),  # the windows table
+        "sizes": ("w_us", "msize"),  # per window and payload size: window_stats, size_hist, summary
+        "seconds": ("sec_us",),  # per 1-second window: the headline's peak rate
+        "keys": ("key_s",)}  # per key: top_keys and the number of distinct keys
 
 
-def compute(spark, directory: str, window_seconds: float, depth: int = 1, top: int = 20, gaps=()):
-    """Build the report's DataFrames: {name: DataFrame}.
+def _gid(name: str) -> int:
+    """``grouping_id()`` of the set `name`: a bit per grouping column left out (first = highest)."""
+    n = len(GROUP_COLS)
+    return sum(1 << (n - 1 - i) for i, c in enumerate(GROUP_COLS) if c not in SETS[name])
 
-    Drop rows (``dropped`` > 0) are counted as known lost messages, never as
-    messages: they enter only ``dropped`` columns and the ``lost`` total. Gap
-    rows (``dropped`` -1) are counted in ``gaps``; `gaps` (from `read_gaps`)
-    are the intervals the recorder was not running, which partial windows leave out.
-    """
+
+def read(spark, directory: str):
+    """The recording's columns the report needs (``dropped``: 0 for a message, see `dropped_col`)."""
+    from .spark import dropped_col, read_schema
+
+    return (spark.read.schema(read_schema()).parquet(directory)
+            .select("recv_time", "key", "size", dropped_col().alias("dropped")))
+
+
+def compute(spark, directory: str, window_seconds: float, depth: int = 1):
+    """The report's one pass over the recording: a DataFrame of counts (`derive` builds the
+    tables from it, in Python), and the recording's DataFrame (for a chart in other windows).
+
+    Every row is counted in four groupings (`SETS`) in one aggregation: per (window, prefix);
+    per (window, payload size) of the messages (so per-window and overall exact percentiles,
+    the histogram and the totals follow from counts: a row per window and size instead of a
+    Spark job per table); per second; per key. The driver gets a row per group: with many
+    distinct keys or sizes per window that grows, never beyond the recording's rows. Drop rows (``dropped`` > 0) count only as ``lost`` and ``drop_rows``, gap
+    rows (``dropped`` -1) only as ``gap_rows``; ``first``/``last`` are the messages' times."""
     from pyspark.sql import functions as F
 
-    from .spark import dropped_col, lost_col, read_schema
+    from .spark import lost_col, with_prefix
     from .units import spark_interval
 
-    window = spark_interval(window_seconds)
-    df = (spark.read.schema(read_schema()).parquet(directory)
-          .select("recv_time", "key", "size", dropped_col().alias("dropped"))
-          .cache())
-    msgs = df.where(F.col("dropped") == 0)
-    is_msg = F.col("dropped") == 0
-    msg_size = F.when(is_msg, F.col("size"))
+    df = read(spark, directory)
+    # the window in µs as F.window takes it (`spark_interval`: whole milliseconds), its start
+    # computed as F.window does; grouping on numbers, not F.window's struct, is cheaper
+    spark_interval(window_seconds)  # (refuses a window of 0)
+    width = round(window_seconds * 1000) * 1000
+    d = F.col("dropped")
+    is_msg = d == 0
+    us = F.unix_micros("recv_time")
+    rows = with_prefix(df, depth).select(
+        (us - F.pmod(us, F.lit(width))).alias("w_us"), "prefix",  # (F.window's start, as a number)
+        F.when(is_msg, F.col("size")).alias("msize"),
+        (us - F.pmod(us, F.lit(1_000_000))).alias("sec_us"),
+        F.when(is_msg, F.col("key").cast("string")).alias("key_s"),
+        "recv_time", "size", "dropped")
+    agg = rows.groupingSets([list(s) for s in SETS.values()], *GROUP_COLS).agg(
+        F.grouping_id().alias("gid"),
+        F.count(F.when(is_msg, F.lit(1))).alias("messages"),
+        F.sum("size").alias("bytes"),  # every row's (as the windows table counts them)
+        F.sum("msize").alias("msg_bytes"),  # the messages'
+        F.sum(lost_col()).alias("lost"),
+        F.count(F.when(d > 0, F.lit(1))).alias("drop_rows"),
+        F.count(F.when(d < 0, F.lit(1))).alias("gap_rows"),
+        F.min(F.when(is_msg, F.col("recv_time"))).alias("first"),
+        F.max(F.when(is_msg, F.col("recv_time"))).alias("last"))
+    parts = agg.select("gid", F.timestamp_micros("w_us").alias("window_start"),
+                       F.timestamp_micros(F.col("w_us") + width).alias("window_end"),
+                       "prefix", "msize", "sec_us", F.col("key_s").alias("key"), "messages", "bytes",
+                       "msg_bytes", "lost", "drop_rows", "gap_rows", "first", "last")
+    return parts, df
 
-    # (windows and window_stats are small: sorted after they are fetched, see ORDER: a Spark
-    # orderBy costs a sampling job and a shuffle each)
-    windows = window_aggregates(df, window, depth)
 
-    pct = F.expr(_pct_expr("msg_size", PERCENTILES))
-    # a window is partial where the recording does not cover it (before its first message, after
-    # its last, and while the recorder was down: gaps): rates divide by the time covered
-    bounds = msgs.agg(F.min("recv_time").alias("b_first"), F.max("recv_time").alias("b_last"))
-    lo = F.unix_micros(F.greatest(F.col("w.start"), F.col("b_first")))
-    hi = F.unix_micros(F.least(F.col("w.end"), F.col("b_last")))
-    cov = F.greatest(hi - lo, F.lit(0))
+def _ts_type():
+    import pyarrow as pa
+
+    return pa.timestamp("us", tz="UTC")
+
+
+def _schema(fields):
+    """A pyarrow schema from (name, type, nullable): the tables' types as Spark wrote them."""
+    import pyarrow as pa
+
+    return pa.schema([pa.field(n, t, nullable=nb) for n, t, nb in fields])
+
+
+def _table_schemas():
+    import pyarrow as pa
+
+    ts, i64, f64 = _ts_type(), pa.int64(), pa.float64()
+    return {
+        "windows": _schema([("window_start", ts, True), ("window_end", ts, True), ("prefix", pa.string(), True),
+                            ("messages", i64, False), ("bytes", i64, True), ("dropped", i64, True)]),
+        "window_stats": _schema([
+            ("window_start", ts, True), ("window_end", ts, True), ("messages", i64, False), ("bytes", i64, True),
+            ("dropped", i64, True), ("gaps", i64, False), ("covered_seconds", f64, False),
+            ("partial", pa.bool_(), False), ("msgs_per_s", f64, True), ("bytes_per_s", f64, True),
+            ("size_min", pa.int32(), True), ("size_p50", f64, True), ("size_p90", f64, True),
+            ("size_p99", f64, True), ("size_max", pa.int32(), True)]),
+        "top_keys": _schema([("key", pa.string(), True), ("messages", i64, False), ("bytes", i64, True)]),
+        "size_hist": _schema([("bucket", pa.int32(), True), ("size_from", i64, True), ("size_to", i64, True),
+                              ("messages", i64, True)]),
+    }
+
+
+def group_percentiles(values, counts, starts, ps):
+    """Exact percentiles per group, as Spark's ``percentile`` computes them (linear
+    interpolation between closest ranks: ``a + (h - lo) * (b - a)``, h = (n - 1) p).
+    `values`/`counts` (numpy) are sorted by group then value; group g's rows are
+    ``starts[g]:starts[g + 1]``. Returns an array (groups × len(ps)) of float64."""
+    import numpy as np
+
+    cum = np.cumsum(counts, dtype=np.int64)
+    base = np.concatenate(([0], cum))[starts[:-1]]  # rows before each group
+    n = cum[starts[1:] - 1] - base
+    out = np.empty((len(n), len(ps)), dtype=np.float64)
+    for j, p in enumerate(ps):
+        pos = (n - 1).astype(np.float64) * p
+        lower, higher = np.floor(pos).astype(np.int64), np.ceil(pos).astype(np.int64)
+        a = values[np.searchsorted(cum, base + lower + 1)].astype(np.float64)
+        b = values[np.searchsorted(cum, base + higher + 1)].astype(np.float64)
+        out[:, j] = np.where(a == b, a, a + (pos - lower) * (b - a))
+    return out
+
+
+def derive(parts, window_seconds: float, depth: int, top: int, gaps=()) -> tuple:
+    """The report's tables from `compute`'s counts (a pyarrow Table): {name: pyarrow Table},
+    ``size_counts`` [(size, messages)] and the summary's row (a dict). Exactly what Spark's
+    aggregates over every row gave before: same columns, types, NULLs and percentiles."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    schemas = _table_schemas()
+    gid = parts.column("gid")
+
+    def part(name):
+        return parts.filter(pc.equal(gid, _gid(name)))
+
+    def ints(t, col):
+        return t.column(col).cast(pa.int64()).to_numpy(zero_copy_only=False)
+
+    # windows: per (window, prefix)
+    w = part("windows")
+    windows = pa.table({"window_start": w["window_start"], "window_end": w["window_end"], "prefix": w["prefix"],
+                        "messages": w["messages"], "bytes": w["bytes"], "dropped": w["lost"]})
+    windows = windows.sort_by([(c, "ascending", "at_end") for c in ORDER["windows"]]).cast(schemas["windows"])
+
+    # window_stats: per window, from its per-size counts (and a row of its drop and gap rows)
+    s = part("sizes")
+    starts_us = ints(s, "window_start")
+    wins, inv = np.unique(starts_us, return_inverse=True)
+    nw = len(wins)
+    is_size = s.column("msize").is_valid().to_numpy(zero_copy_only=False)
+    msgs = ints(s, "messages")
+    mbytes = s.column("msg_bytes").fill_null(0).cast(pa.int64()).to_numpy(zero_copy_only=False)
+    messages = np.zeros(nw, np.int64)
+    np.add.at(messages, inv, msgs)
+    wbytes = np.zeros(nw, np.int64)
+    np.add.at(wbytes, inv, mbytes)
+    dropped = np.zeros(nw, np.int64)
+    np.add.at(dropped, inv, ints(s, "lost"))
+    gap_rows = np.zeros(nw, np.int64)
+    np.add.at(gap_rows, inv, ints(s, "gap_rows"))
+    sz = s.column("msize").fill_null(0).cast(pa.int64()).to_numpy(zero_copy_only=False)[is_size]
+    g_of = inv[is_size]
+    cnt = msgs[is_size]
+    order = np.lexsort((sz, g_of))
+    sz, g_of, cnt = sz[order], g_of[order], cnt[order]
+    with_msgs = np.unique(g_of)  # windows with messages (the others: NULL sizes)
+    starts = np.searchsorted(g_of, np.concatenate((with_msgs, [nw])))
+    pct = group_percentiles(sz, cnt, starts, PERCENTILES)
+    size_min = np.full(nw, -1, np.int64)
+    size_max = np.full(nw, -1, np.int64)
+    pcts = np.full((nw, len(PERCENTILES)), np.nan)
+    if len(with_msgs):
+        size_min[with_msgs] = sz[starts[:-1]]
+        size_max[with_msgs] = sz[starts[1:] - 1]
+        pcts[with_msgs] = pct
+    has = messages > 0
+
+    firsts = s.column("first").drop_null().cast(pa.int64())
+    lasts = s.column("last").drop_null().cast(pa.int64())
+    first_us = pc.min(firsts).as_py() if len(firsts) else None
+    last_us = pc.max(lasts).as_py() if len(lasts) else None
+    ends_us = ints(s, "window_end")
+    end_of = np.zeros(nw, np.int64)
+    end_of[inv] = ends_us
+    gap_us = [(_us(f), _us(t)) for f, t in gaps if f is not None]
+    covered = [_covered_us(int(a), int(b), first_us, last_us, gap_us, window_seconds) for a, b in zip(wins, end_of)]
+    rows = []
+    for i in range(nw):
+        cov = covered[i]
+        m = int(messages[i])
+        b = int(wbytes[i]) if has[i] else None
+        rows.append({
+            "window_start": int(wins[i]), "window_end": int(end_of[i]), "messages": m, "bytes": b,
+            "dropped": int(dropped[i]), "gaps": int(gap_rows[i]), "covered_seconds": cov,
+            "partial": cov < float(window_seconds),
+            "msgs_per_s": m / cov if cov > 0 else None, "bytes_per_s": (b or 0) / cov if cov > 0 else None,
+            "size_min": int(size_min[i]) if has[i] else None,
+            **{f"size_p{_pname(p)}": float(pcts[i, j]) if has[i] else None for j, p in enumerate(PERCENTILES)},
+            "size_max": int(size_max[i]) if has[i] else None})
+    window_stats = _with_timestamps(rows, schemas["window_stats"], ("window_start", "window_end"))
+
+    # per payload size over the whole recording
+    sizes = np.unique(sz)
+    per_size = np.zeros(len(sizes), np.int64)
+    np.add.at(per_size, np.searchsorted(sizes, sz), cnt)
+    counts = [(int(a), int(n)) for a, n in zip(sizes, per_size)]
+
+    # the busiest second (the earliest of ties) and the busiest keys
+    sec = part("seconds")
+    sec = sec.filter(pc.greater(sec.column("messages"), 0))
+    peak_second, peak_n, peak_b = None, 0, None
+    if sec.num_rows:
+        n_s, us_s = ints(sec, "messages"), ints(sec, "sec_us")
+        best = np.lexsort((us_s, -n_s))[0]
+        peak_second, peak_n = _from_us(int(us_s[best])), int(n_s[best])
+        peak_b = int(pc.max(sec.column("msg_bytes")).as_py())
+    k = part("keys")
+    k = k.filter(pc.greater(k.column("messages"), 0))  # (the drop and gap rows' NULL key)
+    order = pc.sort_indices(k, sort_keys=[("messages", "descending"), ("msg_bytes", "descending"),
+                                          ("key", "ascending")])  # (strings: by their bytes, as Spark)
+    best = k.take(order[:top])
+    top_keys = pa.table({"key": best["key"], "messages": best["messages"],
+                         "bytes": best["msg_bytes"]}).cast(schemas["top_keys"])
+
+    total = int(messages.sum())
+    summary = {
+        "messages": total, "bytes": int(wbytes.sum()) if total else None,
+        "distinct_keys": k.num_rows,
+        "first": _from_us(first_us), "last": _from_us(last_us),
+        "lost": int(dropped.sum()) if nw else None, "drop_rows": int(pc.sum(s["drop_rows"]).as_py() or 0),
+        "gaps": int(gap_rows.sum()), "peak_second": peak_second, "peak_msgs_per_s": peak_n,
+        "peak_bytes_per_s": peak_b, "window_seconds": float(window_seconds), "prefix_depth": depth,
+    }
+    return {"windows": windows, "window_stats": window_stats, "top_keys": top_keys}, counts, summary
+
+
+def _covered_us(start: int, end: int, first, last, gaps, window_seconds: float) -> float:
+    """`covered_seconds` of the window [start, end) (µs), as the Spark expression computed it:
+    from the first message to the last (NULLs ignored, as ``greatest``/``least`` do), less
+    the gaps, in whole µs; at most the window."""
+    lo = start if first is None else max(start, first)
+    hi = end if last is None else min(end, last)
+    cov = max(hi - lo, 0)
     for g_from, g_to in gaps:
-        if g_from is not None:
-            cov = cov - F.greatest(F.least(hi, F.lit(_us(g_to))) - F.greatest(lo, F.lit(_us(g_from))), F.lit(0))
-    cov = F.greatest(cov, F.lit(0)) / F.lit(1e6)
-    window_stats = (
-        df.withColumn("msg_size", msg_size)
-        .groupBy(F.window("recv_time", window).alias("w"))
-        .agg(F.count("msg_size").alias("messages"), F.sum("msg_size").alias("bytes"),
-             F.sum(lost_col()).alias("dropped"), F.count(F.when(F.col("dropped") < 0, F.lit(1))).alias("gaps"),
-             F.min("msg_size").alias("size_min"), pct.alias("p"), F.max("msg_size").alias("size_max"))
-        .crossJoin(bounds)
-        .withColumn("covered_seconds", F.least(cov, F.lit(float(window_seconds))))
-        .select(F.col("w.start").alias("window_start"), F.col("w.end").alias("window_end"),
-                "messages", "bytes", "dropped", "gaps", "covered_seconds",
-                (F.col("covered_seconds") < F.lit(float(window_seconds))).alias("partial"),
-                F.when(F.col("covered_seconds") > 0, F.col("messages") / F.col("covered_seconds"))
-                .alias("msgs_per_s"),
-                F.when(F.col("covered_seconds") > 0,
-                       F.coalesce(F.col("bytes"), F.lit(0)) / F.col("covered_seconds")).alias("bytes_per_s"),
-                "size_min",
-                F.col("p")[0].alias("size_p50"), F.col("p")[1].alias("size_p90"),
-                F.col("p")[2].alias("size_p99"), "size_max")
-    )
-
-    top_keys = (
-        msgs.groupBy(F.col("key").cast("string").alias("key"))
-        .agg(F.count(F.lit(1)).alias("messages"), F.sum("size").alias("bytes"))
-        .orderBy(F.desc("messages"), F.desc("bytes"), "key")
-        .limit(top)
-    )
-
-    # one row per distinct payload size: the size histogram and the exact percentiles of the
-    # summary come from it (in Python: a few thousand rows), not from a pass over every row
-    size_counts = msgs.groupBy("size").agg(F.count(F.lit(1)).alias("messages"))
-
-    # the headline's rates have one basis: 1-second windows (peak = the busiest, average =
-    # the mean over every second from the first message's to the last's)
-    per_second = (msgs.groupBy(F.window("recv_time", "1 second").alias("w"))
-                  .agg(F.count(F.lit(1)).alias("n"), F.sum("size").alias("b")))
-    # (aggregates without a grouping: exactly one row, even when there are no messages)
-    peak_s = per_second.agg(_busiest("n", "w.start").alias("m"), F.max("b").alias("peak_bytes_per_s")).select(
-        F.expr("timestamp_micros(-m.neg)").alias("peak_second"),
-        F.coalesce(F.col("m.n"), F.lit(0)).alias("peak_msgs_per_s"), "peak_bytes_per_s")
-    lost = df.agg(F.sum(lost_col()).alias("lost"),
-                  F.count(F.when(F.col("dropped") > 0, F.lit(1))).alias("drop_rows"),
-                  F.count(F.when(F.col("dropped") < 0, F.lit(1))).alias("gaps"))
-    # (distinct prefixes: from the windows table, in `run`)
-    totals = msgs.agg(
-        F.count(F.lit(1)).alias("messages"), F.sum("size").alias("bytes"),
-        F.countDistinct("key").alias("distinct_keys"),
-        F.min("recv_time").alias("first"), F.max("recv_time").alias("last"),
-    )
-    summary = (totals.crossJoin(lost).crossJoin(peak_s)
-               .withColumn("window_seconds", F.lit(float(window_seconds)))
-               .withColumn("prefix_depth", F.lit(depth)))
-    return {"windows": windows, "window_stats": window_stats, "top_keys": top_keys,
-            "size_counts": size_counts, "summary": summary}, df
+        cov = cov - max(min(hi, g_to) - max(lo, g_from), 0)
+    return min(max(cov, 0) / 1e6, float(window_seconds))
 
 
-SIZE_HIST_DDL = "bucket INT, size_from BIGINT, size_to BIGINT, messages BIGINT"
+def _from_us(us):
+    return None if us is None else dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc) + dt.timedelta(microseconds=us)
+
+
+def _with_timestamps(rows, schema, ts_cols):
+    """A pyarrow Table of `schema` from dict rows whose `ts_cols` are µs since the epoch."""
+    import pyarrow as pa
+
+    cols = {}
+    for f in schema:
+        vals = [r[f.name] for r in rows]
+        if f.name in ts_cols:
+            cols[f.name] = pa.array(vals, pa.int64()).cast(f.type)
+        else:
+            cols[f.name] = pa.array(vals, f.type)
+    return pa.table(cols).cast(schema)
+
+
+def summary_table(row: dict):
+    """The summary's one-row table, typed and NULL-able as Spark made it (the extras, added
+    as literals, are NOT NULL unless NULL)."""
+    import pyarrow as pa
+
+    ts = _ts_type()
+    types = [("messages", pa.int64(), False), ("bytes", pa.int64(), True), ("distinct_keys", pa.int64(), False),
+             ("first", ts, True), ("last", ts, True), ("lost", pa.int64(), True),
+             ("drop_rows", pa.int64(), False), ("gaps", pa.int64(), False), ("peak_second", ts, True),
+             ("peak_msgs_per_s", pa.int64(), False), ("peak_bytes_per_s", pa.int64(), True),
+             ("window_seconds", pa.float64(), False), ("prefix_depth", pa.int32(), False),
+             ("distinct_prefixes", pa.int64(), None), ("size_min", pa.int32(), None),
+             ("size_max", pa.int32(), None),
+             *[(f"size_p{_pname(p)}", pa.float64(), None) for p in SUMMARY_PERCENTILES],
+             ("peak_window_start", ts, None), ("peak_window_messages", pa.int64(), None)]
+    schema = _schema([(n, t, (row[n] is None) if nb is None else nb) for n, t, nb in types])
+    return pa.Table.from_pylist([{n: row[n] for n, _, _ in types}], schema=schema)
 
 
 def size_histogram(counts) -> list[dict]:
@@ -160,25 +349,13 @@ def size_histogram(counts) -> list[dict]:
 def percentiles_from_counts(counts, ps) -> list:
     """Exact percentiles of the values [(value, count)] (sorted by value): linear interpolation
     between closest ranks, as Spark's ``percentile`` and numpy's default; None when empty."""
-    total = sum(n for _, n in counts)
-    if not total:
+    import numpy as np
+
+    if not sum(n for _, n in counts):
         return [None] * len(ps)
-
-    def at(rank):  # the value of 0-based rank
-        seen = 0
-        for v, n in counts:
-            seen += n
-            if rank < seen:
-                return v
-        return counts[-1][0]
-
-    out = []
-    for p in ps:
-        h = (total - 1) * p
-        lo, hi = math.floor(h), math.ceil(h)
-        a, b = at(lo), at(hi)
-        out.append(float(a + (h - lo) * (b - a)))
-    return out
+    values = np.array([v for v, _ in counts], dtype=np.int64)
+    return [float(v) for v in group_percentiles(values, np.array([n for _, n in counts], dtype=np.int64),
+                                                np.array([0, len(counts)]), ps)[0]]
 
 
 def busiest_window(window_stats) -> tuple:
@@ -194,26 +371,19 @@ def busiest_window(window_stats) -> tuple:
 ORDER = {"windows": ("window_start", "prefix"), "window_stats": ("window_start",)}
 
 
-def _save(df, tables: str, name: str, local: bool) -> list[dict]:
-    """Write a small result as the table `tables`/`name` and return its rows, sorted as
-    `ORDER` says. Locally: one Spark job (``toArrow``) and a private Parquet file written by
-    pyarrow; elsewhere Spark sorts and writes it (a cached single partition, then collected)."""
-    order = ORDER.get(name)
+def _save(spark, table, tables: str, name: str, local: bool) -> None:
+    """Write the small result `table` (pyarrow) as the table `tables`/`name`: locally a private
+    Parquet file written by pyarrow, elsewhere by Spark (one file)."""
     if local:
-        table = df.toArrow()
-        if order:
-            table = table.sort_by([(c, "ascending", "at_end") for c in order])
         _write_local(table, tables, name)
-        return [_utc(r) for r in table.to_pylist()]
-    if order:
-        from pyspark.sql import functions as F
+    else:
+        spark.createDataFrame(table).coalesce(1).write.mode("overwrite").parquet(f"{tables}/{name}")
 
-        df = df.orderBy(*[F.asc_nulls_last(c) for c in order])
-    df = df.coalesce(1).cache()
-    df.write.mode("overwrite").parquet(f"{tables}/{name}")
-    rows = [_utc(r.asDict()) for r in df.collect()]
-    df.unpersist()
-    return rows
+
+def pa_table(rows: list[dict], schema):
+    import pyarrow as pa
+
+    return pa.Table.from_pylist(rows, schema=schema)
 
 
 def _write_local(table, tables: str, name: str) -> None:
@@ -304,13 +474,6 @@ def covered_seconds(start: dt.datetime, end: dt.datetime, first, last, gaps=()) 
     return min(max(cov, 0.0), (end - start).total_seconds())
 
 
-def _busiest(count: str, start: str):
-    """The largest `count`, the earliest `start` among ties: a struct (n, neg = -start in µs)."""
-    from pyspark.sql import functions as F
-
-    return F.max(F.struct(F.col(count).alias("n"), (-F.unix_micros(F.col(start))).alias("neg")))
-
-
 def _pname(p: float) -> str:
     s = f"{p * 100:g}"
     return s.replace(".", "")  # 50, 90, 99, 999
@@ -336,55 +499,40 @@ def run(spark, directory: str, out: str, *, window_seconds: float = 60.0, depth:
     gaps = read_gaps(spark, directory)
     took("gaps")
     intervals = [(g["from"], g["to"]) for g in gaps]
-    frames, cached = compute(spark, directory, window_seconds, depth, top, intervals)
+    parts, df = compute(spark, directory, window_seconds, depth)
+    fetched = parts.toArrow()  # the one Spark job (and its shuffle): everything else is derived here
+    took("aggregate")
     tables = out.rstrip("/") + "/tables"
-    collected = {}
     local = not is_remote(tables)
-    try:
-        for name in ("windows", "window_stats", "top_keys"):
-            # small results: fetched once (Arrow), written as one file, kept for the charts
-            collected[name] = _save(frames[name], tables, name, local)
-            took(name)
-        counts = sorted((r["size"], r["messages"]) for r in frames["size_counts"].collect())
-        hist = size_histogram(counts)
-        if local:  # built here: written by pyarrow, no Spark job
-            import pyarrow as pa
+    t, counts, summary = derive(fetched, window_seconds, depth, top, intervals)
+    hist = size_histogram(counts)
+    t["size_hist"] = pa_table(hist, _table_schemas()["size_hist"])
+    collected = {name: [_utc(r) for r in table.to_pylist()] for name, table in t.items()}
+    peak_start, peak_n = busiest_window(collected["window_stats"])
+    pcts = percentiles_from_counts(counts, SUMMARY_PERCENTILES)
+    prefixes = {r["prefix"] for r in collected["windows"] if r["prefix"] is not None}
+    summary.update(distinct_prefixes=len(prefixes), size_min=counts[0][0] if counts else None,
+                   size_max=counts[-1][0] if counts else None,
+                   **{f"size_p{_pname(p)}": v for v, p in zip(pcts, SUMMARY_PERCENTILES)},
+                   peak_window_start=peak_start, peak_window_messages=peak_n)
+    t["summary"] = summary_table(summary)
+    collected["summary"] = [_utc(r) for r in t["summary"].to_pylist()]
+    summary = collected["summary"][0]
+    took("derive")
+    for name in TABLES:
+        _save(spark, t[name], tables, name, local)
+    took("write_tables")
+    summary["gap_list"] = gaps
+    span = _span(summary)
+    chart_w = chart_window(span, window_seconds)
+    if chart_w == window_seconds:
+        collected["chart"] = collected["windows"]
+    else:
+        from .units import spark_interval
 
-            _write_local(pa.Table.from_pylist(hist, schema=pa.schema(
-                [("bucket", pa.int32()), ("size_from", pa.int64()), ("size_to", pa.int64()),
-                 ("messages", pa.int64())])), tables, "size_hist")
-        else:
-            _save(spark.createDataFrame([tuple(h.values()) for h in hist], SIZE_HIST_DDL), tables,
-                  "size_hist", local)
-        collected["size_hist"] = hist
-        took("size_hist")
-        from pyspark.sql import functions as F
-
-        peak_start, peak_n = busiest_window(collected["window_stats"])
-        pcts = percentiles_from_counts(counts, SUMMARY_PERCENTILES)
-        prefixes = {r["prefix"] for r in collected["windows"] if r["prefix"] is not None}
-        extra = [(len(prefixes), "bigint", "distinct_prefixes"),
-                 (counts[0][0] if counts else None, "int", "size_min"),
-                 (counts[-1][0] if counts else None, "int", "size_max"),
-                 *[(v, "double", f"size_p{_pname(p)}") for v, p in zip(pcts, SUMMARY_PERCENTILES)],
-                 (peak_start, "timestamp", "peak_window_start"), (peak_n, "bigint", "peak_window_messages")]
-        base = frames["summary"].select("*", *[F.lit(v).cast(t).alias(name) for v, t, name in extra])
-        collected["summary"] = _save(base, tables, "summary", local)
-        summary = collected["summary"][0]
-        took("summary")
-        summary["gap_list"] = gaps
-        span = _span(summary)
-        chart_w = chart_window(span, window_seconds)
-        if chart_w == window_seconds:
-            collected["chart"] = collected["windows"]
-        else:
-            from .units import spark_interval
-
-            collected["chart"] = [_utc(r.asDict()) for r in
-                                  window_aggregates(cached, spark_interval(chart_w), depth).collect()]
-            took("chart_windows")
-    finally:
-        cached.unpersist()
+        collected["chart"] = [_utc(r) for r in
+                              window_aggregates(df, spark_interval(chart_w), depth).toArrow().to_pylist()]
+        took("chart_windows")
     html_dir = html_dir or local_path(out)
     makedirs_private(html_dir)
     summary["compute_seconds"] = round(time.monotonic() - t0, 2)

@@ -26,6 +26,16 @@ def shuffle_partitions(cores: int, data_bytes: int | None = None) -> int:
     return min(n, MAX_AUTO_PARTITIONS)
 
 
+#: JVM options for a driver we start in local mode (see `session`).
+LOCAL_JVM_OPTIONS = "-XX:TieredStopAtLevel=1"
+
+
+def local_jvm(master: str | None) -> bool:
+    """True when `session` starts the JVM itself and it runs the job: a ``local`` master,
+    not under ``spark-submit`` (which has started the JVM already)."""
+    return master is not None and master.startswith("local") and not under_spark_submit()
+
+
 def under_spark_submit() -> bool:
     """True when started by ``spark-submit`` (it hands us a running JVM gateway)."""
     return "PYSPARK_GATEWAY_PORT" in os.environ
@@ -51,6 +61,11 @@ def session(master: str | None = None, app_name: str = "sbus-pipeline", conf: di
     # outputs and checkpoints private whatever the process umask (Hadoop applies its own)
     b = b.config("spark.hadoop.fs.permissions.umask-mode", HADOOP_UMASK)
     b = b.config("spark.ui.showConsoleProgress", "true" if progress else "false")
+    if local_jvm(master):
+        # a local job's JVM lives seconds: the C1 compiler alone makes its code fast sooner (C2's
+        # slower compiling never pays back in a short run; the report's pass took 40 % less).
+        # As a default option, so spark.driver.extraJavaOptions (appended after it) can undo it.
+        b = b.config("spark.driver.defaultJavaOptions", LOCAL_JVM_OPTIONS)
     for k, v in (conf or {}).items():
         b = b.config(k, v)
     spark = b.getOrCreate()
