@@ -218,8 +218,7 @@ class Router:
                 self._prefix[client] = secret_prefix
                 self._invalidate(SECRET_ROOT)
             return
-        self._prefix[client] = secret_prefix
-        self._client_patterns[client] = {}
+        self._prefix[client] = secret_prefix  # (its patterns' dict comes with its first SUB)
 
     def secret_prefix_of(self, client) -> bytes | None:
         """What a secret key must start with to reach `client` (None: none ever, or unknown)."""
@@ -231,7 +230,7 @@ class Router:
         if client not in self._prefix:
             return []
         del self._prefix[client]
-        held = self._client_patterns.pop(client)
+        held = self._client_patterns.pop(client, None) or {}
         gone = []
         holders = self._holders
         for pattern, n in held.items():
@@ -251,7 +250,11 @@ class Router:
     def subscribe(self, client, pattern: bytes) -> bool:
         """Store one more instance; True if no client held `pattern` before.
         Raises KeyError for a client that was not added."""
-        mine = self._client_patterns[client]
+        mine = self._client_patterns.get(client)
+        if mine is None:
+            if client not in self._prefix:
+                raise KeyError(client)
+            mine = self._client_patterns[client] = {}
         n = mine.get(pattern, 0)
         mine[pattern] = n + 1
         self._count += 1
