@@ -169,7 +169,7 @@ def run_flow(pub_address, far: dict, victim, kill_at: int, after: int = AFTER_KI
           f"every far subscriber passed the check")
 
 
-@pytest.mark.parametrize("kill_at", [300, 3000, 6000])
+@pytest.mark.parametrize("kill_at", [300, 6000])
 def test_parallel_bridges_kill_the_forwarding_one_loses_nothing(start_bus, services, kill_at):  # noqa: F811
     a, b = start_bus(), start_bus()
     b1, b2 = bridge(services, a.address, b.address), bridge(services, a.address, b.address)
@@ -187,7 +187,7 @@ def test_parallel_bridges_kill_the_forwarding_one_loses_nothing(start_bus, servi
     assert st["stats"]["standby"]["replayed_at_takeover"]["a>b"] == replayed
 
 
-@pytest.mark.parametrize("kill_at", [500, 4000])
+@pytest.mark.parametrize("kill_at", [4000])
 def test_loop_of_three_kill_a_forwarding_bridge_loses_nothing(start_bus, services, kill_at):  # noqa: F811
     buses = [start_bus() for _ in range(3)]
     bridges = [bridge(services, buses[i].address, buses[(i + 1) % 3].address) for i in range(3)]
@@ -300,7 +300,7 @@ def test_standby_window_usage_errors_are_one_line(tmp_path):
         assert res.returncode != 0 and needle in out and "Traceback" not in out, out[-500:]
 
 
-@pytest.mark.parametrize("kill_at", [1000, 4000])
+@pytest.mark.parametrize("kill_at", [1000])
 def test_parallel_bridges_both_ways_kill_the_forwarding_one_loses_nothing(start_bus, services, kill_at):  # noqa: F811
     """Publishers on both buses: the standby reads the active path's copies on each side
     interleaved with originals, some before the originals themselves."""
