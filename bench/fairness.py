@@ -226,7 +226,11 @@ def main() -> int:
                     alone, attacked, again = run_attack(name, path, args.seconds)
                 finally:
                     srv.send_signal(signal.SIGTERM)
-                    srv.wait(30)
+                    try:
+                        srv.wait(120)  # tearing down 100,000 held patterns takes a while loaded
+                    except subprocess.TimeoutExpired:
+                        srv.kill()
+                        srv.wait()
                     log.close()
                 ratio = attacked / min(alone, again)
                 ratios[name].append(ratio)
