@@ -271,6 +271,10 @@ def _common_prefix(a: bytes, b: bytes) -> bytes:
     return a[:i]
 
 
+#: Seconds a client told an error and closed on may take to close its side (see `close`).
+LINGER = 10.0
+
+
 @implementer(IHalfCloseableProtocol)
 class MsgbusProtocol(protocol.Protocol):
     """One msgbus client connection (also a streaming producer for its own transport)."""
@@ -291,6 +295,7 @@ class MsgbusProtocol(protocol.Protocol):
         self._pending_bytes = 0
         self.peer = "?"
         self.charged = 0                    # bytes counted against our uid (`MsgbusGateway.charge`)
+        self._linger = None                 # after an error line: the call that ends the wait
 
     # -- connection
 
@@ -313,12 +318,17 @@ class MsgbusProtocol(protocol.Protocol):
         """Answer what was sent (already done, in order), then close once it is written."""
         if not self._closing:
             self.close()
+        elif self._linger is not None:
+            self.transport.loseConnection()  # the client closed after our error line: done
 
     def writeConnectionLost(self):
         if not self._closing:
             self.close()
 
     def connectionLost(self, reason=None):
+        linger, self._linger = self._linger, None
+        if linger is not None and linger.active():
+            linger.cancel()
         self._closing = True
         self._pending.clear()
         self._pending_bytes = 0
@@ -340,16 +350,26 @@ class MsgbusProtocol(protocol.Protocol):
         self.sendLine(b"error " + reason.replace("\n", " ").encode("utf-8", "replace"))
         if close:
             log.info("closing msgbus client {peer}: {reason}", peer=self.peer, reason=reason)
-            self.close()
+            self.close(linger=True)
 
-    def close(self) -> None:
-        """Close after what is written; pending messages are dropped."""
+    def close(self, linger: bool = False) -> None:
+        """Close after what is written; pending messages are dropped. `linger` (after an error
+        line): close our side only and read, discarding, until the client closes (at most
+        `LINGER` s). Closing a TCP socket with the client's data unread resets it, and the reset
+        can take the error line with it before the client reads it (or fail the client's send)."""
         self._closing = True
         self._pending.clear()
         self._pending_bytes = 0
         # a registered (paused) producer would keep a disconnecting TCP transport open
         self.transport.unregisterProducer()
-        self.transport.loseConnection()
+        half_close = getattr(self.transport, "loseWriteConnection", None)
+        if linger and half_close is not None and self._linger is None:
+            from twisted.internet import reactor
+            self.transport.resumeProducing()  # reading may have been paused: read to discard
+            half_close()
+            self._linger = reactor.callLater(LINGER, self.transport.abortConnection)
+        else:
+            self.transport.loseConnection()
 
     def deliver(self, data: bytes) -> bool:
         """Queue one ``recv X\\n`` + bytes for this client; False if dropped."""
