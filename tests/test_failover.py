@@ -130,11 +130,12 @@ def armed(*bridges):
 
 
 def run_flow(pub_address, far: dict, victim, kill_at: int, after: int = AFTER_KILL,
-             check=check_once_in_order, also=None) -> None:
+             check=check_once_in_order, also=None) -> list[dict[str, int]]:
     """Publish kill_at + `after` numbered messages on `pub_address`; once the first far subscriber
     got message `kill_at`, kill -9 `victim` (or call it with the publisher, when it is a
     function); every far subscriber must get all, once, in order (or pass `check`). `also`:
-    another (publisher address, far subscribers) flowing at the same time, checked the same."""
+    another (publisher address, far subscribers) flowing at the same time, checked the same.
+    Returns, per flow, how many messages each far subscriber received."""
     n = kill_at + after
     flows = []
     for address, subscribers in [(pub_address, far)] + ([also] if also else []):
@@ -167,6 +168,7 @@ def run_flow(pub_address, far: dict, victim, kill_at: int, after: int = AFTER_KI
             check(name, r.got, n)
     print(f"killed after {killed_after} of {n} published (done with it after {acted_until}); "
           f"every far subscriber passed the check")
+    return [{name: len(r.got) for name, r in receivers.items()} for _, _, receivers in flows]
 
 
 @pytest.mark.parametrize("kill_at", [300, 6000])
@@ -198,8 +200,10 @@ def test_loop_of_three_kill_a_forwarding_bridge_loses_nothing(start_bus, service
     i = next(i for i, b in enumerate(bridges) if b.state() == "forwarding")
     far = {f"bus{j}": buses[j].address for j in range(3) if j != i}
     k = (i + 1) % 3     # and a publisher on the dying bridge's other bus
-    run_flow(buses[i].address, far, bridges[i], kill_at,
-             also=(buses[k].address, {f"bus{j}": buses[j].address for j in range(3) if j != k}))
+    received = run_flow(buses[i].address, far, bridges[i], kill_at,
+                        also=(buses[k].address, {f"bus{j}": buses[j].address for j in range(3) if j != k}))
+    n = kill_at + AFTER_KILL
+    assert [sorted(r.values()) for r in received] == [[n, n], [n, n]], received
     settled([b for j, b in enumerate(bridges) if j != i], forwarding=2)
 
 
@@ -234,7 +238,7 @@ def test_parallel_bridges_kill_restart_and_kill_again_loses_nothing(start_bus, s
         now.proc.kill()
         settled([new if now is standby else standby], forwarding=1, timeout=DONE_TIMEOUT)
 
-    run_flow(b.address, {"a": a.address}, kill_restart_kill, 1000, after=40000)
+    assert run_flow(b.address, {"a": a.address}, kill_restart_kill, 1000, after=40000) == [{"a": 41000}]
 
 
 def test_single_bridge_restarted_forwards_what_it_saw_while_starting(start_bus, services):  # noqa: F811
