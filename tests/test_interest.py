@@ -208,3 +208,44 @@ def test_a_watcher_that_does_not_read_is_told_the_outcome_not_every_change(bus):
     assert state == {b"k3"}
     # what the kernel's socket buffer takes (a few hundred small packets), then one per pattern
     assert len(told) < 2_000, f"{len(told)} notices for 10,001 changes: not coalesced"
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to switch to another uid")
+def test_a_uid_watches_through_at_most_eight_connections_root_through_any(world_bus):  # noqa: F811
+    """Each watcher keeps its own view of its uid's patterns: 400 watchers of one uid holding
+    100,000 patterns pinned 2 GB (issue 20). Past `--max-uid-watchers` (8) the asker is
+    disconnected and told why; a watcher that leaves frees its place; root has no limit."""
+    bus = world_bus
+    root = watcher(bus.address)
+    assert notices(sync(root)) == [b"="]
+    extensions = cmsg(b"server/extensions")
+    agents = [Agent(bus.address, uid=NOBODY, gid=NOBODY) for _ in range(9)]
+    try:
+        agents[0].send(sub(b"nobodys/"))
+        agents[0].sync()
+        agents[1].send(sub(b"leaving/"))
+        for a in agents[1:8]:
+            a.send(extensions, WATCH)
+            listed = notices(a.sync())
+            assert listed[-1] == b"=" and b"+\0nobodys/" in listed
+        agents[0].send(WATCH)  # the eighth
+        assert notices(agents[0].sync()) == [b"+\0leaving/", b"="]  # its own pattern is not interest for it
+        agents[8].send(extensions, WATCH)
+        told = agents[8].recv(10)
+        assert told.startswith(b"CMSG server/disconnect\0too_many_subscriptions\0") and b"8 interest watchers" in told
+        assert agents[8].recv(10) == b""
+        agents.pop(1).close()
+        # the server has seen it leave (and freed its place) once root is told its pattern went
+        while notices([p := recv(root, 30)]) != [b"-\0leaving/"]:
+            assert p, "root's watcher was closed"
+        again = Agent(bus.address, uid=NOBODY, gid=NOBODY)
+        agents.append(again)
+        again.send(WATCH)
+        assert notices(again.sync()) == [b"+\0nobodys/", b"="]
+    finally:
+        for a in agents:
+            a.close()
+    roots = [watcher(bus.address) for _ in range(10)]
+    for w in roots:
+        assert notices(sync(w))[-1] == b"="
+        w.close()

@@ -49,7 +49,7 @@ class WorkBudget:
 class UserCharge:
     """One uid's connections, patterns, queued bytes and routing work."""
 
-    __slots__ = ("uid", "connections", "subscriptions", "subscription_bytes", "queue", "work")
+    __slots__ = ("uid", "connections", "subscriptions", "subscription_bytes", "queue", "work", "watchers")
 
     def __init__(self, uid: int, queue_limit: int, server_queue: Budget, now: float):
         self.uid = uid
@@ -59,6 +59,8 @@ class UserCharge:
         #: Bytes queued for this uid's clients, under the server's budget.
         self.queue = Budget(queue_limit, server_queue)
         self.work = WorkBudget(now)
+        #: Its connections watching `server/interest`: each holds a view of the uid's patterns.
+        self.watchers = 0
 
     def pattern_refusal(self, cost: int, max_subscriptions: int, max_bytes: int) -> str | None:
         """Why one more pattern of `cost` would be over this uid's limits, or None."""

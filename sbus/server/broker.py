@@ -646,6 +646,11 @@ class BrokerProtocol(protocol.Protocol):
         self.outbox.clear()
         transport.abortConnection()
 
+    @property
+    def watching(self) -> bool:
+        """Whether it asked for `server/interest` (charged to its uid's `watchers`)."""
+        return self._watching
+
     # -- control messages
 
     def _whoami(self):
@@ -659,8 +664,18 @@ class BrokerProtocol(protocol.Protocol):
 
     def _interest(self):
         """Start telling this client which patterns are held (`sbus.core.interest`); asking again
-        changes nothing. The first listing ends with `=`, which comes before any later reply."""
+        changes nothing. The first listing ends with `=`, which comes before any later reply.
+        Each watcher keeps a view of what it may see (for a uid other than root and the server's
+        own, at most that uid's own patterns), so a uid has at most `max_uid_watchers` of them:
+        without a bound, 400 connections of one uid holding 100,000 patterns pinned 2 GB."""
         if not self._watching:
+            factory = self.factory
+            user = self.charge
+            limit = factory.config.max_uid_watchers
+            if not factory.privileged(self.cred.uid) and user.watchers >= limit:
+                return self.misbehaved(TOO_MANY_SUBSCRIPTIONS, f"over the limit of {limit} interest watchers "
+                                                               f"for uid {self.cred.uid}")
+            user.watchers += 1
             self._watching = True
             if not self._waitForWork():  # else `_workEarned` starts it
                 self._startListing()
@@ -955,6 +970,8 @@ class BrokerFactory(protocol.Factory):
         if user is not None:
             user.connections -= 1
             user.release_patterns(client.subscriptions, client.subscription_bytes)
+            if client.watching:
+                user.watchers -= 1
             if user.idle() and self.users.get(uid) is user:
                 del self.users[uid]
         t = client.transport
@@ -1119,7 +1136,7 @@ class BrokerFactory(protocol.Factory):
             "uptime_s": round(time.time() - self.started, 3),
             "limits": {name: getattr(self.config, name) for name in (
                 "max_packet", "queue_bytes", "queue_packets", "max_uid_queue_bytes", "max_queue_bytes",
-                "stall_timeout", "max_subscriptions", "max_uid_subscriptions", "max_uid_connections",
+                "stall_timeout", "max_subscriptions", "max_uid_subscriptions", "max_uid_connections", "max_uid_watchers",
                 "max_subscription_bytes", "max_uid_subscription_bytes", "max_pattern_segments")},
         }
         if private:
