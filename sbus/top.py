@@ -4,7 +4,9 @@ Plain ANSI redraws, no curses: every interval the screen is cleared and the fram
 again. The frame: the bus's totals (clients, subscriptions), messages and bytes in and out
 per second (from the difference of two ``server/stats`` answers), drops, disconnects and
 refusals by reason (counts since the server started, with the change since the previous
-frame), and the queues the server shows to this uid, the fullest first.
+frame), what each service on the bus lost and why (its ``lost`` counters, asked with
+``sbus/services/stats`` each frame and shown at the next: the answers of services, as for
+``sbus stats --services``), and the queues the server shows to this uid, the fullest first.
 
 On a terminal, the frames are drawn on the alternate screen (left at exit: the terminal shows
 again what it showed before), and stdin is put in cbreak mode so that `q` quits at once; Ctrl-C quits too,
@@ -14,6 +16,7 @@ other without escape sequences (`--iterations N` ends it after N of them).
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import shutil
@@ -78,8 +81,10 @@ def _clean(value) -> str:
 
 
 def render(address: str, stats: dict, before: dict | None, dt: float, interval: float,
-           width: int = 80, height: int = 24) -> list[str]:
-    """The frame's lines for `stats` (and the previous answer `before`, `dt` seconds earlier)."""
+           width: int = 80, height: int = 24, services: list | None = None,
+           services_before: list | None = None) -> list[str]:
+    """The frame's lines for `stats` (and the previous answer `before`, `dt` seconds earlier);
+    `services`: the services' answers to the previous frame's request (None: not asked yet)."""
     up = stats.get("uptime_s")
     head = f"sbus top (q quits)  every {interval:g}s"
     if up is not None:
@@ -103,6 +108,8 @@ def render(address: str, stats: dict, before: dict | None, dt: float, interval: 
         if name in stats and isinstance(stats[name], dict):
             prev = before.get(name) if before and isinstance(before.get(name), dict) else None
             lines.append(f"{name:<12}{_reasons(stats[name], prev)}")
+    if services is not None:
+        lines.extend(_services(services, services_before))
     queues = [q for q in stats.get("queues", ()) if isinstance(q, dict)]
     lines.append("")
     columns = ("PID", "UID", "SUBS", "QUEUED", "QUEUED_B", "IN/S", "OUT/S", "DROPS", "MODE")
@@ -129,6 +136,27 @@ def render(address: str, stats: dict, before: dict | None, dt: float, interval: 
     for r in rows[:room]:
         lines.append("  ".join(v.rjust(w) if i < 8 else v for i, (v, w) in enumerate(zip(r, widths))))
     return [line[:width] for line in lines]
+
+
+def _services(answers: list, before: list | None) -> list[str]:
+    """A line per service that answered: its kind, name and what it lost, by reason."""
+    def ident(a):
+        return (a.get("service"), a.get("pid"), str(a.get("name")))
+
+    prev = {ident(a): a for a in before or () if isinstance(a, dict)}
+    rows = [a for a in answers if isinstance(a, dict)]
+    lines = [f"services    {len(rows)} answered" + (":" if rows else "")]
+    for a in sorted(rows, key=lambda a: (str(a.get("service")), str(a.get("name")))):
+        stats = a.get("stats") if isinstance(a.get("stats"), dict) else {}
+        if "lost" in stats and isinstance(stats["lost"], dict):
+            old = (prev.get(ident(a)) or {}).get("stats") or {}
+            old_lost = old.get("lost") if isinstance(old.get("lost"), dict) else None
+            what = "lost " + _reasons(stats["lost"], old_lost)
+        else:
+            what = "(no counters for this uid)" if "stats" not in a or not stats else "lost -"
+        lines.append(f"  {_clean(a.get('service', '?'))} {_clean(a.get('name', ''))} pid {_clean(a.get('pid', '-'))}: "
+                     f"{_clean(what)}")
+    return lines
 
 
 def _by_connection(queues) -> list:
@@ -206,9 +234,11 @@ def cmd_top(args, connect, error) -> int:
         with connect(args) as bus:
             address = bus_address(args)
             before, t_before = None, None
+            services = Services(bus)
             if tty:
                 out.write(ALT_SCREEN + HIDE_CURSOR)
             while True:
+                answers, answers_before = services.collect()
                 try:
                     stats = bus.stats(timeout=REPLY_TIMEOUT)
                 except TimeoutError:
@@ -218,7 +248,8 @@ def cmd_top(args, connect, error) -> int:
                 now = time.monotonic()
                 size = shutil.get_terminal_size()
                 lines = render(address, stats, before, 0 if t_before is None else now - t_before,
-                               args.interval, size.columns, size.lines if tty else 10_000)
+                               args.interval, size.columns, size.lines if tty else 10_000,
+                               answers, answers_before)
                 if tty:
                     out.write(CLEAR + "\n".join(lines) + "\n")  # the terminal adds the \r
                 else:
@@ -226,6 +257,7 @@ def cmd_top(args, connect, error) -> int:
                 out.flush()
                 frames += 1
                 before, t_before = stats, now
+                services.ask()
                 if args.iterations is not None and frames >= args.iterations:
                     return 0
                 if keys.wait_quit(args.interval):
@@ -242,6 +274,51 @@ def cmd_top(args, connect, error) -> int:
                 out.flush()
             except OSError:
                 pass
+
+
+class Services:
+    """Asks the services on the bus for their stats each frame (``sbus/services/stats``,
+    docs/deploy.md); their answers, which come while the frame waits, show in the next one.
+    Its reply key is held only between the request and the next frame, never while the
+    server's stats are taken: top's own subscription does not show in the figures it draws."""
+
+    def __init__(self, bus):
+        from .services.svcstats import STATS_REQUEST
+
+        self.bus = bus
+        self.request = STATS_REQUEST
+        self.base = bus.whoami(timeout=REPLY_TIMEOUT) + b"/sbus-top/" + os.urandom(4).hex().encode() + b"/"
+        self.reply: bytes | None = None
+        self.rounds = 0
+        self.answers: list | None = None
+
+    def collect(self) -> tuple[list | None, list | None]:
+        """The answers to the previous request (None before the first) and the ones before them."""
+        from .core.codec import Message
+
+        before = self.answers
+        if self.reply is not None:
+            got = []
+            while True:
+                try:
+                    m = self.bus.receive(timeout=0)
+                except TimeoutError:
+                    break
+                if isinstance(m, Message) and m.key == self.reply:
+                    try:
+                        got.append(json.loads(m.payload))
+                    except ValueError:
+                        continue
+            self.bus.unsubscribe(self.reply)
+            self.reply = None
+            self.answers = got
+        return self.answers, before
+
+    def ask(self) -> None:
+        self.rounds += 1
+        self.reply = self.base + b"%d" % self.rounds  # a late answer to an earlier round is not this one's
+        self.bus.subscribe(self.reply)
+        self.bus.publish(self.request, self.reply)
 
 
 def bus_address(args) -> str:

@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from helpers import child_env, connect, msg, send, sub, sync, unique
+from helpers import child_env, connect, msg, send, sub, sync, unique, wait_until
+from test_queue import group_stats, publish, start_queue  # noqa: F401  (fixture)
 
 TIMEOUT = 20.0
 ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]")
@@ -202,3 +203,41 @@ def test_top_without_a_terminal(bus):
     frames = r.stdout.decode().split("\n\n")
     assert r.stdout.decode().count("(q quits)") == 2
     assert re.search(r"^clients 1\b", r.stdout.decode(), re.M), frames
+
+
+def test_top_shows_what_each_service_lost_and_why(bus, start_queue):  # noqa: F811
+    """Issue 23: every loss is counted where an operator looks. A queue service over its limit
+    in `discard` mode loses 20 of 30 jobs; `sbus top` shows it as `lost full 20` on its line."""
+    start_queue(bus, "--group", "jobs=jobs/", "--limit", "10", "--full", "discard")
+    publish(bus.address, [b"jobs/%d" % i for i in range(30)])
+    wait_until(lambda: group_stats(bus.address)["received"] == 30, "30 received")
+    p = subprocess.Popen([sys.executable, "-m", "sbus.cli", "--socket", bus.address, "top", "-n", "120", "-i", "0.5"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env(), stdin=subprocess.DEVNULL)
+    try:
+        seen = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = p.stdout.readline().decode()
+            assert line, f"top ended: {p.stderr.read().decode()[-300:]}"
+            if line.startswith("  sbus-queue "):
+                seen.append(line.strip())
+                if "lost full 20" in line:
+                    break
+        else:
+            raise AssertionError(f"top never showed the queue's loss; its lines: {seen[-2:]}")
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_services_line_keeps_lost_apart_and_shows_the_change():
+    from sbus.top import render
+
+    answer = {"service": "sbus-bridge", "name": "a<->b", "pid": 7, "stats": {"lost": {"failover_gap": 5}}}
+    before = [{**answer, "stats": {"lost": {"failover_gap": 2}}}]
+    hidden = {"service": "sbus-link", "name": "x", "pid": 8}
+    lines = render("bus", {"clients": 1}, None, 0, 1, 120, 40, [answer, hidden], before)
+    assert "services    2 answered:" in lines
+    assert "  sbus-bridge a<->b pid 7: lost failover_gap 5 (+3)" in lines
+    assert "  sbus-link x pid 8: (no counters for this uid)" in lines
+    assert not any("services" in line for line in render("bus", {"clients": 1}, None, 0, 1, 120, 40))

@@ -124,7 +124,7 @@ from sbus.options import MISSING_BUS_HELP
 from sbus.services.safeconnect import OwnerConnector, parse_user
 from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
 from sbus.services.spanning import PRIVATE_PATTERN, Tree, default_name, opt_trust_uid, send_urgent
-from sbus.services.svcstats import STATS_REQUEST, StatsResponder
+from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
 
 SERVER_ID = b"server/id"
 
@@ -669,6 +669,7 @@ class BridgeService(service.Service):
                 "window": self.window.stats(),
             },
             "failover_gap": self._byDirection(self.window.gap),
+            "lost": lost(*self.drop_reasons.values(), {"failover_gap": self.window.gap}),
             "paused_reading": {s: self._pausedCount[s] for s in SIDES},
             "server_id": {s: v.decode("ascii", "replace") for s, v in self.server_ids.items()},
             "spanning_tree": self.tree.stats() if self.tree is not None else None,

@@ -114,7 +114,7 @@ from sbus.services.linkauth import AUTH, PROOF, AuthError, Handshake, load_key
 from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
 from sbus.core.topology import HELLO_KEY, RESERVED as TOPOLOGY
 from sbus.services.spanning import Tree, default_name, opt_trust_uid, send_urgent
-from sbus.services.svcstats import STATS_REQUEST, StatsResponder
+from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
 
 log = Logger(namespace="sbus.link")
 
@@ -673,6 +673,7 @@ class Link(service.MultiService):
             "peer_connects": self.peer_connects,
             "whoami_answers": self.whoami_answers,
             "drops": dict(self.drops),
+            "lost": lost(self.drops),
             "standby_not_forwarded": dict(self.standby),
             "spanning_tree": self.tree.stats(),
         }

@@ -101,7 +101,7 @@ from sbus.core.natsmap import (MappingError, check_prefix, key_to_subject, patte
 from sbus.core.patterns import matches
 from sbus.options import MISSING_BUS_HELP
 from sbus.services.shutdown import exit_zero_on_sigterm
-from sbus.services.svcstats import STATS_REQUEST, StatsResponder
+from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
 
 log = Logger(namespace="sbus.nats")
 
@@ -746,6 +746,7 @@ class NatsService(service.Service):
             "exported": self.exported,
             "imported": self.imported,
             "drops": dict(sorted(self.drops.items())),
+            "lost": lost(self.drops),
             "secret_filtered": self.secret_filtered,
             "secret_refused": self.secret_refused,
             "own_origin_dropped": self.own_origin,

@@ -28,7 +28,7 @@ from sbus.core import codec
 from sbus.core.codec import MAX_PACKET
 from sbus.core.workqueue import ACK_KEY, MODES, QueueCore, check_group
 from sbus.services.shutdown import exit_zero_on_sigterm
-from sbus.services.svcstats import STATS_REQUEST, StatsResponder
+from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
 
 log = Logger()
 
@@ -209,6 +209,7 @@ class QueueService(service.Service):
 
     def stats(self) -> dict:
         st = self.core.stats()
+        st["lost"] = lost(*(g["lost"] for g in st["groups"].values()), {"intake": st["lost_intake"]})
         st["intake_paused"] = self.paused
         st["pauses"] = self.pauses
         st["bus"] = {"connected": bool(self.control and self.control.connected

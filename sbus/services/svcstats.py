@@ -30,6 +30,20 @@ STATS_REQUEST = b"sbus/services/stats"
 _MAX_REPLY_KEY = 1024
 
 
+def lost(*counts: dict) -> dict:
+    """The ``lost`` entry of a service's stats: the messages it did not pass on, by reason
+    (``failover_gap``, ``peer_down``, ``nats_down``, ...), summed over directions, zeros left
+    out. Every service's stats carry it under that one name, apart from normal traffic (a
+    standby's messages that the active path delivered are not lost), for `sbus top`."""
+    total: dict[str, int] = {}
+    for c in counts:
+        for reason, n in c.items():
+            n = sum(n.values()) if isinstance(n, dict) else n
+            if n:
+                total[reason] = total.get(reason, 0) + n
+    return dict(sorted(total.items()))
+
+
 def reply_owner_uid(key: bytes, whoami: bytes | None = None) -> int | None:
     """The uid a secret reply key reaches, published by a client whose whoami is `whoami`.
 
