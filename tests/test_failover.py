@@ -186,6 +186,7 @@ def test_parallel_bridges_kill_the_forwarding_one_loses_nothing(start_bus, servi
     assert gap == [0, 0]
     (st,) = bridge_stats(a.address)
     assert st["stats"]["failover_gap"] == {"a>b": 0, "b>a": 0}
+    assert "failover_gap" not in st["stats"]["lost"]  # the standby's normal traffic is not a loss
     assert st["stats"]["standby"]["replayed_at_takeover"]["a>b"] == replayed
 
 
@@ -292,6 +293,7 @@ def test_past_a_small_window_what_is_lost_is_counted_as_the_failover_gap(start_b
     print(f"window 300: replayed {result['replayed']}, lost {result['lost']} = failover gap {result['gap']}")
     (st,) = bridge_stats(a.address)
     assert st["stats"]["failover_gap"]["a>b"] == result["gap"]
+    assert st["stats"]["lost"].get("failover_gap") == result["gap"]  # where `sbus top` looks
 
 
 def test_standby_window_usage_errors_are_one_line(tmp_path):
