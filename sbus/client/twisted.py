@@ -167,7 +167,7 @@ class SbusProtocol(Protocol):
         packet = codec.encode_sub(pattern, self.max_packet)
         pattern = packet[4:]
         self.sendPacket(packet)
-        self._subs.append(_Subscription(pattern, self._matchPattern(pattern), callback))
+        self._subs.append(_Subscription(pattern, self.stored_pattern(pattern), callback))
 
     def unsubscribe(self, pattern, callback=None) -> None:
         """Send `UNSUB pattern` and forget one (pattern, callback) registration."""
@@ -426,9 +426,9 @@ class SbusProtocol(Protocol):
         if cred != self._cred:
             self._cred = cred
             for sub in self._subs:
-                sub.match = self._matchPattern(sub.pattern)
+                sub.match = self.stored_pattern(sub.pattern)
 
-    def _matchPattern(self, pattern: bytes) -> bytes:
+    def stored_pattern(self, pattern: bytes) -> bytes:
         """The pattern the server stores: empty fields of a secret pattern filled in."""
         if self._cred is None or SECRET_ROOT not in pattern:
             return pattern

@@ -556,7 +556,7 @@ class BridgeService(service.Service):
         secret = key.startswith(SECRET_ROOT)
         targets: list[bytes] = []
         filtered = False
-        match = proto._matchPattern
+        match = proto.stored_pattern
         for route in self.routes[side]:
             if not matches(match(route.pattern), key):
                 continue

@@ -560,7 +560,7 @@ class NatsService(service.Service):
             self.reserved += 1
             return
         if key.startswith(SECRET_ROOT):
-            match = proto._matchPattern
+            match = proto.stored_pattern
             if not any(matches(match(p), key) for p in self.secret_exports):
                 self.secret_filtered += 1
                 return

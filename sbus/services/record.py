@@ -329,7 +329,7 @@ def _make_protocol(recorder: Recorder, service: "RecordService"):
 
     class RecorderProtocol(SbusProtocol):
         def messageReceived(self, key, payload, packet):
-            recorder.record(key, payload, self._matchPattern)
+            recorder.record(key, payload, self.stored_pattern)
 
         def dropNotice(self, count, first, last):
             # CMSG server/dropped (the client has parsed it): mark it, count it, log it
