@@ -213,6 +213,8 @@ class Client:
         """Send one encoded packet (one `send`); return its size."""
         if not packet:
             raise ProtocolError("refusing to send an empty packet (it reads as end of file)")
+        if self.disconnect_reason is not None:  # the server said it closes: say why, at once
+            raise self._closed()
         try:
             return self.socket.send(packet, flags | _MSG_NOSIGNAL)
         except (BrokenPipeError, ConnectionResetError):
@@ -232,6 +234,8 @@ class Client:
             packets = list(packets)
         if not all(packets):
             raise ProtocolError("refusing to send an empty packet (it reads as end of file)")
+        if self.disconnect_reason is not None:
+            raise self._closed()
         total = len(packets)
         send_batch = self._send_batch
         dontwait = flags & _MSG_DONTWAIT
