@@ -1,6 +1,6 @@
 """Python clients side by side: sbus (blocking, asyncio) against nats-py and redis-py.
 
-    .venv/bin/python bench/clients.py                      # 5 rounds, 20,000 x 64 B, batches of 1,000
+    .venv/bin/python bench/clients.py                      # 5 rounds, 20,000 x 64 B (backlog 10,000), batches of 1,000
     .venv/bin/python bench/clients.py --rounds 3 --messages 10000 --size 64
     .venv/bin/python bench/clients.py --only sbus-blocking --only nats
     .venv/bin/python bench/clients.py --sbus-api single   # sbus clients one call per message
@@ -10,9 +10,12 @@ server per run, and the clients alternated within every round:
 
 * publish: the publisher sends MESSAGES messages of SIZE bytes to a key one subscriber holds;
   the rate is MESSAGES / (the subscriber has the last one - the publisher's first call).
-* receive: the publisher sends them all while the subscriber does not read (they wait in the
-  kernel and the server); then the subscriber is told to go, and the rate is
-  MESSAGES / (its last message - go).
+* receive: the publisher sends BACKLOG messages while the subscriber does not read (they wait
+  in the kernel and the server); once the publisher's library says the server has them all,
+  the subscriber is told to go, and the rate is BACKLOG / (its last message - go). The backlog
+  must fit what a server holds for a client that does not read: sbusd queues at most 16,384
+  packets and 4 MiB per client (then it pauses the publisher, which would never finish), so
+  BACKLOG is at most 12,000 and 2 MiB of payload; nats-server and Redis hold 64 and 32 MB.
 
 Each library is used the way its documentation recommends for throughput: sbus `publish_many`
 (sendmmsg) and `receive_many` (recvmmsg) in chunks of BATCH, then `sync()`; nats-py `publish`
@@ -385,8 +388,9 @@ def free_port() -> int:
 def run_one(client: str, mode: str, a, tmp: str, peers: dict) -> float:
     """One measurement with a fresh server: messages per second."""
     server = Server(client, tmp, peers)
+    n = a.backlog if mode == "receive" else a.messages
     common = [sys.executable, os.path.abspath(__file__), "--worker", "--client", client, "--mode", mode,
-              "--address", server.address, "--messages", str(a.messages), "--size", str(a.size),
+              "--address", server.address, "--messages", str(n), "--size", str(a.size),
               "--batch", str(a.batch), "--sbus-api", a.sbus_api]
     log = os.path.join(tmp, f"{client}-{mode}.log")
     children = []
@@ -409,7 +413,7 @@ def run_one(client: str, mode: str, a, tmp: str, peers: dict) -> float:
             start, end = float(t1), float(t_last)
         if verdict != "ok":
             raise RuntimeError(f"{client} {mode}: the subscriber {verdict} (log: {log})")
-        return a.messages / (end - start)
+        return n / (end - start)
     finally:
         for c in children:
             c.stop()
@@ -457,6 +461,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--messages", type=int, default=20000)
+    ap.add_argument("--backlog", type=int, default=10000, help="messages of the receive measure")
     ap.add_argument("--size", type=int, default=64, help="payload bytes (at least 8: a sequence number)")
     ap.add_argument("--batch", type=int, default=1000, help="messages per publish_many/receive_many/pipeline")
     ap.add_argument("--only", action="append", choices=CLIENTS, help="run only these clients (repeatable)")
@@ -474,8 +479,12 @@ def main(argv=None) -> int:
         a.mode = a.mode[0]
         worker(a)
         return 0
-    if a.rounds < 1 or a.messages < 1 or a.size < 8 or a.batch < 1:
-        print("clients.py: need --rounds >= 1, --messages >= 1, --size >= 8, --batch >= 1", file=sys.stderr)
+    if a.rounds < 1 or a.messages < 1 or a.size < 8 or a.batch < 1 or a.backlog < 1:
+        print("clients.py: need --rounds, --messages, --backlog, --batch >= 1 and --size >= 8", file=sys.stderr)
+        return 2
+    if a.backlog > 12000 or a.backlog * a.size > 2 << 20:
+        print("clients.py: --backlog must fit sbusd's queue for a client (at most 12,000 messages and "
+              "2 MiB of payload)", file=sys.stderr)
         return 2
     only = a.only or list(CLIENTS)
     modes = a.mode or ["publish", "receive"]
@@ -483,7 +492,8 @@ def main(argv=None) -> int:
     for line in skipped:
         print(line)
     clients = [c for c in only if c in SBUS_CLIENTS or c in peers]
-    print(f"{a.rounds} rounds of {a.messages} x {a.size} B, batch {a.batch}, sbus API {a.sbus_api}; "
+    print(f"{a.rounds} rounds of {a.messages} x {a.size} B (receive: a backlog of {a.backlog}), "
+          f"batch {a.batch}, sbus API {a.sbus_api}; "
           f"clients {', '.join(clients)}" + (f"; {describe_redis()}" if "redis" in peers else ""), flush=True)
     rates: dict = {(c, m): [] for c in clients for m in modes}
     tmp = tempfile.mkdtemp(prefix="sbus-clients-bench-")

@@ -66,6 +66,7 @@ class Client:
         self._fd = sock.fileno()
         self._view = memoryview(bytearray(max_packet))
         self._inbox: deque = deque()
+        self._inbox_errors = 0  # exceptions waiting in the inbox, in their place
         self._waiter: asyncio.Future | None = None
         self._requests: dict[bytes, deque] = {}
         self._send_lock = asyncio.Lock()
@@ -193,12 +194,14 @@ class Client:
         """Sort what one wakeup read: messages to the inbox, replies to their waiters."""
         inbox = self._inbox
         append = inbox.append
+        new_tuple = tuple.__new__  # Message(key, payload) without its Python-level __new__
         limit = self.max_packet
         plain = self._reqrep is None  # else a message may be a reply to a request()
         got = False
         for p in packets:
             if p.__class__ is int:
                 append(PacketTooLarge(p, limit))
+                self._inbox_errors += 1
                 got = True
                 continue
             if not p:
@@ -210,13 +213,14 @@ class Client:
             if plain and p[:4] == b"MSG ":
                 end = p.find(b"\0", 4)
                 if end >= 0:
-                    append(Message(p[4:end], p[end + 1:]))
+                    append(new_tuple(Message, (p[4:end], p[end + 1:])))
                     got = True
                     continue
             try:
                 packet = codec.parse(p, limit)
             except ProtocolError as e:
                 append(e)
+                self._inbox_errors += 1
                 got = True
                 continue
             if self._sort(packet):
@@ -232,6 +236,7 @@ class Client:
                 packet = codec.parse_drop_notice(packet.payload)
             except ProtocolError as e:
                 inbox.append(e)
+                self._inbox_errors += 1
                 return True
             self.dropped += packet.count
             inbox.append(packet)
@@ -286,6 +291,7 @@ class Client:
         if not self._reading and len(self._inbox) < self.inbox_limit // 2:
             self._start_reading()
         if isinstance(item, BaseException):
+            self._inbox_errors -= 1
             raise item
         return item
 
@@ -301,12 +307,20 @@ class Client:
         else:
             out = []
         popleft = inbox.popleft
-        while inbox and len(out) < max_count:
-            if isinstance(inbox[0], BaseException):
-                if out:
-                    break
-                raise popleft()
-            out.append(popleft())
+        if not self._inbox_errors:
+            if len(inbox) <= max_count - len(out):
+                out.extend(inbox)
+                inbox.clear()
+            else:
+                out.extend([popleft() for _ in range(max_count - len(out))])
+        else:
+            while inbox and len(out) < max_count:
+                if isinstance(inbox[0], BaseException):
+                    if out:
+                        break
+                    self._inbox_errors -= 1
+                    raise popleft()
+                out.append(popleft())
         if not self._reading and len(inbox) < self.inbox_limit // 2:
             self._start_reading()
         return out
@@ -563,28 +577,6 @@ class AsyncWorker(WorkerBase):
             if d is not None:
                 return d
             self.skipped += 1
-
-    async def receive_many(self, max_count: int = DEFAULT_BATCH, timeout: float | None = None) -> list:
-        """Wait for the next packet as `receive()` does, and return it together with every
-        packet already received, up to `max_count`, in order (never empty). An error that
-        comes after other packets is raised by the next call, so nothing before it is lost."""
-        check_count(max_count)
-        inbox = self._inbox
-        if not inbox:
-            first = await self.receive(timeout)  # waits; raises what it meets first
-            out = [first]
-        else:
-            out = []
-        popleft = inbox.popleft
-        while inbox and len(out) < max_count:
-            if isinstance(inbox[0], BaseException):
-                if out:
-                    break
-                raise popleft()
-            out.append(popleft())
-        if not self._reading and len(inbox) < self.inbox_limit // 2:
-            self._start_reading()
-        return out
 
     def __aiter__(self):
         return self

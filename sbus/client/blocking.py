@@ -481,6 +481,7 @@ class Client:
         first, else by a later call, with what came after it set aside behind it."""
         out: list = []
         append = out.append
+        new_tuple = tuple.__new__  # Message(key, payload) without its Python-level __new__
         limit = self.max_packet
         plain = self._reqrep is None
         failed = False
@@ -494,7 +495,7 @@ class Client:
             if p[:4] == b"MSG ":
                 end = p.find(b"\0", 4)
                 if end >= 0:
-                    m = Message(p[4:end], p[end + 1:])
+                    m = new_tuple(Message, (p[4:end], p[end + 1:]))
                     if plain:
                         append(m)
                     else:
