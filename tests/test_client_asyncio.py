@@ -278,17 +278,7 @@ def test_server_disconnect_is_said_when_a_send_finds_it_first(bus):
 
 
 from sbus.client import PacketTooLarge  # noqa: E402
-import importlib.util  # noqa: E402
-
-# The clients use the extension unless SBUS_PURE_PYTHON=1 (sbus.client.blocking.BATCH_IO).
-BATCH_IO = (importlib.util.find_spec("sbus._speedups") is not None
-            and os.environ.get("SBUS_PURE_PYTHON", "") in ("", "0"))
-IO_PATHS = [pytest.param(True, id="batch_io", marks=pytest.mark.skipif(not BATCH_IO, reason="sbus._speedups not built")),
-            pytest.param(False, id="pure")]
-
-
-def numbered(n: int, size: int = 16, key=b"many/x") -> list[tuple[bytes, bytes]]:
-    return [(key, b"%08d" % i + b"." * (size - 8)) for i in range(n)]
+from test_client_blocking import IO_PATHS, numbered  # noqa: E402  (both paths, numbered messages)
 
 
 async def take(c, n: int, max_count: int = 1000) -> list:
