@@ -353,7 +353,13 @@ class Client:
             raise self._closed()
         if n > self.max_packet:
             raise PacketTooLarge(n, self.max_packet)
-        return self._handle(codec.parse(self._view[:n].tobytes(), self.max_packet), flags & _MSG_PEEK)
+        p = self._view[:n].tobytes()
+        if p[:4] == b"MSG ":  # the common case, without codec.parse's calls
+            end = p.find(b"\0", 4)
+            if end >= 0:
+                m = tuple.__new__(Message, (p[4:end], p[end + 1:]))
+                return m if self._reqrep is None or flags & _MSG_PEEK else self._reqrep_packet(m)
+        return self._handle(codec.parse(p, self.max_packet), flags & _MSG_PEEK)
 
     def _handle(self, packet, peek: int = 0):
         """What a parsed packet from the server is for `receive()`: a notice, or None when
@@ -401,15 +407,20 @@ class Client:
                 raise item
             return item
         deadline = None if timeout is None else time.monotonic() + timeout
-        if timeout is not None and not self._wait_readable(timeout):
-            raise TimeoutError(f"no packet within {timeout} s")
         while True:
-            packet = self._recv(flags)
+            if deadline is None:
+                packet = self._recv(flags)
+            else:
+                # What is already there needs no poll: try first, wait only when nothing is.
+                try:
+                    packet = self._recv(flags | _MSG_DONTWAIT)
+                except BlockingIOError:
+                    if not self._wait_readable(deadline - time.monotonic()):
+                        raise TimeoutError(f"no packet within {timeout} s") from None
+                    continue
             if isinstance(packet, (Message, Control, DropNotice)):
                 return packet
             if packet is None:  # taken by request(): wait for the next one, within the timeout
-                if deadline is not None and not self._wait_readable(deadline - time.monotonic()):
-                    raise TimeoutError(f"no packet within {timeout} s")
                 continue
             # The server never sends SUB/UNSUB; skip anything else defensively.
             if flags & _MSG_PEEK:
