@@ -401,3 +401,31 @@ def test_receive_many_keeps_order_with_errors_in_place(bus, batch_io):
             assert c.disconnect_reason.reason == "forbidden_subscription"
 
     run(main())
+
+
+@pytest.mark.parametrize("batch_io", IO_PATHS)
+def test_receive_many_when_the_server_dies(start_bus, batch_io):
+    """kill -9 of the server: what was in the socket comes out, then ConnectionClosed."""
+    import signal
+
+    srv = start_bus()
+
+    async def main():
+        async with await aio.connect(srv.address, batch_io=batch_io) as c, \
+                await aio.connect(srv.address) as pub:
+            await c.subscribe("many/")
+            await c.sync(TIMEOUT)
+            await pub.publish_many(numbered(3))
+            await pub.sync(TIMEOUT)
+            srv.stop(signal.SIGKILL)
+            got = []
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    batch = await c.receive_many(timeout=TIMEOUT)
+                    assert batch, "an empty batch"
+                    got.extend(batch)
+            assert [m.payload for m in got] == [p for _, p in numbered(3)]
+            with pytest.raises(ConnectionClosed):
+                await c.publish_many(numbered(1))
+
+    run(main())

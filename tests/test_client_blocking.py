@@ -448,8 +448,10 @@ def test_publish_many_refuses_bad_input_before_sending_anything(clients, batch_i
         pub.publish_many([("many/a", b"1"), ("many/a", b"x" * MAX_PACKET)])
     with pytest.raises(ProtocolError, match="empty packet"):
         pub.send_packets([b"MSG many/a\0ok", b""])
-    with pytest.raises(ValueError):
-        pub.publish_many([("many/a", b"1"), ("many/a",)])  # not a pair
+    with pytest.raises(TypeError, match="message 1 is not a .key, payload. pair"):
+        pub.publish_many([("many/a", b"1"), ("many/a",)])
+    with pytest.raises(TypeError, match="message 0 is not"):
+        pub.publish_many([b"MSG many/a\0raw"])
     with pytest.raises(ValueError, match="max_count"):
         sub.receive_many(0)
     pub.publish("many/end", b"")
@@ -512,3 +514,32 @@ def test_batch_io_true_without_the_extension_is_one_clear_error(bus):
     out = subprocess.run([sys.executable, "-c", code, bus.address], capture_output=True, text=True,
                          env=dict(os.environ, SBUS_PURE_PYTHON="1"), timeout=TIMEOUT)
     assert "batch_io=True needs the sbus._speedups extension" in out.stdout, out.stderr[-300:]
+
+
+@pytest.mark.parametrize("batch_io", IO_PATHS)
+def test_receive_many_when_the_server_dies(start_bus, batch_io):
+    """kill -9 of the server: what was in the socket comes out, then ConnectionClosed (never
+    an empty batch)."""
+    import signal
+
+    srv = start_bus()
+    c = sbus.client.connect(srv.address, batch_io=batch_io)
+    pub = sbus.client.connect(srv.address)
+    try:
+        c.subscribe("many/")
+        c.sync(TIMEOUT)
+        pub.publish_many(numbered(3))
+        pub.sync(TIMEOUT)  # the three are in c's socket
+        srv.stop(signal.SIGKILL)
+        got = []
+        with pytest.raises(ConnectionClosed):
+            while True:
+                batch = c.receive_many(timeout=TIMEOUT)
+                assert batch, "an empty batch"
+                got.extend(batch)
+        assert [m.payload for m in got] == [p for _, p in numbered(3)]
+        with pytest.raises(ConnectionClosed):
+            c.publish_many(numbered(1))
+    finally:
+        c.close()
+        pub.close()

@@ -16,11 +16,11 @@
 The socket is nonblocking and watched with `loop.add_reader`; each wakeup
 reads up to 256 packets (one recvmmsg through the optional C extension
 `sbus._speedups`, else `recv_into` one by one; MSG_TRUNC either way, so an
-oversized packet is detected). `publish_many` sends many with sendmmsg,
-`receive_many` takes what has arrived in one await. Received packets wait in an inbox; when it holds
-`inbox_limit` packets the client stops reading, so a slow consumer pushes
-back on the server (whose flood control then applies) instead of growing
-memory without bound.
+oversized packet is detected). Received packets wait in an inbox; when it
+holds `inbox_limit` packets the client stops reading, so a slow consumer
+pushes back on the server (whose flood control then applies) instead of
+growing memory without bound. `publish_many` sends many packets with
+sendmmsg; `receive_many` takes all that has arrived in one await.
 """
 
 from __future__ import annotations

@@ -114,13 +114,17 @@ def echo_packet(on: bool) -> bytes:
 
 def encode_many(messages, max_packet: int = MAX_PACKET) -> list[bytes]:
     """Encode an iterable of ``(key, payload)`` pairs as MSG packets, every one checked as
-    `codec.encode_msg` checks it (the first bad one raises its `ProtocolError`; a pair that
+    `codec.encode_msg` checks it (the first bad one raises its `ProtocolError`; an item that
     is not a pair raises `TypeError`). Each distinct key is checked once per call."""
     heads: dict = {}
     out: list[bytes] = []
     append = out.append
     encode = codec.encode_msg
-    for key, payload in messages:
+    for item in messages:
+        try:
+            key, payload = item
+        except (TypeError, ValueError):
+            raise TypeError(f"message {len(out)} is not a (key, payload) pair: {type(item).__name__}") from None
         kc = key.__class__
         if (kc is bytes or kc is str) and payload.__class__ is bytes:
             head = heads.get(key)
@@ -501,7 +505,9 @@ class Client:
                 append(PacketTooLarge(p, limit))
                 failed = True
                 continue
-            if not p:  # end of file: the next call says so
+            if not p:  # end of file: said now if nothing came before it, else by the next call
+                if not out:
+                    raise self._closed()
                 break
             if p[:4] == b"MSG ":
                 end = p.find(b"\0", 4)
