@@ -272,3 +272,160 @@ def test_server_disconnect_is_said_when_a_send_finds_it_first(bus):
         c.close()
 
     run(main())
+
+
+# --- batches: publish_many / receive_many (sendmmsg/recvmmsg, or one call per packet) ------
+
+
+from sbus.client import PacketTooLarge  # noqa: E402
+from test_client_blocking import IO_PATHS, numbered  # noqa: E402  (both paths, numbered messages)
+
+
+async def take(c, n: int, max_count: int = 1000) -> list:
+    got: list = []
+    while len(got) < n:
+        batch = await c.receive_many(max_count, timeout=TIMEOUT)
+        assert 1 <= len(batch) <= max_count
+        got.extend(batch)
+    assert len(got) == n, f"{len(got) - n} packets more than expected"
+    return got
+
+
+@pytest.mark.parametrize("batch_io", IO_PATHS)
+def test_publish_many_delivers_every_message_in_order(bus, batch_io):
+    async def main():
+        async with await aio.connect(bus.address, batch_io=batch_io) as sub, \
+                await aio.connect(bus.address, batch_io=batch_io) as pub:
+            assert pub.batch_io is batch_io
+            await sub.flood(hard="block")
+            await sub.subscribe("many/")
+            await sub.sync(TIMEOUT)
+            sent = numbered(3000)
+            await pub.publish_many((k, p) for k, p in sent)
+            await pub.publish_many([("many/s", "text"), (b"many/e", b"")])
+            await pub.publish_many([])
+            got = await take(sub, 3002, max_count=7)
+            assert got[:3000] == [Message(k, p) for k, p in sent]
+            assert got[3000:] == [Message(b"many/s", b"text"), Message(b"many/e", b"")]
+
+    run(main())
+
+
+@pytest.mark.parametrize("batch_io", IO_PATHS)
+def test_publish_many_on_a_full_socket_loses_nothing(bus, batch_io):
+    """20 MB to a reader that does not read yet (soft/block): publish_many cannot finish, and
+    waits; a publish() meanwhile goes after all of it; once the reader reads, all arrive in order."""
+    import sbus.client
+
+    reader = sbus.client.connect(bus.address)
+    reader.flood(soft="block", hard="block")
+    reader.subscribe("many/")
+    reader.sync(TIMEOUT)
+    sent = numbered(5000, size=4000)
+
+    def read_all():
+        got = []
+        while len(got) < len(sent) + 1:
+            got.extend(reader.receive_many(100, timeout=TIMEOUT))
+        return got
+
+    async def main():
+        async with await aio.connect(bus.address, batch_io=batch_io) as pub:
+            bulk = asyncio.ensure_future(pub.publish_many(sent))
+            await asyncio.sleep(0)  # let it run up to its first full socket
+            assert not bulk.done(), "20 MB went into the sockets at once?"
+            after = asyncio.ensure_future(pub.publish("many/after", b"last"))
+            got = await asyncio.to_thread(read_all)
+            await bulk
+            await after
+        return got
+
+    try:
+        got = run(main())
+    finally:
+        reader.close()
+    assert [m.payload for m in got[:-1]] == [p for _, p in sent]
+    assert got[-1] == Message(b"many/after", b"last")
+
+
+@pytest.mark.parametrize("batch_io", IO_PATHS)
+def test_publish_many_refuses_bad_input_before_sending_anything(bus, batch_io):
+    async def main():
+        async with await aio.connect(bus.address) as sub, \
+                await aio.connect(bus.address, batch_io=batch_io) as pub:
+            await sub.subscribe("many/")
+            await sub.sync(TIMEOUT)
+            with pytest.raises(ProtocolError, match="NUL"):
+                await pub.publish_many([("many/a", b"1"), ("many/\0b", b"2")])
+            with pytest.raises(ProtocolError, match="exceeds"):
+                await pub.publish_many([("many/a", b"1"), ("many/a", b"x" * MAX_PACKET)])
+            with pytest.raises(ProtocolError, match="empty packet"):
+                await pub.send_packets([b"MSG many/a\0ok", b""])
+            with pytest.raises(ValueError, match="max_count"):
+                await sub.receive_many(0)
+            await pub.publish("many/end", b"")
+            assert await sub.receive_many(timeout=TIMEOUT) == [Message(b"many/end", b"")]
+            # the server closes on a forbidden pattern: the next publish_many says why
+            await pub.subscribe(b"!/cred/1/2/3/not-mine")
+            with pytest.raises(ConnectionClosed):
+                await pub.whoami(TIMEOUT)
+            with pytest.raises(ConnectionClosed, match="forbidden_subscription"):
+                await pub.publish_many(numbered(10))
+
+    run(main())
+
+
+@pytest.mark.parametrize("batch_io", IO_PATHS)
+def test_receive_many_keeps_order_with_errors_in_place(bus, batch_io):
+    async def main():
+        async with await aio.connect(bus.address, batch_io=batch_io, max_packet=1000) as c, \
+                await aio.connect(bus.address) as pub:
+            await c.subscribe("many/")
+            await c.sync(TIMEOUT)
+            await pub.publish_many([("many/a", b"before"), ("many/big", b"x" * 2000), ("many/b", b"after")])
+            await pub.sync(TIMEOUT)
+            assert await c.receive_many(timeout=TIMEOUT) == [Message(b"many/a", b"before")]
+            with pytest.raises(PacketTooLarge):
+                await c.receive_many(timeout=TIMEOUT)
+            assert await c.receive_many(timeout=TIMEOUT) == [Message(b"many/b", b"after")]
+            with pytest.raises(TimeoutError):
+                await c.receive_many(timeout=0.01)
+            await pub.publish_many(numbered(3))
+            await pub.sync(TIMEOUT)  # the three are in c's socket now, then its last words
+            await c.subscribe(b"!/cred/1/2/3/not-mine")
+            got = []
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    got.extend(await c.receive_many(timeout=TIMEOUT))
+            assert [m.payload for m in got] == [p for _, p in numbered(3)]
+            assert c.disconnect_reason.reason == "forbidden_subscription"
+
+    run(main())
+
+
+@pytest.mark.parametrize("batch_io", IO_PATHS)
+def test_receive_many_when_the_server_dies(start_bus, batch_io):
+    """kill -9 of the server: what was in the socket comes out, then ConnectionClosed."""
+    import signal
+
+    srv = start_bus()
+
+    async def main():
+        async with await aio.connect(srv.address, batch_io=batch_io) as c, \
+                await aio.connect(srv.address) as pub:
+            await c.subscribe("many/")
+            await c.sync(TIMEOUT)
+            await pub.publish_many(numbered(3))
+            await pub.sync(TIMEOUT)
+            srv.stop(signal.SIGKILL)
+            got = []
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    batch = await c.receive_many(timeout=TIMEOUT)
+                    assert batch, "an empty batch"
+                    got.extend(batch)
+            assert [m.payload for m in got] == [p for _, p in numbered(3)]
+            with pytest.raises(ConnectionClosed):
+                await c.publish_many(numbered(1))
+
+    run(main())

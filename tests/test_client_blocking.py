@@ -364,3 +364,182 @@ def test_nonblocking_with_fcntl_and_timeout(clients):
     assert c.whoami(TIMEOUT) == own_whoami()
     with pytest.raises(TimeoutError):
         c.receive(timeout=0.05)
+
+
+# --- batches: publish_many / receive_many (sendmmsg/recvmmsg, or one call per packet) ------
+
+
+from sbus.client import PacketTooLarge  # noqa: E402
+import importlib.util  # noqa: E402
+
+# The clients use the extension unless SBUS_PURE_PYTHON=1 (sbus.client.blocking.BATCH_IO).
+BATCH_IO = (importlib.util.find_spec("sbus._speedups") is not None
+            and os.environ.get("SBUS_PURE_PYTHON", "") in ("", "0"))
+IO_PATHS = [pytest.param(True, id="batch_io", marks=pytest.mark.skipif(not BATCH_IO, reason="sbus._speedups not built")),
+            pytest.param(False, id="pure")]
+
+
+def numbered(n: int, size: int = 16, key=b"many/x") -> list[tuple[bytes, bytes]]:
+    return [(key, b"%08d" % i + b"." * (size - 8)) for i in range(n)]
+
+
+def take(c, n: int, max_count: int = 1000) -> list:
+    """Exactly n packets through receive_many; checks each batch's bound."""
+    got: list = []
+    while len(got) < n:
+        batch = c.receive_many(max_count, timeout=TIMEOUT)
+        assert 1 <= len(batch) <= max_count
+        got.extend(batch)
+    assert len(got) == n, f"{len(got) - n} packets more than expected"
+    return got
+
+
+@pytest.mark.parametrize("batch_io", IO_PATHS)
+def test_publish_many_delivers_every_message_in_order(clients, batch_io):
+    sub = clients(batch_io=batch_io)
+    pub = clients(batch_io=batch_io)
+    assert pub.batch_io is batch_io
+    sub.flood(hard="block")
+    sub.subscribe("many/")
+    sub.sync(TIMEOUT)
+    sent = numbered(3000)
+    # a generator of str and bytes keys, str and bytes payloads, beyond one sendmmsg (1024)
+    assert pub.publish_many((k, p) for k, p in sent) == 3000
+    assert pub.publish_many([("many/s", "text"), (b"many/e", b"")]) == 2
+    assert pub.publish_many([]) == 0
+    got = take(sub, 3002, max_count=7)
+    assert got[:3000] == [Message(k, p) for k, p in sent]
+    assert got[3000:] == [Message(b"many/s", b"text"), Message(b"many/e", b"")]
+
+
+@pytest.mark.parametrize("batch_io", IO_PATHS)
+def test_publish_many_on_a_full_socket_loses_nothing(clients, batch_io):
+    """The reader does not read (soft/block: the server stops reading the publisher), so the
+    publisher's socket fills: MSG_DONTWAIT stops there and says how far it got; a blocking
+    publish_many in another thread waits and sends the rest; the reader gets all, in order."""
+    import threading
+
+    sub = clients(batch_io=batch_io)
+    pub = clients(batch_io=batch_io)
+    sub.flood(soft="block", hard="block")
+    sub.subscribe("many/")
+    sub.sync(TIMEOUT)
+    sent = numbered(5000, size=4000)  # 20 MB: far more than the sockets and the server hold
+    first = pub.publish_many(sent, socket.MSG_DONTWAIT)
+    assert 0 < first < len(sent), "the publisher's socket never filled"
+    done: list = []
+    t = threading.Thread(target=lambda: done.append(pub.publish_many(sent[first:])), daemon=True)
+    t.start()
+    got = take(sub, len(sent), max_count=100)
+    t.join(TIMEOUT)
+    assert done == [len(sent) - first]
+    assert [m.payload for m in got] == [p for _, p in sent]
+
+
+@pytest.mark.parametrize("batch_io", IO_PATHS)
+def test_publish_many_refuses_bad_input_before_sending_anything(clients, batch_io):
+    sub = clients()
+    pub = clients(batch_io=batch_io)
+    sub.subscribe("many/")
+    sub.sync(TIMEOUT)
+    with pytest.raises(ProtocolError, match="NUL"):
+        pub.publish_many([("many/a", b"1"), ("many/\0b", b"2")])
+    with pytest.raises(ProtocolError, match="exceeds"):
+        pub.publish_many([("many/a", b"1"), ("many/a", b"x" * MAX_PACKET)])
+    with pytest.raises(ProtocolError, match="empty packet"):
+        pub.send_packets([b"MSG many/a\0ok", b""])
+    with pytest.raises(TypeError, match="message 1 is not a .key, payload. pair"):
+        pub.publish_many([("many/a", b"1"), ("many/a",)])
+    with pytest.raises(TypeError, match="message 0 is not"):
+        pub.publish_many([b"MSG many/a\0raw"])
+    with pytest.raises(ValueError, match="max_count"):
+        sub.receive_many(0)
+    pub.publish("many/end", b"")
+    assert sub.receive_many(timeout=TIMEOUT) == [Message(b"many/end", b"")]  # nothing before it
+
+
+@pytest.mark.parametrize("batch_io", IO_PATHS)
+def test_publish_many_to_a_closed_connection_says_why(clients, batch_io):
+    c = clients(batch_io=batch_io)
+    c.subscribe(b"!/cred/1/2/3/not-mine")  # another pid's secret space: disconnected
+    with pytest.raises(ConnectionClosed) as info:
+        c.whoami(TIMEOUT)
+    with pytest.raises(ConnectionClosed, match="forbidden_subscription") as info:
+        c.publish_many(numbered(10))
+    assert info.value.notice.reason == "forbidden_subscription"
+    with pytest.raises(ConnectionClosed, match="forbidden_subscription"):
+        c.publish("many/a", b"")  # once the server said it closes, every send says so
+
+
+@pytest.mark.parametrize("batch_io", IO_PATHS)
+def test_receive_many_keeps_order_with_set_aside_packets_and_errors(clients, batch_io):
+    """Packets whoami() set aside come first; a too-large packet in a batch is raised in its
+    place, a disconnect after the packets before it; nothing is lost on the way."""
+    c = clients(batch_io=batch_io, max_packet=1000)
+    pub = clients()
+    c.subscribe("many/")
+    c.sync(TIMEOUT)
+    pub.publish_many(numbered(5))
+    pub.sync(TIMEOUT)
+    c.whoami(TIMEOUT)  # the five are set aside now
+    pub.publish_many([("many/a", b"before"), ("many/big", b"x" * 2000), ("many/b", b"after")])
+    pub.sync(TIMEOUT)
+    assert [m.payload for m in take(c, 5)] == [p for _, p in numbered(5)]
+    assert c.receive_many(timeout=TIMEOUT) == [Message(b"many/a", b"before")]
+    with pytest.raises(PacketTooLarge):
+        c.receive_many(timeout=TIMEOUT)
+    assert c.receive_many(timeout=TIMEOUT) == [Message(b"many/b", b"after")]
+    with pytest.raises(BlockingIOError):
+        c.receive_many(flags=socket.MSG_DONTWAIT)
+    with pytest.raises(TimeoutError):
+        c.receive_many(timeout=0.01)
+    # three messages in the socket (sent when the server finished pub's batch, before pub's
+    # reply), then a forbidden pattern: the server's last words follow them, then the end
+    pub.publish_many(numbered(3))
+    pub.sync(TIMEOUT)
+    c.subscribe(b"!/cred/1/2/3/not-mine")
+    got = []
+    with pytest.raises(ConnectionClosed, match="forbidden_subscription"):
+        while True:
+            got.extend(c.receive_many(timeout=TIMEOUT))
+    assert [m.payload for m in got] == [p for _, p in numbered(3)]
+    with pytest.raises(ConnectionClosed):
+        c.receive_many(timeout=TIMEOUT)
+
+
+def test_batch_io_true_without_the_extension_is_one_clear_error(bus):
+    code = ("import sbus.client, sys\n"
+            "try:\n    sbus.client.connect(sys.argv[1], batch_io=True)\n"
+            "except ValueError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code, bus.address], capture_output=True, text=True,
+                         env=dict(os.environ, SBUS_PURE_PYTHON="1"), timeout=TIMEOUT)
+    assert "batch_io=True needs the sbus._speedups extension" in out.stdout, out.stderr[-300:]
+
+
+@pytest.mark.parametrize("batch_io", IO_PATHS)
+def test_receive_many_when_the_server_dies(start_bus, batch_io):
+    """kill -9 of the server: what was in the socket comes out, then ConnectionClosed (never
+    an empty batch)."""
+    import signal
+
+    srv = start_bus()
+    c = sbus.client.connect(srv.address, batch_io=batch_io)
+    pub = sbus.client.connect(srv.address)
+    try:
+        c.subscribe("many/")
+        c.sync(TIMEOUT)
+        pub.publish_many(numbered(3))
+        pub.sync(TIMEOUT)  # the three are in c's socket
+        srv.stop(signal.SIGKILL)
+        got = []
+        with pytest.raises(ConnectionClosed):
+            while True:
+                batch = c.receive_many(timeout=TIMEOUT)
+                assert batch, "an empty batch"
+                got.extend(batch)
+        assert [m.payload for m in got] == [p for _, p in numbered(3)]
+        with pytest.raises(ConnectionClosed):
+            c.publish_many(numbered(1))
+    finally:
+        c.close()
+        pub.close()

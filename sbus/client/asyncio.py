@@ -14,11 +14,13 @@
     asyncio.run(main())
 
 The socket is nonblocking and watched with `loop.add_reader`; each wakeup
-reads several packets (`recv_into` with MSG_TRUNC, so an oversized packet
-is detected). Received packets wait in an inbox; when it holds
-`inbox_limit` packets the client stops reading, so a slow consumer pushes
-back on the server (whose flood control then applies) instead of growing
-memory without bound.
+reads up to 256 packets (one recvmmsg through the optional C extension
+`sbus._speedups`, else `recv_into` one by one; MSG_TRUNC either way, so an
+oversized packet is detected). Received packets wait in an inbox; when it
+holds `inbox_limit` packets the client stops reading, so a slow consumer
+pushes back on the server (whose flood control then applies) instead of
+growing memory without bound. `publish_many` sends many packets with
+sendmmsg; `receive_many` takes all that has arrived in one await.
 """
 
 from __future__ import annotations
@@ -35,20 +37,27 @@ from sbus.core.reqrep import RequestTimeout, Requester, Responder, parse_request
 from sbus.core.workqueue import Delivery, Membership, WorkerBase
 
 from .address import open_socket
-from .blocking import ConnectionClosed, PacketTooLarge, echo_packet, flood_packets
+from .blocking import (DEFAULT_BATCH, ConnectionClosed, PacketTooLarge, batch_io_calls, check_count, echo_packet,
+                       encode_many, flood_packets)
 
 __all__ = ["Client", "AsyncWorker", "connect", "ConnectionClosed", "Message", "Control"]
 
 _MSG_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 _MSG_TRUNC = socket.MSG_TRUNC
-_DRAIN_CAP = 64
+#: Packets read per wakeup (at most; fewer when the inbox is nearly full).
+_DRAIN_CAP = DEFAULT_BATCH
 
 
 class Client:
     """A connection to an sbus server for asyncio; make one with `connect`."""
 
     def __init__(self, sock: socket.socket, *, max_packet: int = MAX_PACKET, inbox_limit: int = 4096,
-                 loop: asyncio.AbstractEventLoop | None = None):
+                 loop: asyncio.AbstractEventLoop | None = None, batch_io: bool | None = None):
+        batch = batch_io_calls(batch_io)
+        #: Whether reading and publish_many use recvmmsg/sendmmsg.
+        self.batch_io = batch is not None
+        self._send_batch = batch.send_batch if batch is not None else None
+        self._recv_batch = batch.recv_batch if batch is not None else None
         sock.setblocking(False)
         self.socket = sock
         self.max_packet = max_packet
@@ -57,6 +66,7 @@ class Client:
         self._fd = sock.fileno()
         self._view = memoryview(bytearray(max_packet))
         self._inbox: deque = deque()
+        self._inbox_errors = 0  # exceptions waiting in the inbox, in their place
         self._waiter: asyncio.Future | None = None
         self._requests: dict[bytes, deque] = {}
         self._send_lock = asyncio.Lock()
@@ -133,73 +143,129 @@ class Client:
     # -- reading
 
     def _on_readable(self):
-        sock, view, limit = self.socket, self._view, self.max_packet
         inbox = self._inbox
-        got = False
-        for _ in range(_DRAIN_CAP):
+        cap = min(_DRAIN_CAP, max(1, self.inbox_limit - len(inbox)))
+        recv_batch = self._recv_batch
+        if recv_batch is not None:
+            packets = None
+            for _ in range(2):
+                try:
+                    packets = recv_batch(self._fd, cap, self.max_packet)
+                    break
+                except InterruptedError:
+                    return
+                except ConnectionResetError:
+                    continue  # reported once, ahead of packets still queued for us (the server's last words)
+                except OSError as e:
+                    self._lost(ConnectionClosed(f"the connection failed: {e.strerror or e}"))
+                    return
+            if packets is None:
+                return
+        else:
+            packets = self._read_some(cap)
+            if packets is None:
+                return
+        if packets:
+            self._take(packets)
+        if len(inbox) >= self.inbox_limit:
+            self._stop_reading()
+
+    def _read_some(self, cap: int) -> list | None:
+        """Without the extension: up to `cap` packets, one recv_into each (None: lost)."""
+        sock, view, limit = self.socket, self._view, self.max_packet
+        packets = []
+        for _ in range(cap):
             try:
                 n = sock.recv_into(view, limit, _MSG_TRUNC)
             except (BlockingIOError, InterruptedError):
                 break
             except ConnectionResetError:
-                # Reported once, ahead of packets still queued for us (the server's last words).
-                continue
+                continue  # reported once, ahead of packets still queued for us
             except OSError as e:
                 self._lost(ConnectionClosed(f"the connection failed: {e.strerror or e}"))
-                return
+                return None
             if n == 0:
+                packets.append(b"")
+                break
+            packets.append(n if n > limit else view[:n].tobytes())
+        return packets
+
+    def _take(self, packets: list) -> None:
+        """Sort what one wakeup read: messages to the inbox, replies to their waiters."""
+        inbox = self._inbox
+        append = inbox.append
+        new_tuple = tuple.__new__  # Message(key, payload) without its Python-level __new__
+        limit = self.max_packet
+        plain = self._reqrep is None  # else a message may be a reply to a request()
+        got = False
+        for p in packets:
+            if p.__class__ is int:
+                append(PacketTooLarge(p, limit))
+                self._inbox_errors += 1
+                got = True
+                continue
+            if not p:
                 notice = self.disconnect_reason
+                if got:
+                    self._wake()
                 self._lost(ConnectionClosed(str(notice), notice) if notice else ConnectionClosed())
                 return
-            if n > limit:
-                inbox.append(PacketTooLarge(n, limit))
-                got = True
-                continue
-            try:
-                packet = codec.parse(view[:n].tobytes(), limit)
-            except ProtocolError as e:
-                inbox.append(e)
-                got = True
-                continue
-            if type(packet) is Control and packet.key == codec.DROPPED:
-                try:
-                    packet = codec.parse_drop_notice(packet.payload)
-                except ProtocolError as e:
-                    inbox.append(e)
+            if plain and p[:4] == b"MSG ":
+                end = p.find(b"\0", 4)
+                if end >= 0:
+                    append(new_tuple(Message, (p[4:end], p[end + 1:])))
                     got = True
                     continue
-                self.dropped += packet.count
-                inbox.append(packet)
+            try:
+                packet = codec.parse(p, limit)
+            except ProtocolError as e:
+                append(e)
+                self._inbox_errors += 1
                 got = True
                 continue
-            if type(packet) is Control and packet.key == codec.DISCONNECT:
-                self.disconnect_reason = codec.parse_disconnect(packet.payload)
-                continue
-            if self._reqrep is not None:
-                if type(packet) is Control and packet.key == codec.INTEREST:
-                    self._reqrep.interest.feed(packet.payload)
-                    continue
-                if type(packet) is Message and self._reqrep.is_reply(packet.key):
-                    got = self._reqrep.receive(packet.key, packet.payload)
-                    if got is not None and not got[0].done():
-                        got[0].set_result(got[1])
-                    continue
-            if type(packet) is Control:
-                queue = self._requests.get(packet.key)
-                if queue:
-                    fut = queue.popleft()
-                    if not queue:
-                        del self._requests[packet.key]
-                    if not fut.done():
-                        fut.set_result(packet.payload)
-                    continue
-            if type(packet) in (Message, Control):
-                inbox.append(packet)
+            if self._sort(packet):
                 got = True
-        if len(inbox) >= self.inbox_limit:
-            self._stop_reading()
         if got:
             self._wake()
+
+    def _sort(self, packet) -> bool:
+        """One parsed packet: True when it went to the inbox."""
+        inbox = self._inbox
+        if type(packet) is Control and packet.key == codec.DROPPED:
+            try:
+                packet = codec.parse_drop_notice(packet.payload)
+            except ProtocolError as e:
+                inbox.append(e)
+                self._inbox_errors += 1
+                return True
+            self.dropped += packet.count
+            inbox.append(packet)
+            return True
+        if type(packet) is Control and packet.key == codec.DISCONNECT:
+            self.disconnect_reason = codec.parse_disconnect(packet.payload)
+            return False
+        if self._reqrep is not None:
+            if type(packet) is Control and packet.key == codec.INTEREST:
+                self._reqrep.interest.feed(packet.payload)
+                return False
+            if type(packet) is Message and self._reqrep.is_reply(packet.key):
+                got = self._reqrep.receive(packet.key, packet.payload)
+                if got is not None and not got[0].done():
+                    got[0].set_result(got[1])
+                return False
+        if type(packet) is Control:
+            queue = self._requests.get(packet.key)
+            if queue:
+                fut = queue.popleft()
+                if not queue:
+                    del self._requests[packet.key]
+                if not fut.done():
+                    fut.set_result(packet.payload)
+                return False
+        if type(packet) in (Message, Control):
+            inbox.append(packet)
+            return True
+        return False
 
     def pending(self) -> int:
         """Packets received and not yet taken by `receive()`."""
@@ -225,8 +291,39 @@ class Client:
         if not self._reading and len(self._inbox) < self.inbox_limit // 2:
             self._start_reading()
         if isinstance(item, BaseException):
+            self._inbox_errors -= 1
             raise item
         return item
+
+    async def receive_many(self, max_count: int = DEFAULT_BATCH, timeout: float | None = None) -> list:
+        """Wait for the next packet as `receive()` does, and return it together with every
+        packet already received, up to `max_count`, in order (never empty). An error that
+        comes after other packets is raised by the next call, so nothing before it is lost."""
+        check_count(max_count)
+        inbox = self._inbox
+        if not inbox:
+            first = await self.receive(timeout)  # waits; raises what it meets first
+            out = [first]
+        else:
+            out = []
+        popleft = inbox.popleft
+        if not self._inbox_errors:
+            if len(inbox) <= max_count - len(out):
+                out.extend(inbox)
+                inbox.clear()
+            else:
+                out.extend([popleft() for _ in range(max_count - len(out))])
+        else:
+            while inbox and len(out) < max_count:
+                if isinstance(inbox[0], BaseException):
+                    if out:
+                        break
+                    self._inbox_errors -= 1
+                    raise popleft()
+                out.append(popleft())
+        if not self._reading and len(inbox) < self.inbox_limit // 2:
+            self._start_reading()
+        return out
 
     def __aiter__(self):
         return self
@@ -259,17 +356,35 @@ class Client:
         except (BlockingIOError, InterruptedError):
             return False
         except (BrokenPipeError, ConnectionResetError):
-            # The server closed on us; what it sent first (its server/disconnect notice: why)
-            # is still queued for us. Read it now, so the error says why (the blocking client
-            # does the same): under load the send failed before the reader had run.
-            for _ in range(_DRAIN_CAP):
-                if self._closed is not None:
-                    break
-                self._on_readable()
-            notice = self.disconnect_reason
-            self._lost(ConnectionClosed(str(notice), notice) if notice else ConnectionClosed())
-            raise (ConnectionClosed(str(notice), notice) if notice else ConnectionClosed()) from None
+            raise self._peer_closed() from None
         return True
+
+    def _try_send_many(self, packets: list, start: int) -> int:
+        """Send from packets[start] on until the socket is full; the index reached."""
+        send_batch = self._send_batch
+        if send_batch is None:
+            while start < len(packets) and self._try_send(packets[start]):
+                start += 1
+            return start
+        try:
+            return start + send_batch(self._fd, packets, start)
+        except InterruptedError:
+            return start
+        except (BrokenPipeError, ConnectionResetError):
+            raise self._peer_closed() from None
+
+    def _peer_closed(self) -> ConnectionClosed:
+        """A send found the connection closed; what the server sent first (its
+        server/disconnect notice: why) is still queued for us. Read it now, so the error says
+        why (the blocking client does the same): under load the send failed before the reader
+        had run."""
+        for _ in range(64):
+            if self._closed is not None:
+                break
+            self._on_readable()
+        notice = self.disconnect_reason
+        self._lost(ConnectionClosed(str(notice), notice) if notice else ConnectionClosed())
+        return ConnectionClosed(str(notice), notice) if notice else ConnectionClosed()
 
     async def send_packet(self, packet: bytes) -> None:
         """Send one encoded packet; waits (in order) while the socket is full."""
@@ -284,6 +399,36 @@ class Client:
                 await self._writable()
                 if self._closed is not None:
                     raise ConnectionClosed(str(self._closed))
+
+    async def send_packets(self, packets) -> None:
+        """Send encoded packets in order, one packet each, with as few system calls as the
+        socket allows (sendmmsg when `batch_io`); waits (in order with other sends) while the
+        socket is full. An empty packet is refused before anything is sent."""
+        if packets.__class__ is not list:
+            packets = list(packets)
+        if not all(packets):
+            raise ProtocolError("refusing to send an empty packet (it reads as end of file)")
+        if self._closed is not None:
+            raise ConnectionClosed(str(self._closed))
+        sent = 0
+        if not self._send_lock.locked():
+            sent = self._try_send_many(packets, 0)
+            if sent == len(packets):
+                return
+        async with self._send_lock:
+            while True:
+                sent = self._try_send_many(packets, sent)
+                if sent == len(packets):
+                    return
+                await self._writable()
+                if self._closed is not None:
+                    raise ConnectionClosed(str(self._closed))
+
+    async def publish_many(self, messages) -> None:
+        """Publish every ``(key, payload)`` pair of `messages`, in order (see `send_packets`).
+        Every message is encoded and checked before any is sent: a bad one raises
+        `ProtocolError` and nothing is sent."""
+        await self.send_packets(encode_many(messages, self.max_packet))
 
     async def subscribe(self, pattern) -> None:
         await self.send_packet(codec.encode_sub(pattern, self.max_packet))
@@ -451,7 +596,7 @@ class AsyncWorker(WorkerBase):
 
 
 async def connect(address=None, *, max_packet: int = MAX_PACKET, inbox_limit: int = 4096,
-                  timeout: float = 10.0) -> Client:
+                  timeout: float = 10.0, batch_io: bool | None = None) -> Client:
     """Connect to the bus at `address` (default: $SBUS_SOCKET, else /run/sbus.socket)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -463,4 +608,4 @@ async def connect(address=None, *, max_packet: int = MAX_PACKET, inbox_limit: in
             if loop.time() >= deadline:
                 raise TimeoutError(f"connecting to {address}: the server does not accept") from None
             await asyncio.sleep(0.01)
-    return Client(sock, max_packet=max_packet, inbox_limit=inbox_limit, loop=loop)
+    return Client(sock, max_packet=max_packet, inbox_limit=inbox_limit, loop=loop, batch_io=batch_io)

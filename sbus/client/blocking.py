@@ -5,6 +5,11 @@ wrapper: every method is one `send` or one `recv_into`, the `flags` are
 passed through to the system call, and `socket` is the real socket for
 setsockopt/getsockopt/fcntl/ioctl, select/poll/epoll.
 
+`publish_many()` and `receive_many()` hand over many messages per system call
+(sendmmsg/recvmmsg, through the optional C extension `sbus._speedups` that the
+server's transport uses; without it, or with SBUS_PURE_PYTHON=1, one `send` or
+`recv` per packet, with the same results).
+
 The one convenience with state: `whoami()` (and `request()`, `stats()`)
 wait for the server's answer, and keep whatever else arrives meanwhile, in
 order, for the next `receive()` calls. While such packets are pending, the
@@ -20,7 +25,9 @@ socket itself may not be readable although `receive()` has something: check
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import select
 import socket
 import time
@@ -38,6 +45,25 @@ _MSG_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 _MSG_TRUNC = socket.MSG_TRUNC
 _MSG_PEEK = socket.MSG_PEEK
 _MSG_DONTWAIT = socket.MSG_DONTWAIT
+#: The default (and, with the extension, the largest useful) number of packets per batch call.
+DEFAULT_BATCH = 256
+
+
+def _load_batch_calls():
+    """The optional C extension's batch calls (recvmmsg/sendmmsg), as the server's transport
+    loads them (sbus.seqpacket): None when it is not built or SBUS_PURE_PYTHON=1."""
+    if os.environ.get("SBUS_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    try:
+        from sbus import _speedups
+    except ImportError:
+        return None
+    return _speedups
+
+
+_BATCH = _load_batch_calls()
+#: True when `publish_many`/`receive_many` use sendmmsg/recvmmsg by default.
+BATCH_IO = _BATCH is not None
 
 
 class SbusError(Exception):
@@ -86,15 +112,67 @@ def echo_packet(on: bool) -> bytes:
     return codec.encode_cmsg(codec.ECHO_ON if on else codec.ECHO_OFF)
 
 
+def encode_many(messages, max_packet: int = MAX_PACKET) -> list[bytes]:
+    """Encode an iterable of ``(key, payload)`` pairs as MSG packets, every one checked as
+    `codec.encode_msg` checks it (the first bad one raises its `ProtocolError`; an item that
+    is not a pair raises `TypeError`). Each distinct key is checked once per call."""
+    heads: dict = {}
+    out: list[bytes] = []
+    append = out.append
+    encode = codec.encode_msg
+    for item in messages:
+        try:
+            key, payload = item
+        except (TypeError, ValueError):
+            raise TypeError(f"message {len(out)} is not a (key, payload) pair: {type(item).__name__}") from None
+        kc = key.__class__
+        if (kc is bytes or kc is str) and payload.__class__ is bytes:
+            head = heads.get(key)
+            if head is None:
+                head = heads[key] = encode(key, b"", max_packet)
+            packet = head + payload
+            if len(packet) > max_packet:
+                encode(key, payload, max_packet)  # raises the codec's own error
+        else:
+            packet = encode(key, payload, max_packet)
+        append(packet)
+    return out
+
+
+def batch_io_calls(batch_io: bool | None):
+    """The extension module a client uses for batch calls: `batch_io` None means whatever is
+    there (BATCH_IO), False none, True the extension or `ValueError`."""
+    if batch_io is None:
+        return _BATCH
+    if batch_io and _BATCH is None:
+        raise ValueError("batch_io=True needs the sbus._speedups extension (not built, or SBUS_PURE_PYTHON=1)")
+    return _BATCH if batch_io else None
+
+
+def check_count(max_count: int) -> int:
+    if max_count.__class__ is not int or max_count < 1:
+        raise ValueError(f"max_count must be a positive int, not {max_count!r}")
+    return max_count
+
+
 class Client:
     """A connection to an sbus server.
 
     `Client(address)` connects (see `sbus.client.address` for the forms and
     the default); `Client(sock=s)` wraps an already connected socket.
+    `batch_io` (None: when the extension is there) chooses sendmmsg/recvmmsg for
+    `publish_many`/`receive_many`; False keeps one system call per packet.
     """
 
-    def __init__(self, address=None, *, sock: socket.socket | None = None, max_packet: int = MAX_PACKET):
+    def __init__(self, address=None, *, sock: socket.socket | None = None, max_packet: int = MAX_PACKET,
+                 batch_io: bool | None = None):
         self.max_packet = max_packet
+        batch = batch_io_calls(batch_io)
+        #: Whether publish_many/receive_many use sendmmsg/recvmmsg.
+        self.batch_io = batch is not None
+        self._send_batch = batch.send_batch if batch is not None else None
+        self._recv_batch = batch.recv_batch if batch is not None else None
+        self._batch_cap = batch.MAX_BATCH if batch is not None else 0
         if sock is None:
             sock = open_socket(address, max_packet=max_packet)
         else:
@@ -139,10 +217,65 @@ class Client:
         """Send one encoded packet (one `send`); return its size."""
         if not packet:
             raise ProtocolError("refusing to send an empty packet (it reads as end of file)")
+        if self.disconnect_reason is not None:  # the server said it closes: say why, at once
+            raise self._closed()
         try:
             return self.socket.send(packet, flags | _MSG_NOSIGNAL)
         except (BrokenPipeError, ConnectionResetError):
             raise self._last_words() from None
+
+    def send_packets(self, packets, flags: int = 0) -> int:
+        """Send encoded packets in order, one packet each, with as few system calls as the
+        socket allows (sendmmsg, up to 1024 a call, when `batch_io`); blocks while the socket
+        is full. With ``MSG_DONTWAIT`` in `flags` it stops at the first packet the socket does
+        not take. Returns how many were sent (all of them, without MSG_DONTWAIT).
+
+        An empty packet is refused (`ProtocolError`) before anything is sent. A closed
+        connection raises `ConnectionClosed` (with the server's reason when it gave one),
+        another failure of the socket its `OSError`; packets sent before the failure are gone.
+        """
+        if packets.__class__ is not list:
+            packets = list(packets)
+        if not all(packets):
+            raise ProtocolError("refusing to send an empty packet (it reads as end of file)")
+        if self.disconnect_reason is not None:
+            raise self._closed()
+        total = len(packets)
+        send_batch = self._send_batch
+        dontwait = flags & _MSG_DONTWAIT
+        sent = 0
+        if send_batch is not None and not flags & ~_MSG_DONTWAIT:
+            while sent < total:
+                try:
+                    sent += send_batch(self.socket.fileno(), packets, sent)
+                except InterruptedError:
+                    continue
+                except (BrokenPipeError, ConnectionResetError):
+                    raise self._last_words() from None
+                if sent < total:
+                    if dontwait:
+                        break
+                    self._wait_writable()
+            return sent
+        send = self.socket.send
+        flags |= _MSG_NOSIGNAL
+        while sent < total:
+            try:
+                send(packets[sent], flags)
+            except (BlockingIOError, InterruptedError) as e:
+                if dontwait and isinstance(e, BlockingIOError):
+                    break
+                self._wait_writable()
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                raise self._last_words() from None
+            sent += 1
+        return sent
+
+    def _wait_writable(self) -> None:
+        p = select.poll()
+        p.register(self.socket.fileno(), select.POLLOUT)
+        p.poll()
 
     # -- the four packet types
 
@@ -154,6 +287,13 @@ class Client:
 
     def publish(self, key, payload=b"", flags: int = 0) -> int:
         return self.send_packet(codec.encode_msg(key, payload, self.max_packet), flags)
+
+    def publish_many(self, messages, flags: int = 0) -> int:
+        """Publish every ``(key, payload)`` pair of `messages`, in order, with as few system
+        calls as the socket allows (see `send_packets`). Every message is encoded and checked
+        before any is sent: a bad key or an oversized message raises `ProtocolError` and
+        nothing is sent. Returns how many were sent."""
+        return self.send_packets(encode_many(messages, self.max_packet), flags)
 
     def send_control(self, key, payload=None, flags: int = 0) -> int:
         return self.send_packet(codec.encode_cmsg(key, payload, self.max_packet), flags)
@@ -217,17 +357,27 @@ class Client:
             raise self._closed()
         if n > self.max_packet:
             raise PacketTooLarge(n, self.max_packet)
-        packet = codec.parse(self._view[:n].tobytes(), self.max_packet)
+        p = self._view[:n].tobytes()
+        if p[:4] == b"MSG ":  # the common case, without codec.parse's calls
+            end = p.find(b"\0", 4)
+            if end >= 0:
+                m = tuple.__new__(Message, (p[4:end], p[end + 1:]))
+                return m if self._reqrep is None or flags & _MSG_PEEK else self._reqrep_packet(m)
+        return self._handle(codec.parse(p, self.max_packet), flags & _MSG_PEEK)
+
+    def _handle(self, packet, peek: int = 0):
+        """What a parsed packet from the server is for `receive()`: a notice, or None when
+        request() took it; a `server/disconnect` raises ConnectionClosed."""
         if type(packet) is Control:
             if packet.key == codec.DROPPED:
                 notice = codec.parse_drop_notice(packet.payload)
-                if not flags & _MSG_PEEK:
+                if not peek:
                     self.dropped += notice.count
                 return notice
             if packet.key == codec.DISCONNECT:
                 self.disconnect_reason = codec.parse_disconnect(packet.payload)
                 raise self._closed()
-        if self._reqrep is not None and not flags & _MSG_PEEK:
+        if self._reqrep is not None and not peek:
             return self._reqrep_packet(packet)
         return packet
 
@@ -256,21 +406,140 @@ class Client:
         consumed: the next receive gets the next packet).
         """
         if self._pending:
-            return self._pending[0] if flags & _MSG_PEEK else self._pending.popleft()
+            item = self._pending[0] if flags & _MSG_PEEK else self._pending.popleft()
+            if isinstance(item, BaseException):  # set aside by receive_many, in its place
+                raise item
+            return item
         deadline = None if timeout is None else time.monotonic() + timeout
-        if timeout is not None and not self._wait_readable(timeout):
-            raise TimeoutError(f"no packet within {timeout} s")
         while True:
-            packet = self._recv(flags)
+            if deadline is None:
+                packet = self._recv(flags)
+            else:
+                # What is already there needs no poll: try first, wait only when nothing is.
+                try:
+                    packet = self._recv(flags | _MSG_DONTWAIT)
+                except BlockingIOError:
+                    if not self._wait_readable(deadline - time.monotonic()):
+                        raise TimeoutError(f"no packet within {timeout} s") from None
+                    continue
             if isinstance(packet, (Message, Control, DropNotice)):
                 return packet
             if packet is None:  # taken by request(): wait for the next one, within the timeout
-                if deadline is not None and not self._wait_readable(deadline - time.monotonic()):
-                    raise TimeoutError(f"no packet within {timeout} s")
                 continue
             # The server never sends SUB/UNSUB; skip anything else defensively.
             if flags & _MSG_PEEK:
                 self._recv(flags & ~_MSG_PEEK)
+
+    def receive_many(self, max_count: int = DEFAULT_BATCH, timeout: float | None = None, flags: int = 0) -> list:
+        """Wait for the next packet as `receive()` does, and return it together with every
+        packet already waiting, up to `max_count`, in order: a list of `Message`, `Control`
+        and `DropNotice` (never empty). With `batch_io`, one recvmmsg takes them all.
+
+        `flags` may be ``MSG_DONTWAIT`` (`BlockingIOError` when nothing is there). The errors
+        are `receive()`'s; one that comes after other packets of the batch is raised by the
+        next call, so nothing received before it is lost.
+        """
+        check_count(max_count)
+        if flags & ~_MSG_DONTWAIT:
+            raise ValueError("receive_many takes no flags but MSG_DONTWAIT")
+        pending = self._pending
+        if pending:
+            out = []
+            while pending and len(out) < max_count:
+                if isinstance(pending[0], BaseException):
+                    if out:
+                        break
+                    raise pending.popleft()
+                out.append(pending.popleft())
+            return out
+        recv_batch = self._recv_batch
+        if recv_batch is None:
+            out = [self.receive(flags, timeout)]
+            while len(out) < max_count:
+                try:
+                    out.append(self.receive(_MSG_DONTWAIT))
+                except (BlockingIOError, ConnectionClosed):
+                    break  # the next call says it again
+                except (PacketTooLarge, ProtocolError) as e:  # consumed: raised in its turn
+                    pending.append(e)
+                    break
+            return out
+        deadline = None if timeout is None else time.monotonic() + timeout
+        fd = self.socket.fileno()
+        count = min(max_count, self._batch_cap)
+        resets = 0
+        while True:
+            if self.disconnect_reason is not None:
+                raise self._closed()
+            try:
+                packets = recv_batch(fd, count, self.max_packet)
+            except InterruptedError:
+                continue
+            except ConnectionResetError:
+                # Linux reports a reset once, ahead of packets still queued for us.
+                resets += 1
+                if resets > 1:
+                    raise self._closed() from None
+                continue
+            if packets:
+                break
+            if flags & _MSG_DONTWAIT:
+                raise BlockingIOError(errno.EAGAIN, "no packet waiting")
+            left = None if deadline is None else deadline - time.monotonic()
+            if not self._wait_readable(left):
+                raise TimeoutError(f"no packet within {timeout} s")
+        return self._batch(packets)
+
+    def _batch(self, packets: list) -> list:
+        """The packets of one recvmmsg as receive() would hand them out, one by one. An error
+        (a packet too large or malformed: consumed) is raised in its place: now if it is the
+        first, else by a later call, with what came after it set aside behind it."""
+        out: list = []
+        append = out.append
+        new_tuple = tuple.__new__  # Message(key, payload) without its Python-level __new__
+        limit = self.max_packet
+        plain = self._reqrep is None
+        failed = False
+        for p in packets:
+            if p.__class__ is int:
+                append(PacketTooLarge(p, limit))
+                failed = True
+                continue
+            if not p:  # end of file: said now if nothing came before it, else by the next call
+                if not out:
+                    raise self._closed()
+                break
+            if p[:4] == b"MSG ":
+                end = p.find(b"\0", 4)
+                if end >= 0:
+                    m = new_tuple(Message, (p[4:end], p[end + 1:]))
+                    if plain:
+                        append(m)
+                    else:
+                        m = self._reqrep_packet(m)
+                        if m is not None:
+                            append(m)
+                    continue
+            try:
+                item = self._handle(codec.parse(p, limit))
+            except ConnectionClosed:
+                if not out:
+                    raise
+                break  # the next call raises it (disconnect_reason is set)
+            except ProtocolError as e:
+                append(e)
+                failed = True
+                continue
+            if isinstance(item, (Message, Control, DropNotice)):
+                append(item)
+        if failed:
+            for k, item in enumerate(out):
+                if isinstance(item, BaseException):
+                    self._pending.extend(out[k + 1:] if k == 0 else out[k:])
+                    if k == 0:
+                        raise item
+                    return out[:k]
+        return out
 
     def __iter__(self):
         """Yield received packets until the server closes the connection."""
