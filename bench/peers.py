@@ -33,7 +33,6 @@ import atexit
 import datetime
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -61,53 +60,96 @@ MEM_CLIENTS, MEM_SUBS = 1000, 10
 PUBS, CLIENTS = 100, 1000
 
 
-class Peer:
-    """One peer server process on a fresh address; ended by stop() (and by atexit)."""
+class Daemon:
+    """A server or service process started here, in its own session, its output in a log;
+    ended by stop() (and by stop_all(), which main() registers with atexit)."""
 
-    live: set["Peer"] = set()
+    live: set["Daemon"] = set()
 
-    def __init__(self, name: str, exe: str, tmp: str, log: Path):
-        self.name, self.exe, self.log = name, exe, log
+    def __init__(self, name: str, cmd: list[str], log: Path):
+        self.name, self.cmd, self.log = name, cmd, log
         self.proc: subprocess.Popen | None = None
-        if name == "redis":
-            sock = os.path.join(tmp, f"redis-{time.monotonic_ns()}.sock")
-            self.addr = "unix:" + sock
-            self.cmd = [exe, "--port", "0", "--unixsocket", sock, "--unixsocketperm", "700",
-                        "--save", "", "--appendonly", "no", "--daemonize", "no"]
-            return
-        port = free_port()
-        self.addr = f"tcp:127.0.0.1:{port}"
-        if name == "nats":
-            self.cmd = [exe, "-a", "127.0.0.1", "-p", str(port)]
-        else:
-            conf = os.path.join(tmp, f"mosquitto-{port}.conf")
-            Path(conf).write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\n"
-                                  "persistence false\n")
-            self.cmd = [exe, "-c", conf]
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
-    def start(self) -> "Peer":
+    def spawn(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "wb") as logf:
             self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
                                          start_new_session=True, cwd=REPO)
-        Peer.live.add(self)
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise BenchError(f"{self.name} exited with status {self.proc.returncode} before it "
-                                 f"was ready (log: {self.log})")
-            if self.accepts():
-                return self
+        Daemon.live.add(self)
+
+    def wait(self, ready, what: str, timeout: float = START_TIMEOUT) -> None:
+        """Wait until ready() is true; one-line BenchError if the process exits or time runs out."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            self.check_alive(f"start-up (waiting until it {what})")
             if time.monotonic() > deadline:
                 self.stop()
-                raise BenchError(f"{self.name} did not accept a connection within "
-                                 f"{START_TIMEOUT:.0f} s (log: {self.log})")
+                raise BenchError(f"{self.name} did not {what} within {timeout:.0f} s (log: {self.log})")
             time.sleep(0.01)
+
+    def check_alive(self, during: str) -> None:
+        if self.proc.poll() is not None:
+            self.stop()
+            raise BenchError(f"{self.name} exited (status {self.proc.returncode}) during {during} "
+                             f"(log: {self.log})")
+
+    def log_has(self, text: str) -> bool:
+        try:
+            return text in self.log.read_text(errors="replace")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        Daemon.live.discard(self)
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, grace in ((signal.SIGINT, 3.0), (signal.SIGTERM, 2.0), (signal.SIGKILL, 2.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(grace)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class Peer(Daemon):
+    """A peer server on a fresh address."""
+
+    def __init__(self, name: str, exe: str, tmp: str, log: Path):
+        if name == "redis":
+            sock = os.path.join(tmp, f"redis-{time.monotonic_ns()}.sock")
+            self.addr = "unix:" + sock
+            cmd = [exe, "--port", "0", "--unixsocket", sock, "--unixsocketperm", "700",
+                   "--save", "", "--appendonly", "no", "--daemonize", "no"]
+        else:
+            port = free_port()
+            self.addr = f"tcp:127.0.0.1:{port}"
+            if name == "nats":
+                cmd = [exe, "-a", "127.0.0.1", "-p", str(port)]
+            else:
+                conf = os.path.join(tmp, f"mosquitto-{port}.conf")
+                Path(conf).write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\n"
+                                      "persistence false\n")
+                cmd = [exe, "-c", conf]
+        super().__init__(name, cmd, log)
+
+    def __enter__(self) -> "Peer":
+        self.spawn()
+        self.wait(self.accepts, "accept a connection")
+        return self
 
     def accepts(self) -> bool:
         kind, _, where = self.addr.partition(":")
@@ -120,35 +162,9 @@ class Peer:
         finally:
             s.close()
 
-    def check_alive(self, during: str) -> None:
-        if self.proc.poll() is not None:
-            raise BenchError(f"{self.name} died (status {self.proc.returncode}) during {during} "
-                             f"(log: {self.log})")
-
-    def stop(self) -> None:
-        Peer.live.discard(self)
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 2.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(grace)
-                return
-            except subprocess.TimeoutExpired:
-                pass
-
-    def __enter__(self) -> "Peer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
 
 def stop_all() -> None:
-    for p in list(Peer.live):
+    for p in list(Daemon.live):
         p.stop()
     kill_all()
 
@@ -270,7 +286,7 @@ class Peers:
         self.record(key, name, rnd, float(m.group(5)))
         self.samples["lost"][name][rnd] = self.samples["lost"][name].get(rnd, 0) + (want - got)
         self.sent[name] += want
-        cpu = f""
+        cpu = ""
         if m.group(6) is not None and got:
             self.record("cpu_" + key, name, rnd, float(m.group(6)) * 1e6 / got)
             cpu = f", server CPU {float(m.group(6)) * 1e6 / got:.2f} µs/delivery"
@@ -426,12 +442,13 @@ LEGEND = (
     "summed over every throughput run (a peer that disconnects a slow consumer loses the rest).")
 
 
-def write_doc(doc: Path, section: str) -> None:
+def write_doc(doc: Path, section: str, begin: str = BEGIN, end: str = END) -> None:
+    """Put `section` between the markers begin and end in doc (appended at its end the first time)."""
     text = doc.read_text()
-    block = f"{BEGIN}\n{section.rstrip()}\n{END}\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1].lstrip("\n")
+    block = f"{begin}\n{section.rstrip()}\n{end}\n"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1].lstrip("\n")
     else:
         text = text.rstrip("\n") + "\n\n" + block
     doc.write_text(text)
@@ -508,7 +525,7 @@ def main(argv=None) -> int:
                                      "samples": p.samples, "sent": p.sent}, indent=1, ensure_ascii=False) + "\n")
     args.json.with_suffix(".md").write_text(section + "\n")
     if not args.no_doc:
-        write_doc(args.doc, "### The table\n\n" + section)
+        write_doc(args.doc, section)
     for f in p.failures:
         print(f"peers: {f}", file=sys.stderr)
     return 1 if p.failures else 0
