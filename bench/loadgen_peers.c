@@ -27,7 +27,8 @@
  *
  * ADDR is tcp:HOST:PORT (IPv4) or unix:PATH. Subjects are exact (no
  * wildcards). Publishers write in batches of up to BATCH bytes, as the
- * protocols' buffered clients do (the stream carries many messages per write).
+ * protocols' buffered clients do (the stream carries many messages per write);
+ * LOADGEN_PEERS_BATCH=0 writes each message with a system call of its own.
  * Payloads carry a sequence number: every subscriber checks it receives each
  * message once and in order. fanout/many print
  *   ... delivered=GOT/WANT wall=S s published/s=N delivered/s=N [server_cpu_s=S]
@@ -55,7 +56,7 @@
 #include <unistd.h>
 
 #define STALL_S 10.0
-#define BATCH (32 * 1024)
+#define BATCH (32 * 1024) /* default; LOADGEN_PEERS_BATCH=BYTES changes it (0: one message per write) */
 #define CBUF (64 * 1024)
 
 enum proto { NATS, RESP, MQTT };
@@ -532,8 +533,10 @@ pub_run(struct pubjob *j)
 	size_t *ol = calloc((size_t)j->npub, sizeof(size_t)), poff;
 	long m;
 	int p;
+	const char *env = getenv("LOADGEN_PEERS_BATCH");
+	size_t batch = env ? (size_t)atol(env) : BATCH;
 	for (p = 0; p < j->npub; p++)
-		if (!(out[p] = malloc(BATCH + j->size + 1024)))
+		if (!(out[p] = malloc(batch + j->size + 1024)))
 			fail("malloc");
 	for (m = 0; m < j->msgs; m++)
 		for (p = 0; p < j->npub; p++) {
@@ -542,7 +545,7 @@ pub_run(struct pubjob *j)
 			memcpy(out[p] + ol[p] + poff, &seq, 8);
 			memset(out[p] + ol[p] + poff + 8, 'p', j->size - 8);
 			ol[p] += n;
-			if (ol[p] >= BATCH) {
+			if (ol[p] >= batch) {
 				put(j->c[p]->fd, out[p], ol[p]);
 				ol[p] = 0;
 				drain(j->c[p]->fd);

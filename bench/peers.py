@@ -276,7 +276,8 @@ class Peers:
                 cmd = [self.loadgen, mode, srv.sock, *sizes[1:]] + (["0", "0"] if mode == "fanout" else [])
             else:
                 cmd = [self.lgp, PROTO[name], srv.addr, *sizes]
-            rc, out, err = run_client(cmd, RUN_TIMEOUT, env={**os.environ, "SBUS_BENCH_SERVER_PID": str(srv.pid)})
+            rc, out, err = run_client(cmd, RUN_TIMEOUT, env={**os.environ, "SBUS_BENCH_SERVER_PID": str(srv.pid),
+                                                             "LOADGEN_PEERS_BATCH": str(self.args.publish_batch)})
             srv.check_alive(key)
         m = FANOUT_RE.search(out)
         if rc not in (0, 1) or not m:
@@ -428,8 +429,8 @@ LEGEND = (
     "is better, for the rates higher. sbus: `sbusd` on a unix SOCK_SEQPACKET socket, driven by "
     "`bench/loadgen.c`; NATS on loopback TCP, Redis on a unix stream socket, Mosquitto on loopback TCP, "
     "driven by `bench/loadgen_peers.c` (one C program per side; publishers on the stream protocols write "
-    "up to 32 KB per system call, as their buffered clients do; sbus has one message per packet and "
-    "system call). Subscriptions are exact subjects on the peers; sbus's 1→1/1→8 subscribers hold the "
+    "up to `--publish-batch` bytes per system call, as their buffered clients do; sbus has one message "
+    "per packet and system call). Subscriptions are exact subjects on the peers; sbus's 1→1/1→8 subscribers hold the "
     "pattern `bench/` and ask for `blocking/soft/block` (never dropped: publishers are held back). 100 → "
     "1,000: 1,000 subscribers, 10 per key; on sbus the first 100 of them publish (and get their own "
     "copy), on the peers 100 more connections publish (a Redis connection that subscribes cannot "
@@ -447,7 +448,8 @@ def write_doc(doc: Path, section: str, begin: str = BEGIN, end: str = END) -> No
     block = f"{begin}\n{section.rstrip()}\n{end}\n"
     if begin in text and end in text:
         head, rest = text.split(begin, 1)
-        text = head + block + rest.split(end, 1)[1].lstrip("\n")
+        tail = rest.split(end, 1)[1].lstrip("\n")
+        text = head + block + ("\n" + tail if tail else "")
     else:
         text = text.rstrip("\n") + "\n\n" + block
     doc.write_text(text)
@@ -461,6 +463,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--many-msgs", type=int, default=300,
                     help="messages per publisher in the 100 → 1,000 run (default 300)")
     ap.add_argument("--rtt-rounds", type=int, default=10_000, help="round trips per run (default 10,000)")
+    ap.add_argument("--publish-batch", type=int, default=32 * 1024, metavar="BYTES",
+                    help="the stream publishers' write size (default 32768; 0: one message per system call, "
+                         "as sbus's)")
     ap.add_argument("--only", action="append", choices=SERVERS[1:], metavar="PEER",
                     help=f"run only this peer beside sbus (repeatable; one of {', '.join(SERVERS[1:])})")
     ap.add_argument("--python", default=sys.executable, help="interpreter for sbusd (default: this one)")
@@ -468,6 +473,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--doc", type=Path, default=DOC, help="where the table goes (default docs/performance.md)")
     ap.add_argument("--no-doc", action="store_true", help="do not write the table into --doc")
     a = ap.parse_args(argv)
+    if a.publish_batch < 0:
+        ap.error("--publish-batch must be 0 or more")
     for name in ("rounds", "msgs", "msgs8", "many_msgs", "rtt_rounds"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
