@@ -104,19 +104,27 @@ class Daemon:
             return False
 
     def stop(self) -> None:
-        Daemon.live.discard(self)
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGTERM, then SIGKILL to its whole process group; it leaves the live set only once
+        it is gone (so an interrupted stop is finished by stop_all at exit)."""
+        if self.proc is None:
+            Daemon.live.discard(self)
             return
-        for sig, grace in ((signal.SIGINT, 3.0), (signal.SIGTERM, 2.0), (signal.SIGKILL, 2.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(grace)
-                return
-            except subprocess.TimeoutExpired:
+        try:
+            for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 2.0)):
+                if self.proc.poll() is not None:
+                    break
+                try:
+                    os.killpg(self.proc.pid, sig)
+                    self.proc.wait(grace)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    pass
+        finally:
+            try:  # whatever is left in its group
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
                 pass
+            if self.proc.poll() is not None:
+                Daemon.live.discard(self)
 
     def __enter__(self):
         return self
@@ -167,6 +175,16 @@ def stop_all() -> None:
     for p in list(Daemon.live):
         p.stop()
     kill_all()
+
+
+def settle_exit(proc: subprocess.Popen, rc: int) -> None:
+    """After a client failed: a server that is dying closes its sockets before it can be
+    reaped, so give it a moment to show as exited (and be reported so) instead of as a loss."""
+    if rc:
+        try:
+            proc.wait(1.0)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def free_port() -> int:
@@ -278,6 +296,7 @@ class Peers:
                 cmd = [self.lgp, PROTO[name], srv.addr, *sizes]
             rc, out, err = run_client(cmd, RUN_TIMEOUT, env={**os.environ, "SBUS_BENCH_SERVER_PID": str(srv.pid),
                                                              "LOADGEN_PEERS_BATCH": str(self.args.publish_batch)})
+            settle_exit(srv.proc, rc)
             srv.check_alive(key)
         m = FANOUT_RE.search(out)
         if rc not in (0, 1) or not m:
@@ -305,6 +324,7 @@ class Peers:
             else:
                 cmd = [self.lgp, PROTO[name], srv.addr, "rtt", str(self.args.rtt_rounds)]
             rc, out, err = run_client(cmd, RUN_TIMEOUT)
+            settle_exit(srv.proc, rc)
             srv.check_alive("rtt")
         m = RTT_RE.search(out)
         if rc != 0 or not m:
@@ -488,8 +508,8 @@ def main(argv=None) -> int:
 
     def on_term(signum, frame):
         raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGHUP, on_term)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # SIGINT too: a background job has it ignored
+        signal.signal(sig, on_term)                              # and its children would inherit that
     atexit.register(stop_all)
     exes, skipped = find_servers(args.only)
     for line in skipped:

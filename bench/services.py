@@ -48,7 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from peers import Daemon, free_port, stop_all, write_doc  # noqa: E402
+from peers import Daemon, free_port, settle_exit, stop_all, write_doc  # noqa: E402
 from run import FANOUT_RE, OUT, REPO, BenchError, build_tools, last_line, run_client  # noqa: E402
 
 PATHS = ("direct", "relay1", "relay2", "bridge", "link", "nats")
@@ -141,8 +141,11 @@ class Rig:
         return self
 
     def __exit__(self, *exc) -> None:
-        for d in reversed(self.procs):
-            d.stop()
+        try:
+            for d in reversed(self.procs):
+                d.stop()
+        finally:
+            stop_all()  # the rest, if a stop was interrupted
 
 
 WARMUP = b"MSG bench/warmup\0w"
@@ -209,6 +212,8 @@ class Services:
             rc, out, err = run_client([self.loadgen, "fanout", subat, "1", str(a.msgs), str(a.size), "0", "0"],
                                       RUN_TIMEOUT, env=env)
             c1 = sum(cpu_s(d.pid) for d in rig.services)
+            for d in rig.procs:
+                settle_exit(d.proc, rc)
             rig.check_alive()
         m = FANOUT_RE.search(out)
         if rc not in (0, 1) or not m:
@@ -277,8 +282,8 @@ def main(argv=None) -> int:
 
     def on_term(signum, frame):
         raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGHUP, on_term)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # SIGINT too: a background job has it ignored
+        signal.signal(sig, on_term)                              # and its children would inherit that
     atexit.register(stop_all)
     paths = ["direct"] + [p for p in PATHS[1:] if not args.only or p in args.only]
     nats_server = shutil.which("nats-server") or str(Path(sys.executable).parent / "nats-server")
