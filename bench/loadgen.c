@@ -25,6 +25,11 @@
  * SBUS_BENCH_SERVER_PID set, the server's CPU time (utime + stime from
  * /proc/PID/stat) over the publishing phase is added as server_cpu_s.
  * rtt prints median_us and p99_us.
+ *
+ * With SBUS_BENCH_PUBLISH_TO=PATH, fanout's publisher connects to PATH instead
+ * (another bus, joined to SOCK by a relay, bridge, link, ...: bench/services.py):
+ * first it sends 'MSG bench/warmup' every 50 ms until every subscriber has one
+ * (the path is up), and the subscribers skip those.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -178,6 +183,7 @@ struct reader {
 	uint64_t *next; /* next sequence number each subscriber expects */
 	size_t off;     /* offset of the sequence number in a message */
 	long got, want, bad;
+	int warm; /* skip 'MSG bench/warmup' */
 };
 
 /* Read every subscriber until `want` messages arrived or STALL_S without progress. */
@@ -218,6 +224,8 @@ read_all(struct reader *rd)
 					break;
 				}
 				if ((size_t)r < rd->off + 8 || memcmp(rb, "MSG bench/", 10))
+					continue;
+				if (rd->warm && r >= 16 && !memcmp(rb, "MSG bench/warmup", 16))
 					continue;
 				memcpy(&seq, rb + rd->off, 8);
 				if (seq != rd->next[s])
@@ -309,6 +317,34 @@ finish(const char *head, struct reader *rd, long published, int pp[2], pid_t pid
 	return rd->got == rd->want && !rd->bad ? 0 : 1;
 }
 
+/* Publish 'MSG bench/warmup' on pubfd until every subscriber of rd has one. */
+static void
+warm_up(int pubfd, struct reader *rd)
+{
+	static const char w[] = "MSG bench/warmup\0w";
+	char rb[512];
+	int s, *seen = calloc((size_t)rd->nfds, sizeof(int)), left = rd->nfds;
+	double t0 = mono();
+	rd->warm = 1;
+	while (left) {
+		if (mono() - t0 > STALL_S) {
+			errno = ETIMEDOUT;
+			die("no message crossed from SBUS_BENCH_PUBLISH_TO to SOCK");
+		}
+		put(pubfd, w, sizeof w - 1);
+		usleep(50000);
+		for (s = 0; s < rd->nfds; s++) {
+			ssize_t r;
+			while ((r = recv(rd->fds[s], rb, sizeof rb, MSG_DONTWAIT)) > 0)
+				if (!seen[s] && r >= 16 && !memcmp(rb, w, 16)) {
+					seen[s] = 1;
+					left--;
+				}
+		}
+	}
+	free(seen);
+}
+
 static int
 fanout(const char *path, int subs, long msgs, int size, int nclients, int npats)
 {
@@ -335,7 +371,9 @@ fanout(const char *path, int subs, long msgs, int size, int nclients, int npats)
 		rd.fds[c] = subscriber(path, "bench/", c);
 	rd.off = 4 + strlen("bench/x/y") + 1;
 	rd.want = msgs * subs;
-	pubfd = dial(path);
+	pubfd = dial(getenv("SBUS_BENCH_PUBLISH_TO") ? getenv("SBUS_BENCH_PUBLISH_TO") : path);
+	if (getenv("SBUS_BENCH_PUBLISH_TO"))
+		warm_up(pubfd, &rd);
 	j.npub = 1;
 	j.fds = &pubfd;
 	j.msgs = msgs;
