@@ -30,8 +30,6 @@ many system calls that takes, never what is sent.
 from __future__ import annotations
 
 import errno
-import os
-import select
 import socket
 
 from twisted.internet import error, interfaces, main
@@ -39,9 +37,10 @@ from twisted.logger import Logger
 from twisted.python import failure
 from zope.interface import implementer
 
+from sbus import speedups
 from sbus.address import peer_credentials, size_buffers
 from sbus.core.credentials import Credentials
-from sbus.core.flood import FIFO, QUEUED_BLOCK, Outbox
+from sbus.core.flood import Outbox
 from sbus.core.limits import DEFAULT_DRAIN_CAP, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_PACKETS, MAX_PACKET
 from sbus.interfaces import IPacketTransport
 
@@ -666,17 +665,7 @@ def connectSeqPacket(reactor, address, protocol, *, max_packet: int = MAX_PACKET
 # pure-Python transport above.
 
 
-def _load_speedups():
-    if os.environ.get("SBUS_PURE_PYTHON", "") not in ("", "0"):
-        return None
-    try:
-        from sbus import _speedups
-    except ImportError:
-        return None
-    return _speedups
-
-
-_speedups = _load_speedups()
+_speedups = speedups.load()
 #: True when the server's connections use batch I/O (the C extension is there and not disabled).
 BATCH_IO = _speedups is not None
 if BATCH_IO:

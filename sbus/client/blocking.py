@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import select
 import socket
 import time
@@ -38,6 +37,7 @@ from sbus.core.codec import MAX_PACKET, Control, DisconnectNotice, DropNotice, M
 from sbus.core.patterns import reaches
 from sbus.core.reqrep import RequestTimeout, Requester, Responder
 from sbus.core.workqueue import Delivery, Membership, WorkerBase
+from sbus import speedups
 
 from .address import open_socket, size_buffers
 
@@ -49,19 +49,7 @@ _MSG_DONTWAIT = socket.MSG_DONTWAIT
 DEFAULT_BATCH = 256
 
 
-def _load_batch_calls():
-    """The optional C extension's batch calls (recvmmsg/sendmmsg), as the server's transport
-    loads them (sbus.seqpacket): None when it is not built or SBUS_PURE_PYTHON=1."""
-    if os.environ.get("SBUS_PURE_PYTHON", "") not in ("", "0"):
-        return None
-    try:
-        from sbus import _speedups
-    except ImportError:
-        return None
-    return _speedups
-
-
-_BATCH = _load_batch_calls()
+_BATCH = speedups.load()  # recvmmsg/sendmmsg, as the server's transport uses them
 #: True when `publish_many`/`receive_many` use sendmmsg/recvmmsg by default.
 BATCH_IO = _BATCH is not None
 
