@@ -48,7 +48,7 @@ test: $(VENV)/.test-installed
 bench: $(VENV)/.installed bench/out/loadgen bench/out/forwarder
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
 
-bench/out/%: bench/%.c
+bench/out/%: bench/%.c bench/loadgen_common.h
 	@mkdir -p bench/out
 	gcc -O2 -Wall -o $@ $<
 

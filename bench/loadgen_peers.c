@@ -55,6 +55,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "loadgen_common.h"
+
 #define STALL_S 10.0
 #define BATCH (32 * 1024) /* default; LOADGEN_PEERS_BATCH=BYTES changes it (0: one message per write) */
 #define CBUF (64 * 1024)
@@ -72,36 +74,7 @@ fail(const char *what)
 	exit(2);
 }
 
-static double
-mono(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
-/* utime + stime of a process, in seconds; -1 if unknown (as bench/loadgen.c). */
-static double
-cpu_of(long pid)
-{
-	char path[64], buf[4096], *p;
-	unsigned long ut, st;
-	FILE *f;
-	size_t n;
-	if (pid <= 0)
-		return -1;
-	snprintf(path, sizeof path, "/proc/%ld/stat", pid);
-	if (!(f = fopen(path, "r")))
-		return -1;
-	n = fread(buf, 1, sizeof buf - 1, f);
-	fclose(f);
-	buf[n] = 0;
-	if (!(p = strrchr(buf, ')')))
-		return -1;
-	if (sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &ut, &st) != 2)
-		return -1;
-	return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
-}
 
 /* ---------------------------------------------------------------- connections */
 
@@ -737,12 +710,6 @@ many(int clients, int pubs, long msgs, int size)
 	return run(head, &rd, &j, msgs * pubs);
 }
 
-static int
-cmpd(const void *a, const void *b)
-{
-	double x = *(const double *)a, y = *(const double *)b;
-	return x < y ? -1 : x > y;
-}
 
 static int
 rtt(int rounds)

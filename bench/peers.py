@@ -557,7 +557,7 @@ def main(argv=None) -> int:
 
 def build_peer_loadgen() -> Path:
     src, exe = BENCH / "loadgen_peers.c", OUT / "loadgen_peers"
-    if exe.exists() and exe.stat().st_mtime >= src.stat().st_mtime:
+    if exe.exists() and exe.stat().st_mtime >= max(src.stat().st_mtime, (BENCH / "loadgen_common.h").stat().st_mtime):
         return exe
     try:
         r = subprocess.run(["gcc", "-O2", "-Wall", "-o", str(exe), str(src)], capture_output=True, text=True,

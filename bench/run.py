@@ -665,7 +665,8 @@ def build_tools() -> tuple[Path, Path, Path]:
     exes = []
     for name in ("loadgen", "forwarder"):
         src, exe = BENCH / f"{name}.c", OUT / name
-        if exe.exists() and exe.stat().st_mtime >= src.stat().st_mtime:
+        newest = max(src.stat().st_mtime, (BENCH / "loadgen_common.h").stat().st_mtime)
+        if exe.exists() and exe.stat().st_mtime >= newest:
             exes.append(exe)
             continue
         try:
