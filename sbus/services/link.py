@@ -914,9 +914,9 @@ class Link(service.MultiService):
             self.drops["peer_down"] += 1
             return
         public = not key.startswith(SECRET_ROOT)
-        if public and self._receiving != CARRYING and peer.acks:
+        if public and self._receiving != CARRYING and self._watched(peer):
             # possibly another path's copy of something from the peer's bus (our window)
-            self.window.seen_on(BUS, key, packet[end + 1:], (), self._watched(peer))
+            self.window.seen_on(BUS, key, packet[end + 1:], ())
         if not self.tree.forwarding:
             self.standby["to_remote"] += 1
             if public and peer.acks:
@@ -1256,13 +1256,10 @@ class Link(service.MultiService):
 
     def _intoWindow(self, peer: PeerProtocol, key: bytes, payload: bytes) -> None:
         """A message of the peer's bus that we do not publish now."""
-        if key.startswith(SECRET_ROOT) or b"!" in key or key.startswith(TOPOLOGY) or not peer.acks:
+        if b"!" in key or key.startswith(TOPOLOGY) or not self._watched(peer):
             self.unwatched[FROM_REMOTE] += 1
             return
-        watched = self._watched(peer)
-        if not watched:
-            self.unwatched[FROM_REMOTE] += 1
-        self.window.seen_on(PEER, key, payload, (key,), watched)
+        self.window.seen_on(PEER, key, payload, (key,))
 
     def _update(self) -> None:
         """Does this link carry our receiving direction now? It does while both halves forward.
@@ -1342,8 +1339,9 @@ class Link(service.MultiService):
             if local is None:
                 self.drops["bus_down"] += 1
                 continue
+            # counted in standby.replayed_at_takeover (already in standby_not_forwarded), not
+            # again in from_remote: the peer's to_remote = our from_remote + standby_not_forwarded
             local.transport.write(b"MSG " + key + b"\0" + payload)
-            self.from_remote += 1
         log.info("sbus-link: taking over: published {n} message(s) from the peer's bus that the "
                  "old path had not delivered; failover gap {gap}", n=len(out), gap=self.window.last_gap[PEER])
 
