@@ -14,7 +14,14 @@ replaces the older one; run one link process per remote host).
 **Framing.** Each frame on the stream is a 4-byte big-endian length and one
 sbus packet: ``MSG key\\0payload`` (a message), ``CMSG link/hello\\0<json>``
 (``{"version": 1, "whoami": ..., "max_packet": ...}``, sent on connection
-and again when the local whoami changes) and ``CMSG link/ping`` (keepalive).
+and again when the local whoami changes; ``"ack": true`` and ``"patterns"`` say the
+peer speaks the frames below) and ``CMSG link/ping`` (keepalive). Between current peers
+also: ``CMSG link/state\0{"forwarding": bool}`` (the sender's spanning-tree state, at link
+up and each change), ``CMSG link/seen\0KEY\0PAYLOAD`` (a message of the sender's bus it does
+not carry because it stands by: watched, never published), ``CMSG link/ack\0N`` (the first
+N MSG frames of this connection are handled: published, and the bus answered a round trip
+after them, or counted as dropped), ``CMSG link/sync\0N`` / ``CMSG link/synced\0N`` (a round
+trip through the other half's bus). Unknown control frames are ignored.
 A frame over ``--max-packet`` is refused with one log line and the
 connection is closed; a sender never sends a frame over the peer's announced
 ``max_packet`` (it drops and counts it instead).
@@ -76,7 +83,22 @@ through a link who could not open its socket.
 
 **Down sides.** While the peer is not connected, local messages are dropped
 (``drops.peer_down``); while the bus is not connected, messages from the
-peer are dropped (``drops.bus_down``). Both sides reconnect with back-off
+peer are dropped (``drops.bus_down``). When the connection dies, what we
+sent that the peer had not acknowledged is counted as ``drops.in_flight``
+(it may have published up to one bus round trip's worth of it: counted
+lost, never uncounted).
+
+**Failover without loss** (issue 23; docs/deploy.md). Each half keeps a
+`sbus.core.standby.Window` of the direction it publishes (peer's bus -> its
+bus): while this link does not carry that direction (either half stands
+by, or the link just came up), every message the peer streams (MSG, or
+``link/seen`` while the peer stands by) waits in the window until its copy
+arrives on our bus by another path. When both halves forward again, the
+receiving half first makes a round trip through its bus and, with
+``link/sync``, through the peer's; then it publishes what still waits, in
+order, and carries from then on. The window watches only while our bus
+answered a round trip since it connected, the peer is a current one and
+our ``--pattern`` set covers the peer's (we must see another path's copies). Both sides reconnect with back-off
 (the ``--connect`` side reconnects to the peer). A stats line is logged
 every ``--stats-interval`` seconds.
 """
