@@ -298,11 +298,12 @@ def test_past_a_small_window_what_is_lost_is_counted_as_the_failover_gap(start_b
     assert st["stats"]["lost"].get("failover_gap") == result["gap"]  # where `sbus top` looks
 
 
-def test_standby_window_usage_errors_are_one_line(tmp_path):
+@pytest.mark.parametrize("service", [["sbus-bridge", "--a", "x", "--b", "y", "--rule", "'' both"],
+                                     ["sbus-link", "--bus", "x", "--listen", "unix:l.socket"]])
+def test_standby_window_usage_errors_are_one_line(tmp_path, service):
     for value, needle in (("0", "--standby-window: must be at least 1"),
                           ("many", "--standby-window: not a whole number")):
-        res = subprocess.run([*TWISTD, "sbus-bridge", "--a", "x", "--b", "y", "--rule", "'' both",
-                              "--standby-window", value],
+        res = subprocess.run([*TWISTD, *service, "--standby-window", value],
                              capture_output=True, timeout=SERVICE_TIMEOUT, cwd=tmp_path, env=child_env())
         out = (res.stderr + res.stdout).decode()
         assert res.returncode != 0 and needle in out and "Traceback" not in out, out[-500:]

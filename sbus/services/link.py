@@ -131,7 +131,7 @@ from sbus.core import codec
 from sbus.core.codec import MAX_PACKET
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key
 from sbus.core.patterns import matches
-from sbus.core.standby import MAX_MESSAGES, Window
+from sbus.core.standby import MAX_MESSAGES, Window, parse_size
 from sbus.services import access as bus_access
 from sbus.services.linkauth import AUTH, PROOF, AuthError, Handshake, load_key
 from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
@@ -454,11 +454,9 @@ class Options(usage.Options):
         for name in ("keepalive", "stats-interval"):
             self[name] = positive_float(name, self[name], zero_ok=True)
         try:
-            self["standby-window"] = int(self["standby-window"])
-        except ValueError:
-            raise usage.UsageError(f"--standby-window: not a whole number: {self['standby-window']!r}") from None
-        if self["standby-window"] < 1:
-            raise usage.UsageError("--standby-window: must be at least 1")
+            self["standby-window"] = parse_size(self["standby-window"])
+        except ValueError as e:
+            raise usage.UsageError(str(e)) from None
         if not self["patterns"]:
             self["patterns"] = [b""]
 
