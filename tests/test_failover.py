@@ -459,3 +459,12 @@ def test_single_link_connecting_side_killed_and_restarted_counts_every_loss(star
     n, received = got["n"], got["received"]
     print(f"sent {n}, received {received}, counted lost {lost}")
     assert abs(n - received - sum(lost.values())) <= n // 100, f"sent {n} != received {received} + lost {lost} (+-1%)"
+
+
+def test_parallel_links_sigterm_of_the_forwarding_one_loses_nothing(start_bus, services, tmp_path):  # noqa: F811
+    """A clean stop of the forwarding link's listening half (it says goodbye; its peer sees the
+    connection close): the standby link carries after the forward delay, from its windows."""
+    a, b, active, standby = parallel_links(start_bus, services, tmp_path)
+    run_flow(a.address, {"b": b.address}, lambda pub: active.listen.proc.terminate(), 1000)
+    takeovers = [[int(x) for x in found] for h in standby.halves for found in LINK_TAKEOVER.findall(h.log())]
+    assert takeovers and all(gap == 0 for _, gap in takeovers), takeovers
