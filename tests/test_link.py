@@ -597,3 +597,70 @@ def test_a_forged_whoami_answer_is_ignored(start_bus, tmp_path, procs):
     finally:
         asker.kill()
         forger.kill()
+
+
+class FramedPeer:
+    """A hand-made link peer over TCP: the shared-key handshake, then frames as we choose."""
+
+    def __init__(self, port: int, key_path: str):
+        from sbus.services.linkauth import Handshake, load_key
+
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+        self.buf = b""
+        auth = Handshake(load_key(key_path), "connect")
+        self.send(auth.opening())
+        while not auth.done:
+            frame = self.recv()
+            if frame.startswith(b"CMSG link/ping"):
+                continue
+            key, _, payload = frame[5:].partition(b"\0")
+            for reply in auth.receive(key, payload):
+                self.send(reply)
+
+    def send(self, frame: bytes) -> None:
+        self.sock.sendall(struct.pack(">I", len(frame)) + frame)
+
+    def recv(self) -> bytes:
+        while len(self.buf) < 4 or len(self.buf) < 4 + struct.unpack(">I", self.buf[:4])[0]:
+            data = self.sock.recv(65536)
+            if not data:
+                raise ConnectionError("closed")
+            self.buf += data
+        n = struct.unpack(">I", self.buf[:4])[0]
+        frame, self.buf = self.buf[4:4 + n], self.buf[4 + n:]
+        return frame
+
+    def closed(self) -> bool:
+        try:
+            while True:
+                self.recv()
+        except (ConnectionError, OSError):
+            return True
+
+
+def test_a_peer_s_watch_frames_are_never_published_and_a_false_ack_closes_the_link(start_bus, tmp_path, procs):
+    """A peer's link/seen (what it does not carry) is only watched, never published on our bus;
+    a link/ack of more than we sent is a protocol error (it would hide losses): one log line and
+    the connection is closed."""
+    bus = start_bus()
+    key = shared_key(tmp_path)
+    a = LinkProc(tmp_path, bus, "--listen", "tcp:0:interface=127.0.0.1", "--key-file", key, name="link-a")
+    procs.append(a)
+    peer = FramedPeer(a.port(), key)
+    hello = {"version": 1, "whoami": None, "max_packet": 65536, "ack": True, "patterns": [""]}
+    peer.send(b"CMSG link/hello\0" + json.dumps(hello).encode())
+    a.wait_log("link up")
+    with connect(bus.address) as spy:
+        send(spy, sub("x/"))
+        sync(spy)
+        peer.send(b'CMSG link/state\0{"forwarding": false}')
+        for i in range(50):
+            peer.send(b"CMSG link/seen\0x/seen%d\0payload" % i)
+        peer.send(msg("x/carried", b"1"))   # a MSG from a standing-by peer: not published either
+        peer.send(b"CMSG link/sync\x007")
+        while peer.recv() != b"CMSG link/synced\x007":   # the link read all the frames before
+            pass
+        assert sync(spy) == []
+    peer.send(b"CMSG link/ack\x00999")
+    assert peer.closed()
+    a.wait_log("link/ack of 999: sent 0")

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sbus.core.standby import OVERHEAD, Window
+from sbus.core.standby import OVERHEAD, Window, parse_size
 
 
 class Clock:
@@ -238,3 +238,25 @@ def test_what_was_seen_before_watching_only_pairs():
     w.seen_on("b", b"old", b"", [b"old"], replay=False)   # never paired: not forwarded, not lost
     assert w.drain() == [("a", b"new", b"")]
     assert w.gap == {"a": 0, "b": 0}
+
+
+def test_one_direction_as_a_link_half_keeps_it():
+    """sbus-link: a half watches only the direction it publishes (peer -> bus). Its own bus's
+    sightings carry no targets: they pair with the peer's messages (a copy read before or after
+    its original) and are never forwarded themselves."""
+    w = Window(("peer", "bus"))
+    w.seen_on("bus", b"k1", b"1", ())           # another path's copy, read before the original
+    w.seen_on("bus", b"local", b"x", ())        # a message published on our own bus
+    w.seen_on("peer", b"k1", b"1", (b"k1",))    # the original: settled by the early copy
+    w.seen_on("peer", b"k2", b"2", (b"k2",))
+    w.seen_on("bus", b"k2", b"2", ())           # its copy, after it: settled
+    w.seen_on("peer", b"k3", b"3", (b"k3",))    # never delivered by the active path
+    assert w.drain() == [("peer", b"k3", b"3")]
+    assert w.delivered == {"peer": 2, "bus": 0} and w.replayed == {"peer": 1, "bus": 0}
+
+
+def test_parse_size_says_what_is_wrong_in_one_line():
+    assert parse_size("300") == 300
+    for value, needle in (("0", "must be at least 1"), ("many", "not a whole number"), ("-3", "at least 1")):
+        with pytest.raises(ValueError, match=needle):
+            parse_size(value)

@@ -50,6 +50,18 @@ SKIP_AGE = 10.0
 OVERHEAD = 512
 
 
+def parse_size(value) -> int:
+    """A ``--standby-window`` value (a whole number, at least 1); ValueError naming what is
+    wrong, in one line, for the caller to report as a usage error."""
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"--standby-window: not a whole number: {value!r}") from None
+    if n < 1:
+        raise ValueError("--standby-window: must be at least 1")
+    return n
+
+
 class _Record:
     __slots__ = ("rid", "side", "key", "payload", "units", "twin", "t", "size", "replay")
 

@@ -14,7 +14,14 @@ replaces the older one; run one link process per remote host).
 **Framing.** Each frame on the stream is a 4-byte big-endian length and one
 sbus packet: ``MSG key\\0payload`` (a message), ``CMSG link/hello\\0<json>``
 (``{"version": 1, "whoami": ..., "max_packet": ...}``, sent on connection
-and again when the local whoami changes) and ``CMSG link/ping`` (keepalive).
+and again when the local whoami changes; ``"ack": true`` and ``"patterns"`` say the
+peer speaks the frames below) and ``CMSG link/ping`` (keepalive). Between current peers
+also: ``CMSG link/state\0{"forwarding": bool}`` (the sender's spanning-tree state, at link
+up and each change), ``CMSG link/seen\0KEY\0PAYLOAD`` (a message of the sender's bus it does
+not carry because it stands by: watched, never published), ``CMSG link/ack\0N`` (the first
+N MSG frames of this connection are handled: published, and the bus answered a round trip
+after them, or counted as dropped), ``CMSG link/sync\0N`` / ``CMSG link/synced\0N`` (a round
+trip through the other half's bus). Unknown control frames are ignored.
 A frame over ``--max-packet`` is refused with one log line and the
 connection is closed; a sender never sends a frame over the peer's announced
 ``max_packet`` (it drops and counts it instead).
@@ -76,7 +83,22 @@ through a link who could not open its socket.
 
 **Down sides.** While the peer is not connected, local messages are dropped
 (``drops.peer_down``); while the bus is not connected, messages from the
-peer are dropped (``drops.bus_down``). Both sides reconnect with back-off
+peer are dropped (``drops.bus_down``). When the connection dies, what we
+sent that the peer had not acknowledged is counted as ``drops.in_flight``
+(it may have published up to one bus round trip's worth of it: counted
+lost, never uncounted).
+
+**Failover without loss** (issue 23; docs/deploy.md). Each half keeps a
+`sbus.core.standby.Window` of the direction it publishes (peer's bus -> its
+bus): while this link does not carry that direction (either half stands
+by, or the link just came up), every message the peer streams (MSG, or
+``link/seen`` while the peer stands by) waits in the window until its copy
+arrives on our bus by another path. When both halves forward again, the
+receiving half first makes a round trip through its bus and, with
+``link/sync``, through the peer's; then it publishes what still waits, in
+order, and carries from then on. The window watches only while our bus
+answered a round trip since it connected, the peer is a current one and
+our ``--pattern`` set covers the peer's (we must see another path's copies). Both sides reconnect with back-off
 (the ``--connect`` side reconnects to the peer). A stats line is logged
 every ``--stats-interval`` seconds.
 """
@@ -109,6 +131,7 @@ from sbus.core import codec
 from sbus.core.codec import MAX_PACKET
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key
 from sbus.core.patterns import matches
+from sbus.core.standby import MAX_MESSAGES, Window, parse_size
 from sbus.services import access as bus_access
 from sbus.services.linkauth import AUTH, PROOF, AuthError, Handshake, load_key
 from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
@@ -127,6 +150,26 @@ HELLO = b"link/hello"
 PING = b"link/ping"
 #: Spanning-tree hellos on the link connection (the connection is a segment of its own).
 STP = b"link/stp"
+#: ``{"forwarding": bool}``: this half's spanning-tree state, sent when the link comes up and
+#: at each change (a standing-by half watches its peer's stream only while the peer forwards).
+STATE = b"link/state"
+#: ``link/sync\0N`` asks the peer for a round trip through its bus; ``link/synced\0N`` is the
+#: answer, sent once the peer's bus answered a whoami (everything the peer read before is ahead).
+SYNC = b"link/sync"
+SYNCED = b"link/synced"
+#: ``link/seen\0KEY\0PAYLOAD``: a message of the peer's bus that it does not carry (it stands
+#: by); never published, only watched (the other half keeps the window of its direction).
+SEEN = b"link/seen"
+#: ``link/ack\0N``: the first N messages the peer sent on this connection are handled here
+#: (published on our bus, which answered a round trip after them, or counted as dropped).
+ACK = b"link/ack"
+#: Seconds the takeover waits for the peer's answer to ``link/sync``.
+SYNC_TIMEOUT = 10.0
+#: The window's side names: our bus, and what the peer sent us from its bus.
+BUS, PEER = "bus", "peer"
+#: Our receiving direction (peer -> our bus), as the stats name it.
+FROM_REMOTE = "from_remote"
+STANDBY, CATCHING_UP, CARRYING = "standby", "catching up", "carrying"
 BUS_PORT, PEER_PORT = 1, 2
 #: The key clients publish their whoami on to learn their identity across the link.
 WHOAMI_REQUEST = b"sbus-link/whoami"
@@ -361,6 +404,9 @@ class Options(usage.Options):
         ["stats-interval", None, "60", "Log a statistics line this often, seconds (0: only at exit)."],
         ["key-file", "k", None, "Shared key (a file only its owner may read, the same on both ends): "
                                 "both ends prove they hold it at every connection. Needed for plain TCP."],
+        ["standby-window", None, str(MAX_MESSAGES), "Standing by, remember at most this many messages "
+                                                    "the active path has not yet delivered (forwarded "
+                                                    "if we take over; see docs/deploy.md)."],
     ]
 
     def __init__(self):
@@ -407,6 +453,10 @@ class Options(usage.Options):
             self[name] = positive_float(name, self[name])
         for name in ("keepalive", "stats-interval"):
             self[name] = positive_float(name, self[name], zero_ok=True)
+        try:
+            self["standby-window"] = parse_size(self["standby-window"])
+        except ValueError as e:
+            raise usage.UsageError(str(e)) from None
         if not self["patterns"]:
             self["patterns"] = [b""]
 
@@ -443,6 +493,24 @@ class PeerProtocol(Int32StringReceiver, TimeoutMixin):
         self.auth_timer = None
         #: The name a TLS server's certificate must prove, until it has (client side).
         self.unverified: str | None = None
+        #: The peer acknowledges what it handled (``link/ack``; said in its hello).
+        self.acks = False
+        #: MSG frames sent to the peer, and how many of them it acknowledged.
+        self.msgs_sent = 0
+        self.acked = 0
+        #: MSG frames received from the peer, the count last acknowledged, and whether an
+        #: acknowledgement's bus round trip is under way.
+        self.msgs_in = 0
+        self.ack_sent = 0
+        self.ack_busy = False
+        #: The peer's spanning-tree state (None: not said yet, or an older peer).
+        self.remote_forwarding: bool | None = None
+        #: The peer's export patterns (its hello), None: not said.
+        self.remote_patterns: list[bytes] | None = None
+        self.watch_noted = False
+        #: Our `link/sync` requests awaiting the peer's answer: number -> (Deferred, timer).
+        self.syncs: dict[int, tuple] = {}
+        self.next_sync = 0
 
     def connectionMade(self):
         peer = self.transport.getPeer()
@@ -492,6 +560,11 @@ class PeerProtocol(Int32StringReceiver, TimeoutMixin):
             return
         self.resetTimeout()
         self.link.fromPeer(self, frame)
+
+    def dataReceived(self, data: bytes):
+        super().dataReceived(data)
+        if self.msgs_in != self.ack_sent:
+            self.link.acknowledge(self)
 
     def lengthLimitExceeded(self, length: int):
         log.warn("sbus-link: peer {peer} sent a frame of {n} bytes, over the {limit}-byte limit; closing",
@@ -559,7 +632,7 @@ class Link(service.MultiService):
                  patterns=(b"",), max_packet: int = MAX_PACKET, initialDelay: float = 0.2,
                  maxDelay: float = 30.0, keepalive: float = 30.0, statsInterval: float = 60.0,
                  reactor=None, key_file: str | None = None, spanning_tree: bool = True,
-                 trusted_uids=()):
+                 trusted_uids=(), standby_window: int = MAX_MESSAGES):
         super().__init__()
         #: Who may reach the bus: a unix peer must be one of them (`sbus.services.access`).
         self.access = bus_access.BusAccess(bus)
@@ -596,12 +669,29 @@ class Link(service.MultiService):
         self.drops = Counter()
         #: Messages not carried while this link stands by (another path carries them), by direction.
         self.standby = Counter()
+        #: Our receiving direction (peer's bus -> ours) while this link does not carry it: what
+        #: the peer saw on its bus (its stream: MSG, or link/seen while it stands by) that has
+        #: not arrived on our bus by another path (sbus.core.standby, sides PEER and BUS);
+        #: published when the link carries again. Each half keeps the window of the direction
+        #: it publishes: the peer keeps the other one.
+        self.window = Window((PEER, BUS), max_messages=standby_window)
+        #: Our bus answered a round trip since it connected (our subscriptions are in force).
+        self._bus_ready = False
+        #: STANDBY (messages from the peer go to the window), CATCHING_UP (round trips before
+        #: the window is published), CARRYING (published as they come).
+        self._receiving = STANDBY
+        self._takeovers = 0
+        #: Messages from the peer not carried while the window could not watch, by direction.
+        self.unwatched = Counter()
+        #: What a takeover could not forward (the peer or bus went away during its round trip).
+        self.takeover_lost = 0
         self._warned = set()
         where = (listen or connect or "").split(":privateKey=")[0].split(":caCertsDir=")[0][:80]
         self.tree = Tree(reactor, default_name("sbus-link", f"bus={bus} {'listen' if listen else 'connect'}="
                                                             f"{where}"),
                          {BUS_PORT: "bus", PEER_PORT: "peer"}, self._sendTree, log, enabled=spanning_tree,
-                         trusted_uids=trusted_uids, transport_ports=(PEER_PORT,))
+                         trusted_uids=trusted_uids, transport_ports=(PEER_PORT,),
+                         on_change=self._forwardingChanged)
         self.responder = StatsResponder("sbus-link", self.tree.node.name, self.stats, self._publicStats)
 
         def localFactory():
@@ -673,10 +763,26 @@ class Link(service.MultiService):
             "peer_connects": self.peer_connects,
             "whoami_answers": self.whoami_answers,
             "drops": dict(self.drops),
-            "lost": lost(self.drops),
+            "lost": lost(self.drops, {"failover_gap": self._failoverGap()}),
             "standby_not_forwarded": dict(self.standby),
+            "standby": {
+                "delivered_by_active": self._byDirection(self.window.delivered),
+                "replayed_at_takeover": self._byDirection(self.window.replayed),
+                "skipped_by_active": self._byDirection(self.window.skipped),
+                "unwatched": dict(self.unwatched),
+                "watching": self._watched(self.peer),
+                "receiving": self._receiving,
+                "window": self.window.stats(),
+            },
+            "failover_gap": self._failoverGap(),
             "spanning_tree": self.tree.stats(),
         }
+
+    def _byDirection(self, counts: dict) -> dict:
+        return {FROM_REMOTE: counts[PEER]}
+
+    def _failoverGap(self) -> dict:
+        return {FROM_REMOTE: self.window.gap[PEER] + self.takeover_lost}
 
     def _publicStats(self) -> dict:
         return {"bus_connected": self.local is not None, "peer_connected": self.peer is not None,
@@ -719,6 +825,8 @@ class Link(service.MultiService):
         if self.listen and self.server.parent is None:
             self._listenNow()
         self.tree.port_up(BUS_PORT, whoami)
+        self._bus_ready = False
+        proto.sync().addCallbacks(lambda _: self._busReady(proto), lambda f: None)
         # the server's -u list, if its statistics name it (a unix peer is judged by modes and it)
         proto.server_request(b"server/stats").addCallbacks(self.access.learn_server, lambda f: None)
         if changed:
@@ -739,8 +847,22 @@ class Link(service.MultiService):
         if d is not None:
             d.addCallback(lambda port: log.info("sbus-link: listening on {host}", host=port.getHost()))
 
+    def _busReady(self, proto) -> None:
+        if proto is self.local:
+            self._bus_ready = True
+            self._noteWatched()
+
+    def _noteWatched(self) -> None:
+        peer = self.peer
+        if peer is not None and not peer.watch_noted and self._watched(peer):
+            peer.watch_noted = True
+            log.info("sbus-link: watching the peer's stream and our bus: if this link takes over, it "
+                     "publishes what another path had not delivered")
+
     def busDown(self, reason):
         self.local = None
+        self._bus_ready = False
+        self.window.reset()
         self.tree.port_down(BUS_PORT)
         if self._peer_paused:
             self._resumePeer()
@@ -811,13 +933,26 @@ class Link(service.MultiService):
         if peer is None:
             self.drops["peer_down"] += 1
             return
+        public = not key.startswith(SECRET_ROOT)
+        if public and self._receiving != CARRYING and self._watched(peer):
+            # possibly another path's copy of something from the peer's bus (our window)
+            self.window.seen_on(BUS, key, packet[end + 1:], ())
         if not self.tree.forwarding:
             self.standby["to_remote"] += 1
+            if public and peer.acks:
+                # the peer watches what we do not carry (its window of this direction)
+                shadow = b"CMSG " + SEEN + b"\0" + packet[4:]
+                if len(shadow) <= peer.remote_max:
+                    peer.sendString(shadow)
             return
+        self._toPeer(peer, packet)
+
+    def _toPeer(self, peer: PeerProtocol, packet: bytes) -> None:
         if len(packet) > peer.remote_max:
             self.drops["too_large_for_peer"] += 1
             return
         peer.sendString(packet)
+        peer.msgs_sent += 1
         self.to_remote += 1
 
     def _replyKey(self, asker: bytes) -> bytes | None:
@@ -859,7 +994,8 @@ class Link(service.MultiService):
 
     def _hello(self) -> bytes:
         body = {"version": VERSION, "whoami": _show(self.whoami) if self.whoami else None,
-                "max_packet": self.max_packet}
+                "max_packet": self.max_packet, "ack": True,
+                "patterns": [p.decode("utf-8", "surrogateescape") for p in self.patterns]}
         return b"CMSG " + HELLO + b"\0" + json.dumps(body).encode()
 
     def peerConnected(self, peer: PeerProtocol):
@@ -927,13 +1063,26 @@ class Link(service.MultiService):
     def peerLost(self, peer: PeerProtocol, reason):
         why = reason.getErrorMessage() if hasattr(reason, "getErrorMessage") else reason
         self.conns.discard(peer)
+        for d, timer in peer.syncs.values():
+            if timer.active():
+                timer.cancel()
+            d.errback(ConnectionError("the link went down"))
+        peer.syncs.clear()
         if peer is self.peer:
             self.peer = None
+            self.window.reset()
+            self._receiving = STANDBY
+            # What we sent that the peer had not said it handled: lost, unless it published it
+            # in its last round trip (so counted at most one round trip's worth too many).
+            in_flight = peer.msgs_sent - peer.acked if peer.acks else 0
+            if in_flight > 0:
+                self.drops["in_flight"] += in_flight
             self.tree.port_down(PEER_PORT)
             if self._local_paused:
                 self._resumeLocal()
-            log.warn("sbus-link: link to {peer} down ({why}); local messages are dropped until it is back",
-                     peer=peer.name, why=why)
+            log.warn("sbus-link: link to {peer} down ({why}); {n} message(s) sent it had not confirmed "
+                     "(counted lost: in_flight); local messages are dropped until it is back",
+                     peer=peer.name, why=why, n=in_flight)
         else:
             log.warn("sbus-link: connection {peer} closed before the link was up ({why})", peer=peer.name, why=why)
 
@@ -954,6 +1103,10 @@ class Link(service.MultiService):
         peer.transport.registerProducer(_Pauser(self._pauseLocal, self._resumeLocal), True)
         if self._peer_paused:
             peer.transport.pauseProducing()
+        self.window.reset()
+        self._receiving = STANDBY
+        self._sendState(peer)
+        self._update()
         log.info("sbus-link: link up with {peer}; its clients appear here as {mine}/<their whoami>, "
                  "ours there as {theirs}/<our whoami>", peer=peer.name, mine=_show(self.whoami),
                  theirs=_show(peer.remote_whoami))
@@ -964,6 +1117,7 @@ class Link(service.MultiService):
         if peer.auth is not None and not peer.auth.done:
             return self._authFrame(peer, frame)
         if frame[:4] == b"MSG " and peer.ready:
+            peer.msgs_in += 1
             end = frame.find(b"\0", 4)
             if end < 0:
                 return self._peerError(peer, "MSG without a NUL")
@@ -981,11 +1135,12 @@ class Link(service.MultiService):
             if local is None:
                 self.drops["bus_down"] += 1
                 return None
-            if not self.tree.forwarding:
-                self.standby["from_remote"] += 1
-                return None
             if key.startswith(TOPOLOGY):
                 self.drops["reserved_key"] += 1
+                return None
+            if self._receiving != CARRYING:
+                self.standby["from_remote"] += 1
+                self._intoWindow(peer, key, frame[end + 1:])
                 return None
             local.transport.write(frame)
             self.from_remote += 1
@@ -999,6 +1154,22 @@ class Link(service.MultiService):
                 return None
             if key == STP:
                 self.tree.received(PEER_PORT, HELLO_KEY, frame[len(b"CMSG " + STP) + 1:])
+                return None
+            body = frame[5 + len(key) + 1:]
+            if key == ACK and peer.ready:
+                return self._acked(peer, body)
+            if key == STATE and peer.ready:
+                return self._peerState(peer, body)
+            if key == SYNC and peer.ready:
+                return self._syncRequested(peer, body)
+            if key == SYNCED and peer.ready:
+                return self._synced(peer, body)
+            if key == SEEN and peer.ready:
+                seen_key, nul, payload = body.partition(b"\0")
+                if not nul:
+                    return self._peerError(peer, "link/seen without a NUL")
+                if self.local is not None:
+                    self._intoWindow(peer, seen_key, payload)
                 return None
             if key == HELLO:
                 return self._hello_received(peer, frame[len(b"CMSG " + HELLO) + 1:])
@@ -1023,11 +1194,176 @@ class Link(service.MultiService):
                 return self._peerError(peer, f"bad whoami in hello: {whoami!r}")
         peer.remote_max = remote_max
         peer.remote_whoami = whoami
+        peer.acks = hello.get("ack") is True
+        patterns = hello.get("patterns")
+        if isinstance(patterns, list) and all(isinstance(p, str) for p in patterns):
+            peer.remote_patterns = [p.encode("utf-8", "surrogateescape") for p in patterns]
         if not peer.ready:
             self._activate(peer)
         elif whoami is not None:
             log.info("sbus-link: peer {peer} is now {who} on its bus", peer=peer.name, who=_show(whoami))
         return None
+
+    # -- acknowledgements: what the peer handled, so that a dead peer's share is counted
+
+    def acknowledge(self, peer: PeerProtocol) -> None:
+        """Tell the peer how many of its messages we handled, once our bus answered a round trip
+        after them (then they are on the bus); one round trip at a time."""
+        if peer.ack_busy or not peer.acks or peer is not self.peer:
+            return
+        n = peer.msgs_in
+        local = self.local
+        if local is None:       # dropped as bus_down (counted here): handled
+            self._sendAck(peer, n)
+            return
+        peer.ack_busy = True
+
+        def done(_):
+            peer.ack_busy = False
+            if self.local is local:
+                self._sendAck(peer, n)
+            if peer.msgs_in != peer.ack_sent:
+                self.acknowledge(peer)
+
+        local.sync().addBoth(done)
+
+    def _sendAck(self, peer: PeerProtocol, n: int) -> None:
+        if n != peer.ack_sent:
+            peer.ack_sent = n
+            peer.sendFrame(b"CMSG " + ACK + b"\0%d" % n)
+
+    def _acked(self, peer: PeerProtocol, body: bytes) -> None:
+        try:
+            n = int(body)
+        except ValueError:
+            return self._peerError(peer, "bad link/ack")
+        if not peer.acked <= n <= peer.msgs_sent:
+            return self._peerError(peer, f"link/ack of {n}: sent {peer.msgs_sent}, acknowledged {peer.acked}")
+        peer.acked = n
+        return None
+
+    # -- standing by and taking over (sbus.core.standby)
+
+    def _sendState(self, peer: PeerProtocol) -> None:
+        body = json.dumps({"forwarding": bool(self.tree.forwarding)}).encode()
+        peer.sendFrame(b"CMSG " + STATE + b"\0" + body)
+
+    def _peerState(self, peer: PeerProtocol, body: bytes) -> None:
+        try:
+            forwarding = json.loads(body)["forwarding"]
+        except (ValueError, TypeError, KeyError):
+            return self._peerError(peer, "bad link/state")
+        if not isinstance(forwarding, bool):
+            return self._peerError(peer, "bad link/state")
+        peer.remote_forwarding = forwarding
+        self._noteWatched()
+        self._update()
+        return None
+
+    def _forwardingChanged(self, forwarding: bool) -> None:
+        peer = self.peer
+        if peer is not None and peer.ready:
+            self._sendState(peer)
+        self._update()
+
+    def _watched(self, peer: PeerProtocol | None) -> bool:
+        """Does the window see both sightings of what the peer's bus carries: our bus answered
+        a round trip, the peer streams everything (a current peer: MSG or link/seen), and our
+        subscriptions cover what it exports?"""
+        if peer is None or not self._bus_ready or not peer.acks or peer.remote_patterns is None:
+            return False
+        return self.export_all or set(peer.remote_patterns) <= set(self.patterns)
+
+    def _intoWindow(self, peer: PeerProtocol, key: bytes, payload: bytes) -> None:
+        """A message of the peer's bus that we do not publish now."""
+        if b"!" in key or key.startswith(TOPOLOGY) or not self._watched(peer):
+            self.unwatched[FROM_REMOTE] += 1
+            return
+        self.window.seen_on(PEER, key, payload, (key,))
+
+    def _update(self) -> None:
+        """Does this link carry our receiving direction now? It does while both halves forward.
+        When it starts to, it first publishes what the window holds (after round trips through
+        both buses: then every copy another path made has met its original)."""
+        peer = self.peer
+        carried = bool(self.tree.forwarding and peer is not None and peer.ready
+                       and peer.remote_forwarding is not False)
+        if not carried:
+            self._receiving = STANDBY   # catching up: the window stays as it is
+            return
+        if self._receiving != STANDBY:
+            return
+        if peer.remote_forwarding is None or not self._watched(peer) or self.local is None:
+            self.window.reset()         # nothing watched: carry from now on
+            self._receiving = CARRYING
+            return
+        self._receiving = CATCHING_UP
+        self._takeovers += 1
+        generation = self._takeovers
+        ds = [self.local.sync(), self._peerSync(peer)]
+
+        def caught_up(_):
+            if generation == self._takeovers and self._receiving == CATCHING_UP:
+                self._receiving = CARRYING
+                self._replay()
+
+        def failed(f):
+            if generation != self._takeovers or self._receiving != CATCHING_UP:
+                return
+            self._receiving = STANDBY
+            out = self.window.drain()
+            self.takeover_lost += len(out)
+            log.warn("sbus-link: taking over failed ({why}): {n} message(s) the old path had not "
+                     "delivered are lost (failover_gap)", why=f.getErrorMessage(), n=len(out))
+
+        defer.gatherResults(ds, consumeErrors=True).addCallbacks(caught_up, failed)
+
+    def _peerSync(self, peer: PeerProtocol) -> defer.Deferred:
+        """Fires once the peer's bus answered a round trip after this request: everything the
+        peer read from its bus before then is ahead of the answer in its stream."""
+        n = peer.next_sync
+        peer.next_sync += 1
+        d = defer.Deferred()
+
+        def expired():
+            entry = peer.syncs.pop(n, None)
+            if entry is not None:
+                entry[0].errback(TimeoutError(f"the peer did not answer link/sync in {SYNC_TIMEOUT:.0f}s"))
+
+        peer.syncs[n] = (d, self.reactor.callLater(SYNC_TIMEOUT, expired))
+        peer.sendFrame(b"CMSG " + SYNC + b"\0%d" % n)
+        return d
+
+    def _syncRequested(self, peer: PeerProtocol, body: bytes) -> None:
+        answer = b"CMSG " + SYNCED + b"\0" + body[:20]
+        if self.local is None:
+            peer.sendFrame(answer)
+            return
+        self.local.sync().addBoth(lambda _: peer.sendFrame(answer))
+
+    def _synced(self, peer: PeerProtocol, body: bytes) -> None:
+        try:
+            entry = peer.syncs.pop(int(body), None)
+        except ValueError:
+            entry = None
+        if entry is not None:
+            d, timer = entry
+            if timer.active():
+                timer.cancel()
+            d.callback(None)
+
+    def _replay(self) -> None:
+        out = self.window.drain()
+        local = self.local
+        for _, key, payload in out:
+            if local is None:
+                self.drops["bus_down"] += 1
+                continue
+            # counted in standby.replayed_at_takeover (already in standby_not_forwarded), not
+            # again in from_remote: the peer's to_remote = our from_remote + standby_not_forwarded
+            local.transport.write(b"MSG " + key + b"\0" + payload)
+        log.info("sbus-link: taking over: published {n} message(s) from the peer's bus that the "
+                 "old path had not delivered; failover gap {gap}", n=len(out), gap=self.window.last_gap[PEER])
 
     def _peerError(self, peer: PeerProtocol, detail: str):
         log.warn("sbus-link: protocol error from peer {peer}: {detail}; closing", peer=peer.name, detail=detail)
@@ -1043,7 +1379,7 @@ def makeService(options: Options) -> Link:
             keepalive=options["keepalive"], statsInterval=options["stats-interval"],
             key_file=options["key-file"],
             spanning_tree=not options["no-spanning-tree"],
-            trusted_uids=options["trust-uids"],
+            trusted_uids=options["trust-uids"], standby_window=options["standby-window"],
         )
     except EndpointError as e:
         raise usage.UsageError(str(e)) from None
