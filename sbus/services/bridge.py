@@ -118,7 +118,7 @@ from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, ProtocolError
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key
 from sbus.core.patterns import matches
-from sbus.core.standby import MAX_MESSAGES, Window
+from sbus.core.standby import MAX_MESSAGES, Window, parse_size
 from sbus.core.topology import RESERVED as TOPOLOGY
 from sbus.options import MISSING_BUS_HELP
 from sbus.services.safeconnect import OwnerConnector, parse_user
@@ -817,11 +817,9 @@ class Options(usage.Options):
         if same:
             raise usage.UsageError(f"refusing to bridge a bus to itself: --a and --b {same}")
         try:
-            self["standby-window"] = int(self["standby-window"])
-        except ValueError:
-            raise usage.UsageError(f"--standby-window: not a whole number: {self['standby-window']!r}") from None
-        if self["standby-window"] < 1:
-            raise usage.UsageError("--standby-window: must be at least 1")
+            self["standby-window"] = parse_size(self["standby-window"])
+        except ValueError as e:
+            raise usage.UsageError(str(e)) from None
         for name in ("stats-interval", "max-delay"):
             try:
                 value = float(self[name])
