@@ -27,6 +27,22 @@ itself one client of the master:
   sent upward (counted as ``drops.master_down`` in statistics); it
   reconnects with exponential back-off (``--initial-delay`` to
   ``--max-delay``) and re-subscribes everything held.
+* **Master back: at once.** Where the master is a socket file (Linux), the
+  relay watches the file's directory with inotify (`MasterSocketWatch`): when
+  a socket appears at the master's path (created, moved there, or its mode
+  changed) while the relay waits, it tries at once instead of after the
+  back-off. The file exists from ``bind()``, before the new master calls
+  ``listen()``: a refused attempt is retried every ``WAKE_INTERVAL`` for
+  ``WAKE_WINDOW`` seconds, then the back-off resumes, doubling from
+  ``WAKE_INTERVAL``. A relay of a relay is woken the same way when the relay
+  above restarts (its socket reappears once it serves again). Without
+  inotify (another OS, an abstract or ``/dev/fd/N`` master, a watch that
+  cannot be set) the back-off alone applies; the relay says so at start.
+* **No planted symlinks.** The master's socket file is opened without
+  following a final symlink (``O_PATH | O_NOFOLLOW``) and connected through
+  that descriptor (``/proc/self/fd/N``): a symlink at the master's path is
+  followed only if it belongs to the relay's own uid or to root; one of
+  another uid is refused (``ELOOP``, in the log) and never wakes the relay.
 * **Prefix changes.** If the whoami on the master changes after a reconnect
   (the master is itself a relay that was restarted), local clients keep the
   prefix they were given: the relay translates secret patterns upward and
@@ -43,7 +59,9 @@ object (see `Relay.stats`).
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from collections import Counter
 
 from twisted.application import service
@@ -53,7 +71,7 @@ from twisted.python import usage
 from zope.interface import implementer
 
 from sbus.client import address as client_address
-from sbus.client.twisted import ReconnectingClient, SbusProtocol, parse_whoami
+from sbus.client.twisted import ReconnectingClient, SbusProtocol, _connect_socket, parse_whoami
 from sbus.core.credentials import SECRET_ROOT, secret_prefix, whoami
 from sbus.core.pausing import Holds, Pauses
 from sbus.core.topology import CHANGE_KEY
@@ -153,19 +171,201 @@ class UpstreamProtocol(SbusProtocol):
             self.relay.disconnect_reason = payload.replace(b"\0", b": ", 1).decode("utf-8", "replace")[:300]
 
 
+#: After the master's socket file (re)appears, a refused attempt (the file exists from the new
+#: master's bind(), before its listen()) is retried this often, seconds ...
+WAKE_INTERVAL = 0.05
+#: ... for this long; then the back-off resumes, doubling from WAKE_INTERVAL.
+WAKE_WINDOW = 5.0
+_PROC_FD = "/proc/self/fd"
+
+
+def master_file_refusal(path: str) -> str | None:
+    """Why the relay must not connect through what is at `path` (a symlink of another uid than
+    ours or root's), or None. Only the final component is judged, without following it."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None  # nothing there (yet): the connect says so
+    if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, os.geteuid()):
+        return f"a symlink of uid {st.st_uid} (neither ours nor root's): refusing to connect through it"
+    return None
+
+
+def _open_master_file(path: str) -> int:
+    """An ``O_PATH`` descriptor of the master's socket file at `path`: the file itself, or what a
+    symlink of ours or root's names. A symlink of another uid raises `OSError` (``ELOOP``)."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISLNK(st.st_mode):
+        return fd
+    os.close(fd)
+    if st.st_uid not in (0, os.geteuid()):
+        raise OSError(errno.ELOOP, f"a symlink of uid {st.st_uid} (neither ours nor root's): "
+                                   "refusing to connect through it", path)
+    return os.open(path, os.O_PATH | os.O_CLOEXEC)  # ours or root's: followed
+
+
+def connect_master(reactor, address, max_packet, timeout):
+    """The relay's connector (`ReconnectingClient`): a path is opened first (`_open_master_file`)
+    and connected through that descriptor, so what is connected is the file that was judged,
+    whatever replaces the name meanwhile. Other addresses, or no ``/proc``: a plain connect."""
+    addr = client_address.resolve(address)
+    if addr.kind != "path" or not os.path.isdir(_PROC_FD):
+        return _connect_socket(reactor, address, max_packet, timeout)
+    try:
+        fd = _open_master_file(addr.value)
+    except OSError as e:
+        return defer.fail(type(e)(e.errno, e.strerror or os.strerror(e.errno), addr.text))
+
+    def close(result):
+        os.close(fd)
+        return result
+
+    return _connect_socket(reactor, f"{_PROC_FD}/{fd}", max_packet, timeout).addBoth(close)
+
+
+class MasterSocketWatch:
+    """Calls `wake()` when a socket file appears at the master's `path` (created, moved there,
+    or its mode changed), by inotify on the file's directory (Linux).
+
+    `arm()` sets the watch. If the directory does not exist (yet), its parent is watched
+    for it (``/run/sbus/`` made by the master's service manager, ``/run/user/UID`` made at
+    login), and the directory once it appears. If it is removed or renamed later, the same
+    again. `changed()` is called whenever the watch changed on its own (the relay logs
+    `state`)."""
+
+    def __init__(self, reactor, path: str, wake, changed):
+        self.reactor = reactor
+        self.path = os.path.abspath(path)
+        self.directory, name = os.path.split(self.path)
+        self.parent, dirname = os.path.split(self.directory)
+        self.name = os.fsencode(name)
+        self.dirname = os.fsencode(dirname)
+        self.wake = wake
+        self.changed = changed
+        self.notifier = None
+        #: What is watched: "directory", "parent" or None; `state` says it in words.
+        self.level: str | None = None
+        self.state = "not started"
+
+    def arm(self) -> str | None:
+        """Watch (again); None when the socket's directory is watched, else why not (a line)."""
+        if self.level == "directory":
+            return None
+        self.disarm()
+        try:
+            from twisted.internet import inotify
+            from twisted.python.filepath import FilePath
+        except ImportError as e:
+            self.state = f"no inotify on this system ({e})"
+            return self.state
+        gone = inotify.IN_DELETE_SELF | inotify.IN_MOVE_SELF
+        appeared = inotify.IN_CREATE | inotify.IN_MOVED_TO
+        try:
+            notifier = inotify.INotify(self.reactor)
+        except (inotify.INotifyError, OSError) as e:
+            self.state = f"no inotify instance ({e})"
+            return self.state
+        try:
+            notifier.watch(FilePath(self.directory), mask=appeared | inotify.IN_ATTRIB | gone,
+                           callbacks=[self._event])
+            self.level, self.state = "directory", f"watching {self.directory} (inotify)"
+        except (inotify.INotifyError, OSError):
+            try:
+                notifier.watch(FilePath(self.parent), mask=appeared | gone, callbacks=[self._parentEvent])
+                self.level = "parent"
+                self.state = (f"{self.directory} cannot be watched (missing?): watching {self.parent} "
+                              f"(inotify) for it")
+            except (inotify.INotifyError, OSError):
+                notifier.loseConnection()
+                self.state = f"cannot watch {self.directory} nor {self.parent} (missing, or not ours to read)"
+                return self.state
+        self._gone, self._appeared = gone, appeared | inotify.IN_ATTRIB
+        notifier.startReading()
+        self.notifier = notifier
+        return None if self.level == "directory" else self.state
+
+    def disarm(self) -> None:
+        notifier, self.notifier, self.level = self.notifier, None, None
+        if notifier is not None:
+            notifier.loseConnection()
+
+    def _rearm(self) -> None:
+        self.disarm()
+        self.reactor.callLater(0, self.changed)
+
+    def _event(self, watch, filepath, mask: int) -> None:
+        if self.notifier is None or self.level != "directory":
+            return  # from a watch given up
+        if mask & self._gone:
+            self._rearm()  # the directory went away or moved: watch its parent for it
+            return
+        if mask & self._appeared and filepath.basename() == self.name:
+            self.check()
+
+    def _parentEvent(self, watch, filepath, mask: int) -> None:
+        if self.notifier is None or self.level != "parent":
+            return
+        if mask & self._gone or filepath.basename() == self.dirname:
+            self._rearm()
+
+    def check(self) -> None:
+        """Wake the relay if a socket (or a symlink it may follow) is at the master's path."""
+        try:
+            st = os.lstat(self.path)
+        except OSError:
+            return
+        if stat.S_ISSOCK(st.st_mode) or (stat.S_ISLNK(st.st_mode) and master_file_refusal(self.path) is None):
+            self.wake()
+
+
 class _MasterClient(ReconnectingClient):
     def __init__(self, relay: "Relay", *args, **kw):
         super().__init__(*args, **kw)
         self.relay = relay
+        #: Until then, a failed attempt is retried after WAKE_INTERVAL (the master's socket reappeared).
+        self.fast_until = 0.0
 
     def connectionMade(self, protocol):
+        self.fast_until = 0.0
         self.relay.masterUp(protocol)
 
     def connectionLost(self, reason):
         self.relay.masterDown(reason)
 
     def connectionFailed(self, reason):
+        if self.reactor.seconds() < self.fast_until:
+            self._delay = WAKE_INTERVAL
         self.relay.masterUnreachable(reason, self.lastFailure if self.failureIsNews else None)
+
+    def backOffAtLeast(self, delay: float) -> None:
+        """Wait at least `delay` before the next attempt after this one."""
+        self._delay = max(self._delay, delay)
+
+    def tryNow(self, announce=None) -> bool:
+        """The master's socket reappeared: try at once (at most once per WAKE_INTERVAL), and
+        retry failures after WAKE_INTERVAL for WAKE_WINDOW. True if an attempt was started;
+        `announce()` is called just before it (a refusal may be logged before this returns)."""
+        if not self._running or self.connected:
+            return False
+        now = self.reactor.seconds()
+        self.fast_until = now + WAKE_WINDOW
+        if self._connecting:
+            return False  # under way: if refused, retried soon (connectionFailed)
+        call = self._call
+        if call is not None and call.active():
+            if call.getTime() - now <= WAKE_INTERVAL:
+                return False  # soon anyway: an event storm does not make a connect storm
+            call.cancel()
+        self._call = None
+        if announce is not None:
+            announce()
+        self._attempt()
+        return True
 
 
 @implementer(IUpstream)
@@ -210,6 +410,12 @@ class Relay(service.Service):
         self.failed_attempts = 0
         self.drops = Counter()
         self.subscribed_up = 0
+        #: Attempts made at once because the master's socket reappeared.
+        self.wakeups = 0
+        self.watch: MasterSocketWatch | None = None
+        #: Why the master's socket is not watched (None: watched), as last logged.
+        self.watch_missing: str | None = "not started"
+        self._watch_logged: str | None = None
 
     # -- service life
 
@@ -230,11 +436,54 @@ class Relay(service.Service):
 
         self.client = _MasterClient(self, self.reactor, self.upstream, protocolFactory,
                                     initialDelay=self.initialDelay, maxDelay=self.maxDelay,
-                                    max_packet=self.config.max_packet)
+                                    max_packet=self.config.max_packet, connector=connect_master)
+        addr = client_address.resolve(self.upstream)
+        if addr.kind == "path":
+            self.watch = MasterSocketWatch(self.reactor, addr.value, self.masterAppeared, self._armWatch)
+            self._armWatch()
+        else:
+            self.watch_missing = "the master's address is not a path"
+            log.info("sbus-relay: the master's address is not a socket file: a restarted master is "
+                     "found by the back-off alone (at most {d:g}s apart)", d=self.maxDelay)
         self.client.start()
+
+    def _armWatch(self) -> None:
+        """Watch the master's socket file (again: a removed or renamed directory loses the watch)."""
+        watch = self.watch
+        if watch is None:
+            return
+        self.watch_missing = watch.arm()
+        if watch.state == self._watch_logged:
+            return
+        self._watch_logged = watch.state
+        if watch.level == "directory":
+            log.info("sbus-relay: {state}: a master restarted at {up} is connected at once, not after the "
+                     "back-off", state=watch.state, up=self.upstream)
+            watch.check()  # it may have appeared before the directory was watched
+        elif watch.level == "parent":
+            log.info("sbus-relay: {state}", state=watch.state)
+        else:
+            log.warn("sbus-relay: not watching the master's socket file: {why}; a restarted master is "
+                     "found by the back-off alone (at most {d:g}s apart)", why=watch.state, d=self.maxDelay)
+
+    def masterAppeared(self) -> None:
+        """A socket appeared at the master's path (`MasterSocketWatch`)."""
+        if self.up is not None or self.client is None or not self.running:
+            return
+        was_fast = self.reactor.seconds() < self.client.fast_until
+
+        def announce():
+            self.wakeups += 1
+            if not was_fast:
+                log.info("sbus-relay: a socket appeared at {up}: connecting now, not after the back-off",
+                         up=self.upstream)
+
+        self.client.tryNow(announce)
 
     def stopService(self):
         service.Service.stopService(self)
+        if self.watch is not None:
+            self.watch.disarm()
         ds = []
         if self.client is not None:
             ds.append(self.client.stop())
@@ -272,6 +521,7 @@ class Relay(service.Service):
     def masterUnreachable(self, reason, news: str | None = None):
         """`news`: the failure in one line when it is worth logging (the first, or a new error)."""
         self.failed_attempts += 1
+        self._armWatch()
         if news is not None:
             log.warn("sbus-relay: cannot connect to the master at {news}; {what}retrying quietly with "
                      "back-off", news=news, what="not serving yet, " if self.factory is None else "")
@@ -320,7 +570,7 @@ class Relay(service.Service):
             if lived < 5.0:
                 # Cut off right after connecting: do not hot-loop; back off as if it had failed.
                 self._backoff = min(max(2 * getattr(self, "_backoff", 0.0), 1.0), self.maxDelay)
-                self.client._delay = max(getattr(self.client, "_delay", 0.0), self._backoff)
+                self.client.backOffAtLeast(self._backoff)
             else:
                 self._backoff = 0.0
             why = self.disconnect_reason
@@ -489,6 +739,8 @@ class Relay(service.Service):
             "reconnects": max(0, self.connects - 1),
             "disconnects": self.disconnects,
             "failed_attempts": self.failed_attempts,
+            "wakeups": self.wakeups,
+            "watching": self.watch_missing is None,
             "drops": dict(self.drops),
             "queued_up_bytes": up.transport.queuedBytes() if up is not None else 0,
             "blocked_publishers": len(self.blocked),
