@@ -12,14 +12,16 @@ each step waits for a log line, a statistic or a delivery, with a timeout.
 from __future__ import annotations
 
 import encodings.idna  # noqa: F401  (uid 65534 cannot import it from the venv after the fork)
+import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 
 import pytest
 
-from helpers import SbusdProcess, connect, msg, recv, run_as, send, sub, sync, wait_until
+from helpers import SbusdProcess, child_env, connect, msg, recv, run_as, send, stats, sub, sync, wait_until
 from test_relay import Relay, procs, queue_of, relay_stats, wait_subs  # noqa: F401  (procs: fixture)
 
 #: The relay's back-off in these tests: the next try after a failure is >= 270 s away.
@@ -135,6 +137,111 @@ def test_master_directory_made_late_and_made_again_is_watched(start_bus, tmp_pat
     master = start_bus(address=path)
     wait_until(lambda: relay_stats(relay)["reconnects"] == 1, "reconnection", FAST)
     both_ways(path, relay, b"again")
+
+
+def _take(sub_sock, got: set) -> bool:
+    """Receive one t/flow message into `got`; False at end of file (its bus died)."""
+    p = recv(sub_sock, FAST)
+    if not p:
+        return False
+    assert p.startswith(b"MSG t/flow\0"), p[:60]
+    n = int(p[len(b"MSG t/flow\0"):])
+    assert n not in got, f"message {n} twice"
+    got.add(n)
+    return True
+
+
+def _flow(pub, sub_sock, start: int, count: int, window: int, got: set, kill_at=None, kill=None) -> None:
+    """Publish t/flow messages start..start+count-1 on `pub`, never more than `window` ahead of
+    what `sub_sock` received (into `got`); call `kill()` once `kill_at` have been sent. Once the
+    subscriber's bus is gone (end of file) publish on without waiting. Without a kill, return
+    when every message has arrived."""
+    sent, received, alive = 0, 0, True
+    while sent < count:
+        if alive and sent - received >= window:
+            alive = _take(sub_sock, got)
+            received += alive
+            continue
+        send(pub, msg(b"t/flow", b"%d" % (start + sent)))
+        sent += 1
+        if sent == kill_at:
+            kill()
+    while kill is None and received < count:
+        assert _take(sub_sock, got), "the subscriber's bus closed"
+        received += 1
+
+
+def test_what_the_relay_could_not_send_up_is_counted_across_a_master_kill(start_bus, tmp_path, procs):
+    """A publisher on the relay, a subscriber on the master; the master is killed (-9) mid-flow
+    and restarted at the same path. sent = received + counted (drops.master_down + in_flight)
+    within 1 %: what the master had read but not delivered when it died nobody can count; the
+    flow keeps at most 20 messages unreceived, so that is at most 20 of 6,000."""
+    master = start_bus()
+    path = master.address
+    relay = Relay(path, str(tmp_path / "r.sock"), tmp_path, "--initial-delay", "0.05", "--max-delay", "0.5")
+    procs.append(relay)
+    got: set[int] = set()
+    with relay.connect() as pub, connect(path, big=True) as first:
+        send(first, sub(b"t/"))
+        sync(first)
+        # 4,000 published, the master killed once 2,000 are: those after it go nowhere, counted.
+        _flow(pub, first, 0, 4000, 20, got, kill_at=2000, kill=lambda: master.stop(signal.SIGKILL))
+        while _take(first, got):  # what the dead master had sent before it died, then end of file
+            pass
+        received_first = len(got)
+        relay.wait_log("lost the master")
+        master = start_bus(address=path)
+        with connect(path, big=True) as second:
+            send(second, sub(b"t/"))
+            sync(second)
+            wait_until(lambda: relay_stats(relay)["connected"], "the relay reconnected", FAST)
+            _flow(pub, second, 4000, 2000, 20, got)
+            assert set(range(4000, 6000)) <= got, "lost after the reconnection"
+        up = stats(pub)["upstream"]  # on the publisher's own connection: after all it published
+    counted = up["drops"].get("master_down", 0) + up["drops"].get("in_flight", 0)
+    sent = 6000
+    print(f"master kill -9 mid-flow: sent {sent}, received {len(got)} ({received_first} before the kill), "
+          f"counted {up['drops']}, uncounted {sent - len(got) - counted}")
+    assert len(got) + counted <= sent, (len(got), up["drops"])  # nothing counted that arrived
+    assert sent - len(got) - counted <= sent // 100, (received_first, len(got), up["drops"])
+    assert counted >= 1000, up["drops"]  # the 2,000 after the kill, less what went before it was seen
+    # The same counters in the stop line and for `sbus stats --services` asked on the relay's bus.
+    answer = subprocess.run([sys.executable, "-m", "sbus.cli", "-s", relay.address, "stats", "--services",
+                             "--wait", "3"], capture_output=True, timeout=FAST, env=child_env())
+    assert answer.returncode == 0, answer.stderr[-500:]
+    relays = [a for a in json.loads(answer.stdout) if a["service"] == "sbus-relay"]
+    assert len(relays) == 1 and relays[0]["stats"]["drops"] == up["drops"], answer.stdout[-1000:]
+    relay.stop(signal.SIGTERM)
+    line = [ln for ln in relay.log().splitlines() if "sbus-relay stopped:" in ln]
+    assert line and (f"master_down={up['drops'].get('master_down', 0)} "
+                     f"in_flight={up['drops'].get('in_flight', 0)}") in line[0], line
+
+
+def test_messages_queued_for_a_master_that_dies_are_counted_in_flight(start_bus, tmp_path, procs):
+    """The master stops reading (SIGSTOP): what the relay publishes fills the socket, then waits
+    in the relay's queue. The master is killed: every message of that queue is counted as
+    ``in_flight`` (the code before counted them as forwarded, and lost them)."""
+    master = start_bus()
+    relay = Relay(master.address, str(tmp_path / "r.sock"), tmp_path, *LONG)
+    procs.append(relay)
+    packet = msg(b"t/big", b"x" * 1000)
+    with relay.connect() as pub:
+        os.kill(master.pid, signal.SIGSTOP)
+        try:
+            for _ in range(200):  # until the socket to the master is full and the relay queues
+                for _ in range(100):
+                    send(pub, packet)
+                queued = stats(pub)["upstream"]["queued_up_bytes"]  # after what pub published
+                if queued:
+                    break
+            assert queued and queued % len(packet) == 0, queued
+        finally:
+            master.stop(signal.SIGKILL)
+        relay.wait_log("lost the master")
+        up = stats(pub)["upstream"]
+    waiting = queued // len(packet)
+    in_flight = up["drops"].get("in_flight")
+    assert in_flight == waiting, f"{waiting} messages were queued, in_flight={in_flight}"
 
 
 @pytest.fixture

@@ -24,7 +24,12 @@ itself one client of the master:
   relay's own secret space (``<prefix>!/cred/...``) is not sent upward: only
   local clients can own it.
 * **Master away.** The relay keeps serving locally; local publishes are not
-  sent upward (counted as ``drops.master_down`` in statistics); it
+  sent upward: counted as ``drops.master_down`` (published while there was
+  no master connection, or after the relay found it gone) and
+  ``drops.in_flight`` (written to the connection but still queued in the
+  relay when it ended) in statistics, in ``sbus stats --services`` asked on
+  the relay's bus, and in the stop line. What the master had taken from the
+  socket but not delivered when it died, the relay cannot know. It
   reconnects with exponential back-off (``--initial-delay`` to
   ``--max-delay``) and re-subscribes everything held.
 * **Master back: at once.** Where the master is a socket file (Linux), the
@@ -54,12 +59,15 @@ itself one client of the master:
   the master, the local publishers feeding it are paused until it drains.
 
 Statistics: ``CMSG server/stats`` on the relay shows an ``"upstream"``
-object (see `Relay.stats`).
+object (see `Relay.stats`); the relay also answers ``sbus/services/stats``
+requests published on its own bus (`sbus.services.svcstats`) with it, and
+logs it in one line when it stops.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 from collections import Counter
@@ -73,6 +81,7 @@ from zope.interface import implementer
 from sbus.client import address as client_address
 from sbus.client.twisted import ReconnectingClient, SbusProtocol, _connect_socket, parse_whoami
 from sbus.core.credentials import SECRET_ROOT, secret_prefix, whoami
+from sbus.core.flood import Outbox
 from sbus.core.pausing import Holds, Pauses
 from sbus.core.topology import CHANGE_KEY
 from sbus.interfaces import IUpstream
@@ -80,6 +89,7 @@ from sbus.options import MISSING_BUS_HELP
 from sbus.server import tap
 from sbus.server.address import parse_address
 from sbus.server.config import ServerConfig
+from sbus.services.svcstats import STATS_REQUEST, StatsResponder
 
 log = Logger(namespace="sbus.relay")
 
@@ -136,6 +146,24 @@ class Options(tap.BusOptions):
             raise usage.UsageError("--max-delay: must not be below --initial-delay")
 
 
+class _UpOutbox(Outbox):
+    """The queue of the connection to the master. What it holds when the connection ends is
+    lost: `clear` tells the relay how many messages that was (`Relay.lostQueued`)."""
+
+    __slots__ = ("on_lost",)
+
+    def clear(self) -> int:
+        n = lost = 0
+        while self.nbytes:
+            n += 1
+            if self.pop()[:4] == b"MSG ":
+                lost += 1
+        n += super().clear()
+        if lost and self.on_lost is not None:
+            self.on_lost(lost)
+        return n
+
+
 class UpstreamProtocol(SbusProtocol):
     """The relay's connection to its master."""
 
@@ -145,6 +173,11 @@ class UpstreamProtocol(SbusProtocol):
 
     def connectionMade(self):
         self.pauses = Pauses(self.transport)
+        old = getattr(self.transport, "outbox", None)
+        if old is not None and not old.nbytes and hasattr(self.transport, "useQueue"):
+            box = _UpOutbox(old.max_bytes, old.max_packets)
+            box.on_lost = self.relay.lostQueued
+            self.transport.useQueue(box)
         SbusProtocol.connectionMade(self)
 
     def packetReceived(self, packet: bytes) -> None:
@@ -412,6 +445,7 @@ class Relay(service.Service):
         self.subscribed_up = 0
         #: Attempts made at once because the master's socket reappeared.
         self.wakeups = 0
+        self.responder = StatsResponder("sbus-relay", self._name, self.stats)
         self.watch: MasterSocketWatch | None = None
         #: Why the master's socket is not watched (None: watched), as last logged.
         self.watch_missing: str | None = "not started"
@@ -480,10 +514,20 @@ class Relay(service.Service):
 
         self.client.tryNow(announce)
 
+    def _name(self) -> str:
+        return self.bus.printed_address if self.bus is not None and self.bus.printed_address else self.address
+
     def stopService(self):
         service.Service.stopService(self)
         if self.watch is not None:
             self.watch.disarm()
+        st = self.stats()
+        log.info("sbus-relay stopped: forwarded up={up} down={down}; connects={c} reconnects={r} "
+                 "(at once on the master's socket appearing: {w}); not sent upward: master_down={md} "
+                 "in_flight={inf}; drop reasons {why}",
+                 up=st["forwarded_up"], down=st["forwarded_down"], c=st["connects"], r=st["reconnects"],
+                 w=st["wakeups"], md=self.drops["master_down"], inf=self.drops["in_flight"],
+                 why=json.dumps(st["drops"], separators=(",", ":")))
         ds = []
         if self.client is not None:
             ds.append(self.client.stop())
@@ -695,12 +739,17 @@ class Relay(service.Service):
     def localPublish(self, packet: bytes, key: bytes, client) -> None:
         if key.startswith(self._local_secret):
             return  # only local clients can own it: never useful upward
+        if key == STATS_REQUEST:
+            self.reactor.callLater(0, self._answerStats, packet[len(b"MSG ") + len(key) + 1:])
         up = self.up
-        if up is None:
-            self.drops["master_down"] += 1
+        transport = up.transport if up is not None else None
+        if transport is None or not transport.connected or transport.disconnecting:
+            self.drops["master_down"] += 1  # no master, or it is gone and we are finding out
             return
-        transport = up.transport
         transport.write(packet)
+        if transport.disconnecting:  # this very send found the master gone
+            self.drops["in_flight"] += 1
+            return
         self.forwarded_up += 1
         if transport.queuedBytes() > self.up_limit and client.pauses is not None:
             self.blocked.add(client.pauses)
@@ -742,9 +791,29 @@ class Relay(service.Service):
             "wakeups": self.wakeups,
             "watching": self.watch_missing is None,
             "drops": dict(self.drops),
+            "stats_requests": {"answered": self.responder.answered, "refused": self.responder.refused},
             "queued_up_bytes": up.transport.queuedBytes() if up is not None else 0,
             "blocked_publishers": len(self.blocked),
         }
+
+    def lostQueued(self, n: int) -> None:
+        """`n` messages were queued for the master when the connection to it ended."""
+        self.drops["in_flight"] += n
+
+    def _answerStats(self, payload: bytes) -> None:
+        """``sbus/services/stats`` published on our bus: answer its asker (a local client)."""
+        factory = self.factory
+        if factory is None or self.local_prefix is None:
+            return
+        me = self.local_prefix + SECRET_ROOT + b"%d/%d/%d" % (os.getgid(), os.getuid(), os.getpid())
+        reply = self.responder.answer(payload, me)
+        if reply is None:
+            return
+        key = reply[4:reply.index(b"\0")]
+        if not key.startswith(self._local_secret):
+            return  # an asker above us: the services up there answer it
+        factory.deliverLocally(reply, key)
+        factory.flushDirty()
 
     # -- from the master
 
