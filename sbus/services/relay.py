@@ -445,6 +445,13 @@ class Relay(service.Service):
         self.subscribed_up = 0
         #: Attempts made at once because the master's socket reappeared.
         self.wakeups = 0
+        #: Times without the master (after having had it): how many, the last and all, seconds.
+        self.gaps = 0
+        self.last_gap = 0.0
+        self.gap_seconds = 0.0
+        self._down_since = 0.0
+        #: `_notUp()` when last connected: what did not go up since is this gap's.
+        self._not_up_mark = 0
         self.responder = StatsResponder("sbus-relay", self._name, self.stats)
         self.watch: MasterSocketWatch | None = None
         #: Why the master's socket is not watched (None: watched), as last logged.
@@ -600,11 +607,18 @@ class Relay(service.Service):
             # Our bus and the master's are one segment again: the spanning tree re-checks both sides.
             self._topologyChange(f"relay pid {os.getpid()} rejoined its master")
         if self.connects > 1:
-            log.info("sbus-relay: reconnected to the master at {up}; re-subscribed {n} patterns",
-                     up=self.upstream, n=len(held))
+            gap = self.reactor.seconds() - self._down_since
+            self.gaps += 1
+            self.gap_seconds += gap
+            self.last_gap = gap
+            lost = self._notUp() - self._not_up_mark
+            log.info("sbus-relay: reconnected to the master at {up} after {gap:.3f}s without it; "
+                     "re-subscribed {n} patterns; {lost} local publishes did not go up meanwhile "
+                     "(drops.master_down, drops.in_flight)", up=self.upstream, n=len(held), gap=gap, lost=lost)
         else:
             log.info("sbus-relay: connected to the master at {up} as {who}", up=self.upstream,
                      who=_show(proto.credentials))
+        self._not_up_mark = self._notUp()
 
     def masterDown(self, reason):
         self.up = None
@@ -625,6 +639,7 @@ class Relay(service.Service):
         if self.factory is None:
             return
         self.disconnects += 1
+        self._down_since = self.reactor.seconds()
         # Our bus is a segment of its own now: a standby bridge or link may have to take over.
         self._topologyChange(f"relay pid {os.getpid()} lost its master")
         if self.running:
@@ -789,12 +804,19 @@ class Relay(service.Service):
             "disconnects": self.disconnects,
             "failed_attempts": self.failed_attempts,
             "wakeups": self.wakeups,
+            "master_gaps": {"count": self.gaps, "last_seconds": round(self.last_gap, 3),
+                            "total_seconds": round(self.gap_seconds, 3),
+                            "now_seconds": round(self.reactor.seconds() - self._down_since, 3)
+                            if up is None and self.disconnects else 0.0},
             "watching": self.watch_missing is None,
             "drops": dict(self.drops),
             "stats_requests": {"answered": self.responder.answered, "refused": self.responder.refused},
             "queued_up_bytes": up.transport.queuedBytes() if up is not None else 0,
             "blocked_publishers": len(self.blocked),
         }
+
+    def _notUp(self) -> int:
+        return self.drops["master_down"] + self.drops["in_flight"]
 
     def lostQueued(self, n: int) -> None:
         """`n` messages were queued for the master when the connection to it ended."""
