@@ -69,20 +69,32 @@ def test_relay_connects_at_once_when_its_master_appears_and_after_each_restart(s
     assert st["connected"] and st["watching"] and st["wakeups"] >= 6, st
 
 
-def test_relay_below_a_restarted_relay_reconnects_at_once(start_bus, tmp_path, procs):
+@pytest.fixture
+def chain(start_bus, tmp_path, procs):
+    """master (sbusd) <- middle relay <- low relay (LONG back-off): (master, middle, low)."""
+    master = start_bus()
+    middle = Relay(master.address, str(tmp_path / "middle.sock"), tmp_path)
+    procs.append(middle)
+    low = Relay(middle.address, str(tmp_path / "low.sock"), tmp_path, *LONG)
+    procs.append(low)
+    return master, middle, low
+
+
+def restart(relay: Relay, procs) -> Relay:
+    """The same relay command again (after a kill), serving."""
+    again = Relay(relay.upstream, relay.address, os.path.dirname(relay.log_path))
+    procs.append(again)
+    return again
+
+
+def test_relay_below_a_restarted_relay_reconnects_at_once(chain, procs):
     """A relay of a relay: the middle one is killed and started again with the same command;
     its socket reappears once it serves, which wakes the relay below it."""
-    master = start_bus()
-    middle_address = str(tmp_path / "middle.sock")
-    middle = Relay(master.address, middle_address, tmp_path)
-    procs.append(middle)
-    low = Relay(middle_address, str(tmp_path / "low.sock"), tmp_path, *LONG)
-    procs.append(low)
+    master, middle, low = chain
     both_ways(master.address, low, b"before", via=middle.pid)
     middle.stop(signal.SIGKILL)
     low.wait_log("lost the master")
-    middle = Relay(master.address, middle_address, tmp_path)
-    procs.append(middle)
+    middle = restart(middle, procs)
     wait_until(lambda: relay_stats(low)["reconnects"] == 1, "the low relay reconnected", FAST)
     both_ways(master.address, low, b"after", via=middle.pid)
     assert relay_stats(low)["wakeups"] >= 1
@@ -245,18 +257,13 @@ def test_messages_queued_for_a_master_that_dies_are_counted_in_flight(start_bus,
     assert in_flight == waiting, f"{waiting} messages were queued, in_flight={in_flight}"
 
 
-def test_what_could_not_go_up_through_a_killed_middle_relay_is_counted_below(start_bus, tmp_path, procs):
+def test_what_could_not_go_up_through_a_killed_middle_relay_is_counted_below(chain, procs):
     """master <- middle relay <- low relay: the middle one is killed (-9) mid-flow and started
     again with the same command. A publisher on the low relay, a subscriber on the master:
     sent = received + what the low relay counted (drops.master_down + in_flight) within 1 %
     (what the middle one held when it died nobody can count: at most the flow's 20); the low
     relay says how long the gap lasted."""
-    master = start_bus()
-    middle_address = str(tmp_path / "middle.sock")
-    middle = Relay(master.address, middle_address, tmp_path)
-    procs.append(middle)
-    low = Relay(middle_address, str(tmp_path / "low.sock"), tmp_path, *LONG)
-    procs.append(low)
+    master, middle, low = chain
     got: set[int] = set()
     with low.connect() as pub, connect(master.address, big=True) as top:
         send(top, sub(b"t/"))
@@ -272,8 +279,7 @@ def test_what_could_not_go_up_through_a_killed_middle_relay_is_counted_below(sta
             assert p.startswith(b"MSG t/flow\0"), p[:60]
             got.add(int(p[len(b"MSG t/flow\0"):]))
         low.wait_log("lost the master")
-        middle = Relay(master.address, middle_address, tmp_path)
-        procs.append(middle)
+        middle = restart(middle, procs)
         wait_until(lambda: relay_stats(low)["connected"], "the low relay reconnected", FAST)
         _flow(pub, top, 4000, 2000, 20, got)
         up = stats(pub)["upstream"]
