@@ -212,16 +212,19 @@ WAKE_WINDOW = 5.0
 _PROC_FD = "/proc/self/fd"
 
 
+def _refusal(st: os.stat_result) -> str | None:
+    if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, os.geteuid()):
+        return f"a symlink of uid {st.st_uid} (neither ours nor root's): refusing to connect through it"
+    return None
+
+
 def master_file_refusal(path: str) -> str | None:
     """Why the relay must not connect through what is at `path` (a symlink of another uid than
     ours or root's), or None. Only the final component is judged, without following it."""
     try:
-        st = os.lstat(path)
+        return _refusal(os.lstat(path))
     except OSError:
         return None  # nothing there (yet): the connect says so
-    if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, os.geteuid()):
-        return f"a symlink of uid {st.st_uid} (neither ours nor root's): refusing to connect through it"
-    return None
 
 
 def _open_master_file(path: str) -> int:
@@ -236,18 +239,25 @@ def _open_master_file(path: str) -> int:
     if not stat.S_ISLNK(st.st_mode):
         return fd
     os.close(fd)
-    if st.st_uid not in (0, os.geteuid()):
-        raise OSError(errno.ELOOP, f"a symlink of uid {st.st_uid} (neither ours nor root's): "
-                                   "refusing to connect through it", path)
+    refusal = _refusal(st)
+    if refusal is not None:
+        raise OSError(errno.ELOOP, refusal, path)
     return os.open(path, os.O_PATH | os.O_CLOEXEC)  # ours or root's: followed
 
 
 def connect_master(reactor, address, max_packet, timeout):
     """The relay's connector (`ReconnectingClient`): a path is opened first (`_open_master_file`)
     and connected through that descriptor, so what is connected is the file that was judged,
-    whatever replaces the name meanwhile. Other addresses, or no ``/proc``: a plain connect."""
+    whatever replaces the name meanwhile. Without ``/proc`` the same rule is applied to the name
+    just before a plain connect (a replacement in between is not seen). Other addresses: a
+    plain connect."""
     addr = client_address.resolve(address)
-    if addr.kind != "path" or not os.path.isdir(_PROC_FD):
+    if addr.kind != "path":
+        return _connect_socket(reactor, address, max_packet, timeout)
+    if not os.path.isdir(_PROC_FD):  # no /proc: judged by name, then connected by name
+        refusal = master_file_refusal(addr.value)
+        if refusal is not None:
+            return defer.fail(OSError(errno.ELOOP, refusal, addr.text))
         return _connect_socket(reactor, address, max_packet, timeout)
     try:
         fd = _open_master_file(addr.value)
