@@ -351,6 +351,52 @@ def test_relay_never_connects_through_a_symlink_another_uid_planted(start_bus, t
     assert queue_of(private.address, relay.pid) is None
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as uid 65534")
+def test_a_storm_at_the_master_path_makes_no_storm_of_connects(start_bus, tmp_path, procs, attacker_dir):
+    """Uid 65534, who may write the master's directory, makes and removes plain files and
+    never-listening sockets at the master's path as fast as it can: plain files wake nothing,
+    sockets at most one attempt per 50 ms (WAKE_INTERVAL) of the storm, and the relay still
+    connects to the real master afterwards."""
+    import time
+
+    path = os.path.join(attacker_dir, "master.sock")
+    master = start_bus(address=path)
+    relay = Relay(path, str(tmp_path / "r.sock"), tmp_path, *LONG)
+    procs.append(relay)
+    master.stop()
+    relay.wait_log("lost the master")
+    before = relay_stats(relay)["failed_attempts"]
+
+    def files():
+        for _ in range(3000):
+            with open(path, "w"):
+                pass
+            os.unlink(path)
+        return "done"
+
+    assert run_as(65534, 65534, files) == "done"
+    assert relay_stats(relay)["failed_attempts"] == before  # a plain file never wakes it
+
+    def sockets():
+        for _ in range(3000):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.bind(path)
+            s.close()
+            os.unlink(path)
+        return "done"
+
+    t0 = time.monotonic()
+    assert run_as(65534, 65534, sockets) == "done"
+    stats_now = relay_stats(relay)  # the relay answers after it has read the storm's events
+    took = time.monotonic() - t0
+    attempts = stats_now["failed_attempts"] - before
+    print(f"storm of 3,000 sockets at the master's path: {attempts} attempts in {took:.2f}s")
+    # one per WAKE_INTERVAL (50 ms, jittered by 10 %) at most: the storm's events themselves start none
+    assert attempts <= took / 0.04 + 5, f"{attempts} attempts in a {took:.2f}s storm"
+    start_bus(address=path)
+    wait_until(lambda: relay_stats(relay)["connected"], "connected after the storm", FAST)
+
+
 def test_a_symlink_of_our_own_uid_is_followed(start_bus, tmp_path, procs):
     """A master reached through a symlink of the relay's own uid (or root's) is connected as before."""
     master = start_bus()

@@ -401,8 +401,8 @@ class _MasterClient(ReconnectingClient):
             return False  # under way: if refused, retried soon (connectionFailed)
         call = self._call
         if call is not None and call.active():
-            if call.getTime() - now <= WAKE_INTERVAL:
-                return False  # soon anyway: an event storm does not make a connect storm
+            if call.getTime() - now <= 2 * WAKE_INTERVAL:
+                return False  # soon anyway (jitter included): an event storm makes no connect storm
             call.cancel()
         self._call = None
         if announce is not None:
