@@ -152,6 +152,10 @@ class _UpOutbox(Outbox):
 
     __slots__ = ("on_lost",)
 
+    def __init__(self, max_bytes: int, max_packets: int, on_lost=None):
+        super().__init__(max_bytes, max_packets)
+        self.on_lost = on_lost
+
     def clear(self) -> int:
         n = lost = 0
         while self.nbytes:
@@ -175,9 +179,7 @@ class UpstreamProtocol(SbusProtocol):
         self.pauses = Pauses(self.transport)
         old = getattr(self.transport, "outbox", None)
         if old is not None and not old.nbytes and hasattr(self.transport, "useQueue"):
-            box = _UpOutbox(old.max_bytes, old.max_packets)
-            box.on_lost = self.relay.lostQueued
-            self.transport.useQueue(box)
+            self.transport.useQueue(_UpOutbox(old.max_bytes, old.max_packets, self.relay.lostQueued))
         SbusProtocol.connectionMade(self)
 
     def packetReceived(self, packet: bytes) -> None:
