@@ -149,6 +149,15 @@ def test_master_directory_made_late_and_made_again_is_watched(start_bus, tmp_pat
     master = start_bus(address=path)
     wait_until(lambda: relay_stats(relay)["reconnects"] == 1, "reconnection", FAST)
     both_ways(path, relay, b"again")
+    # Quickly now, without waiting for the relay to watch the parent: the directory and the
+    # socket may both be made again before the relay has set its new watch (it must look).
+    for n in range(2, 12):
+        master.stop(signal.SIGKILL)
+        relay.wait_log("lost the master", count=n)
+        shutil.rmtree(directory)
+        directory.mkdir()
+        master = start_bus(address=path)
+        wait_until(lambda: relay_stats(relay)["reconnects"] == n, f"reconnection {n}", FAST)
 
 
 def _take(sub_sock, got: set) -> bool:

@@ -301,6 +301,8 @@ class MasterSocketWatch:
         """Watch (again); None when the socket's directory is watched, else why not (a line)."""
         if self.level == "directory":
             return None
+        if self.level == "parent" and not os.path.isdir(self.directory):
+            return self.state  # still missing: the parent's watch says when it appears
         self.disarm()
         try:
             from twisted.internet import inotify
@@ -329,9 +331,12 @@ class MasterSocketWatch:
                 notifier.loseConnection()
                 self.state = f"cannot watch {self.directory} nor {self.parent} (missing, or not ours to read)"
                 return self.state
-        self._gone, self._appeared = gone, appeared | inotify.IN_ATTRIB
+        # IN_IGNORED comes unasked when the kernel drops a watch (its file system went away)
+        self._gone, self._appeared = gone | inotify.IN_IGNORED, appeared | inotify.IN_ATTRIB
         notifier.startReading()
         self.notifier = notifier
+        if self.level == "parent" and os.path.isdir(self.directory):
+            self.reactor.callLater(0, self._rearm)  # made while the watch was set: no event tells
         return None if self.level == "directory" else self.state
 
     def disarm(self) -> None:
@@ -505,14 +510,16 @@ class Relay(service.Service):
         watch = self.watch
         if watch is None:
             return
+        before = watch.notifier
         self.watch_missing = watch.arm()
+        if watch.level == "directory" and watch.notifier is not before:
+            watch.check()  # a new watch: the socket may have appeared before it was set
         if watch.state == self._watch_logged:
             return
         self._watch_logged = watch.state
         if watch.level == "directory":
             log.info("sbus-relay: {state}: a master restarted at {up} is connected at once, not after the "
                      "back-off", state=watch.state, up=self.upstream)
-            watch.check()  # it may have appeared before the directory was watched
         elif watch.level == "parent":
             log.info("sbus-relay: {state}", state=watch.state)
         else:
