@@ -24,9 +24,30 @@ itself one client of the master:
   relay's own secret space (``<prefix>!/cred/...``) is not sent upward: only
   local clients can own it.
 * **Master away.** The relay keeps serving locally; local publishes are not
-  sent upward (counted as ``drops.master_down`` in statistics); it
+  sent upward: counted as ``drops.master_down`` (published while there was
+  no master connection, or after the relay found it gone) and
+  ``drops.in_flight`` (written to the connection but still queued in the
+  relay when it ended) in statistics, in ``sbus stats --services`` asked on
+  the relay's bus, and in the stop line. What the master had taken from the
+  socket but not delivered when it died, the relay cannot know. It
   reconnects with exponential back-off (``--initial-delay`` to
   ``--max-delay``) and re-subscribes everything held.
+* **Master back: at once.** Where the master is a socket file (Linux), the
+  relay watches the file's directory with inotify (`MasterSocketWatch`): when
+  a socket appears at the master's path (created, moved there, or its mode
+  changed) while the relay waits, it tries at once instead of after the
+  back-off. The file exists from ``bind()``, before the new master calls
+  ``listen()``: a refused attempt is retried every ``WAKE_INTERVAL`` for
+  ``WAKE_WINDOW`` seconds, then the back-off resumes, doubling from
+  ``WAKE_INTERVAL``. A relay of a relay is woken the same way when the relay
+  above restarts (its socket reappears once it serves again). Without
+  inotify (another OS, an abstract or ``/dev/fd/N`` master, a watch that
+  cannot be set) the back-off alone applies; the relay says so at start.
+* **No planted symlinks.** The master's socket file is opened without
+  following a final symlink (``O_PATH | O_NOFOLLOW``) and connected through
+  that descriptor (``/proc/self/fd/N``): a symlink at the master's path is
+  followed only if it belongs to the relay's own uid or to root; one of
+  another uid is refused (``ELOOP``, in the log) and never wakes the relay.
 * **Prefix changes.** If the whoami on the master changes after a reconnect
   (the master is itself a relay that was restarted), local clients keep the
   prefix they were given: the relay translates secret patterns upward and
@@ -38,12 +59,17 @@ itself one client of the master:
   the master, the local publishers feeding it are paused until it drains.
 
 Statistics: ``CMSG server/stats`` on the relay shows an ``"upstream"``
-object (see `Relay.stats`).
+object (see `Relay.stats`); the relay also answers ``sbus/services/stats``
+requests published on its own bus (`sbus.services.svcstats`) with it, and
+logs it in one line when it stops.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import stat
 from collections import Counter
 
 from twisted.application import service
@@ -53,8 +79,9 @@ from twisted.python import usage
 from zope.interface import implementer
 
 from sbus.client import address as client_address
-from sbus.client.twisted import ReconnectingClient, SbusProtocol, parse_whoami
+from sbus.client.twisted import ReconnectingClient, SbusProtocol, _connect_socket, parse_whoami
 from sbus.core.credentials import SECRET_ROOT, secret_prefix, whoami
+from sbus.core.flood import Outbox
 from sbus.core.pausing import Holds, Pauses
 from sbus.core.topology import CHANGE_KEY
 from sbus.interfaces import IUpstream
@@ -62,6 +89,7 @@ from sbus.options import MISSING_BUS_HELP
 from sbus.server import tap
 from sbus.server.address import parse_address
 from sbus.server.config import ServerConfig
+from sbus.services.svcstats import STATS_REQUEST, StatsResponder
 
 log = Logger(namespace="sbus.relay")
 
@@ -118,6 +146,28 @@ class Options(tap.BusOptions):
             raise usage.UsageError("--max-delay: must not be below --initial-delay")
 
 
+class _UpOutbox(Outbox):
+    """The queue of the connection to the master. What it holds when the connection ends is
+    lost: `clear` tells the relay how many messages that was (`Relay.lostQueued`)."""
+
+    __slots__ = ("on_lost",)
+
+    def __init__(self, max_bytes: int, max_packets: int, on_lost=None):
+        super().__init__(max_bytes, max_packets)
+        self.on_lost = on_lost
+
+    def clear(self) -> int:
+        n = lost = 0
+        while self.nbytes:
+            n += 1
+            if self.pop()[:4] == b"MSG ":
+                lost += 1
+        n += super().clear()
+        if lost and self.on_lost is not None:
+            self.on_lost(lost)
+        return n
+
+
 class UpstreamProtocol(SbusProtocol):
     """The relay's connection to its master."""
 
@@ -127,6 +177,9 @@ class UpstreamProtocol(SbusProtocol):
 
     def connectionMade(self):
         self.pauses = Pauses(self.transport)
+        old = getattr(self.transport, "outbox", None)
+        if old is not None and not old.nbytes and hasattr(self.transport, "useQueue"):
+            self.transport.useQueue(_UpOutbox(old.max_bytes, old.max_packets, self.relay.lostQueued))
         SbusProtocol.connectionMade(self)
 
     def packetReceived(self, packet: bytes) -> None:
@@ -153,19 +206,216 @@ class UpstreamProtocol(SbusProtocol):
             self.relay.disconnect_reason = payload.replace(b"\0", b": ", 1).decode("utf-8", "replace")[:300]
 
 
+#: After the master's socket file (re)appears, a refused attempt (the file exists from the new
+#: master's bind(), before its listen()) is retried this often, seconds ...
+WAKE_INTERVAL = 0.05
+#: ... for this long; then the back-off resumes, doubling from WAKE_INTERVAL.
+WAKE_WINDOW = 5.0
+_PROC_FD = "/proc/self/fd"
+
+
+def _refusal(st: os.stat_result) -> str | None:
+    if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, os.geteuid()):
+        return f"a symlink of uid {st.st_uid} (neither ours nor root's): refusing to connect through it"
+    return None
+
+
+def master_file_refusal(path: str) -> str | None:
+    """Why the relay must not connect through what is at `path` (a symlink of another uid than
+    ours or root's), or None. Only the final component is judged, without following it."""
+    try:
+        return _refusal(os.lstat(path))
+    except OSError:
+        return None  # nothing there (yet): the connect says so
+
+
+def _open_master_file(path: str) -> int:
+    """An ``O_PATH`` descriptor of the master's socket file at `path`: the file itself, or what a
+    symlink of ours or root's names. A symlink of another uid raises `OSError` (``ELOOP``)."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISLNK(st.st_mode):
+        return fd
+    os.close(fd)
+    refusal = _refusal(st)
+    if refusal is not None:
+        raise OSError(errno.ELOOP, refusal, path)
+    return os.open(path, os.O_PATH | os.O_CLOEXEC)  # ours or root's: followed
+
+
+def connect_master(reactor, address, max_packet, timeout):
+    """The relay's connector (`ReconnectingClient`): a path is opened first (`_open_master_file`)
+    and connected through that descriptor, so what is connected is the file that was judged,
+    whatever replaces the name meanwhile. Without ``/proc`` the same rule is applied to the name
+    just before a plain connect (a replacement in between is not seen). Other addresses: a
+    plain connect."""
+    addr = client_address.resolve(address)
+    if addr.kind != "path":
+        return _connect_socket(reactor, address, max_packet, timeout)
+    if not os.path.isdir(_PROC_FD):  # no /proc: judged by name, then connected by name
+        refusal = master_file_refusal(addr.value)
+        if refusal is not None:
+            return defer.fail(OSError(errno.ELOOP, refusal, addr.text))
+        return _connect_socket(reactor, address, max_packet, timeout)
+    try:
+        fd = _open_master_file(addr.value)
+    except OSError as e:
+        return defer.fail(type(e)(e.errno, e.strerror or os.strerror(e.errno), addr.text))
+
+    def close(result):
+        os.close(fd)
+        return result
+
+    return _connect_socket(reactor, f"{_PROC_FD}/{fd}", max_packet, timeout).addBoth(close)
+
+
+class MasterSocketWatch:
+    """Calls `wake()` when a socket file appears at the master's `path` (created, moved there,
+    or its mode changed), by inotify on the file's directory (Linux).
+
+    `arm()` sets the watch. If the directory does not exist (yet), its parent is watched
+    for it (``/run/sbus/`` made by the master's service manager, ``/run/user/UID`` made at
+    login), and the directory once it appears. If it is removed or renamed later, the same
+    again. `changed()` is called whenever the watch changed on its own (the relay logs
+    `state`)."""
+
+    def __init__(self, reactor, path: str, wake, changed):
+        self.reactor = reactor
+        self.path = os.path.abspath(path)
+        self.directory, name = os.path.split(self.path)
+        self.parent, dirname = os.path.split(self.directory)
+        self.name = os.fsencode(name)
+        self.dirname = os.fsencode(dirname)
+        self.wake = wake
+        self.changed = changed
+        self.notifier = None
+        #: What is watched: "directory", "parent" or None; `state` says it in words.
+        self.level: str | None = None
+        self.state = "not started"
+
+    def arm(self) -> str | None:
+        """Watch (again); None when the socket's directory is watched, else why not (a line)."""
+        if self.level == "directory":
+            return None
+        if self.level == "parent" and not os.path.isdir(self.directory):
+            return self.state  # still missing: the parent's watch says when it appears
+        self.disarm()
+        try:
+            from twisted.internet import inotify
+            from twisted.python.filepath import FilePath
+        except ImportError as e:
+            self.state = f"no inotify on this system ({e})"
+            return self.state
+        gone = inotify.IN_DELETE_SELF | inotify.IN_MOVE_SELF
+        appeared = inotify.IN_CREATE | inotify.IN_MOVED_TO
+        try:
+            notifier = inotify.INotify(self.reactor)
+        except (inotify.INotifyError, OSError) as e:
+            self.state = f"no inotify instance ({e})"
+            return self.state
+        try:
+            notifier.watch(FilePath(self.directory), mask=appeared | inotify.IN_ATTRIB | gone,
+                           callbacks=[self._event])
+            self.level, self.state = "directory", f"watching {self.directory} (inotify)"
+        except (inotify.INotifyError, OSError):
+            try:
+                notifier.watch(FilePath(self.parent), mask=appeared | gone, callbacks=[self._parentEvent])
+                self.level = "parent"
+                self.state = (f"{self.directory} cannot be watched (missing?): watching {self.parent} "
+                              f"(inotify) for it")
+            except (inotify.INotifyError, OSError):
+                notifier.loseConnection()
+                self.state = f"cannot watch {self.directory} nor {self.parent} (missing, or not ours to read)"
+                return self.state
+        # IN_IGNORED comes unasked when the kernel drops a watch (its file system went away)
+        self._gone, self._appeared = gone | inotify.IN_IGNORED, appeared | inotify.IN_ATTRIB
+        notifier.startReading()
+        self.notifier = notifier
+        if self.level == "parent" and os.path.isdir(self.directory):
+            self.reactor.callLater(0, self._rearm)  # made while the watch was set: no event tells
+        return None if self.level == "directory" else self.state
+
+    def disarm(self) -> None:
+        notifier, self.notifier, self.level = self.notifier, None, None
+        if notifier is not None:
+            notifier.loseConnection()
+
+    def _rearm(self) -> None:
+        self.disarm()
+        self.reactor.callLater(0, self.changed)
+
+    def _event(self, watch, filepath, mask: int) -> None:
+        if self.notifier is None or self.level != "directory":
+            return  # from a watch given up
+        if mask & self._gone:
+            self._rearm()  # the directory went away or moved: watch its parent for it
+            return
+        if mask & self._appeared and filepath.basename() == self.name:
+            self.check()
+
+    def _parentEvent(self, watch, filepath, mask: int) -> None:
+        if self.notifier is None or self.level != "parent":
+            return
+        if mask & self._gone or filepath.basename() == self.dirname:
+            self._rearm()
+
+    def check(self) -> None:
+        """Wake the relay if a socket (or a symlink it may follow) is at the master's path."""
+        try:
+            st = os.lstat(self.path)
+        except OSError:
+            return
+        if stat.S_ISSOCK(st.st_mode) or (stat.S_ISLNK(st.st_mode) and master_file_refusal(self.path) is None):
+            self.wake()
+
+
 class _MasterClient(ReconnectingClient):
     def __init__(self, relay: "Relay", *args, **kw):
         super().__init__(*args, **kw)
         self.relay = relay
+        #: Until then, a failed attempt is retried after WAKE_INTERVAL (the master's socket reappeared).
+        self.fast_until = 0.0
 
     def connectionMade(self, protocol):
+        self.fast_until = 0.0
         self.relay.masterUp(protocol)
 
     def connectionLost(self, reason):
         self.relay.masterDown(reason)
 
     def connectionFailed(self, reason):
+        if self.reactor.seconds() < self.fast_until:
+            self._delay = WAKE_INTERVAL
         self.relay.masterUnreachable(reason, self.lastFailure if self.failureIsNews else None)
+
+    def backOffAtLeast(self, delay: float) -> None:
+        """Wait at least `delay` before the next attempt after this one."""
+        self._delay = max(self._delay, delay)
+
+    def tryNow(self, announce=None) -> bool:
+        """The master's socket reappeared: try at once (at most once per WAKE_INTERVAL), and
+        retry failures after WAKE_INTERVAL for WAKE_WINDOW. True if an attempt was started;
+        `announce()` is called just before it (a refusal may be logged before this returns)."""
+        if not self._running or self.connected:
+            return False
+        now = self.reactor.seconds()
+        self.fast_until = now + WAKE_WINDOW
+        if self._connecting:
+            return False  # under way: if refused, retried soon (connectionFailed)
+        call = self._call
+        if call is not None and call.active():
+            if call.getTime() - now <= 2 * WAKE_INTERVAL:
+                return False  # soon anyway (jitter included): an event storm makes no connect storm
+            call.cancel()
+        self._call = None
+        if announce is not None:
+            announce()
+        self._attempt()
+        return True
 
 
 @implementer(IUpstream)
@@ -210,6 +460,20 @@ class Relay(service.Service):
         self.failed_attempts = 0
         self.drops = Counter()
         self.subscribed_up = 0
+        #: Attempts made at once because the master's socket reappeared.
+        self.wakeups = 0
+        #: Times without the master (after having had it): how many, the last and all, seconds.
+        self.gaps = 0
+        self.last_gap = 0.0
+        self.gap_seconds = 0.0
+        self._down_since = 0.0
+        #: `_notUp()` when last connected: what did not go up since is this gap's.
+        self._not_up_mark = 0
+        self.responder = StatsResponder("sbus-relay", self._name, self.stats)
+        self.watch: MasterSocketWatch | None = None
+        #: Why the master's socket is not watched (None: watched), as last logged.
+        self.watch_missing: str | None = "not started"
+        self._watch_logged: str | None = None
 
     # -- service life
 
@@ -230,11 +494,66 @@ class Relay(service.Service):
 
         self.client = _MasterClient(self, self.reactor, self.upstream, protocolFactory,
                                     initialDelay=self.initialDelay, maxDelay=self.maxDelay,
-                                    max_packet=self.config.max_packet)
+                                    max_packet=self.config.max_packet, connector=connect_master)
+        addr = client_address.resolve(self.upstream)
+        if addr.kind == "path":
+            self.watch = MasterSocketWatch(self.reactor, addr.value, self.masterAppeared, self._armWatch)
+            self._armWatch()
+        else:
+            self.watch_missing = "the master's address is not a path"
+            log.info("sbus-relay: the master's address is not a socket file: a restarted master is "
+                     "found by the back-off alone (at most {d:g}s apart)", d=self.maxDelay)
         self.client.start()
+
+    def _armWatch(self) -> None:
+        """Watch the master's socket file (again: a removed or renamed directory loses the watch)."""
+        watch = self.watch
+        if watch is None:
+            return
+        before = watch.notifier
+        self.watch_missing = watch.arm()
+        if watch.level == "directory" and watch.notifier is not before:
+            watch.check()  # a new watch: the socket may have appeared before it was set
+        if watch.state == self._watch_logged:
+            return
+        self._watch_logged = watch.state
+        if watch.level == "directory":
+            log.info("sbus-relay: {state}: a master restarted at {up} is connected at once, not after the "
+                     "back-off", state=watch.state, up=self.upstream)
+        elif watch.level == "parent":
+            log.info("sbus-relay: {state}", state=watch.state)
+        else:
+            log.warn("sbus-relay: not watching the master's socket file: {why}; a restarted master is "
+                     "found by the back-off alone (at most {d:g}s apart)", why=watch.state, d=self.maxDelay)
+
+    def masterAppeared(self) -> None:
+        """A socket appeared at the master's path (`MasterSocketWatch`)."""
+        if self.up is not None or self.client is None or not self.running:
+            return
+        was_fast = self.reactor.seconds() < self.client.fast_until
+
+        def announce():
+            self.wakeups += 1
+            if not was_fast:
+                log.info("sbus-relay: a socket appeared at {up}: connecting now, not after the back-off",
+                         up=self.upstream)
+
+        self.client.tryNow(announce)
+
+    def _name(self) -> str:
+        return self.bus.printed_address if self.bus is not None and self.bus.printed_address else self.address
 
     def stopService(self):
         service.Service.stopService(self)
+        if self.watch is not None:
+            self.watch.disarm()
+        st = self.stats()
+        log.info("sbus-relay stopped: forwarded up={up} down={down}; connects={c} reconnects={r} "
+                 "(at once on the master's socket appearing: {w}); not sent upward: master_down={md} "
+                 "in_flight={inf}; drop reasons {why}",
+                 up=st["forwarded_up"], down=st["forwarded_down"], c=st["connects"], r=st["reconnects"],
+                 w=st["wakeups"], md=self.drops["master_down"], inf=self.drops["in_flight"],
+                 why=json.dumps(st["drops"], separators=(",", ":")))
         ds = []
         if self.client is not None:
             ds.append(self.client.stop())
@@ -272,6 +591,7 @@ class Relay(service.Service):
     def masterUnreachable(self, reason, news: str | None = None):
         """`news`: the failure in one line when it is worth logging (the first, or a new error)."""
         self.failed_attempts += 1
+        self._armWatch()
         if news is not None:
             log.warn("sbus-relay: cannot connect to the master at {news}; {what}retrying quietly with "
                      "back-off", news=news, what="not serving yet, " if self.factory is None else "")
@@ -306,11 +626,18 @@ class Relay(service.Service):
             # Our bus and the master's are one segment again: the spanning tree re-checks both sides.
             self._topologyChange(f"relay pid {os.getpid()} rejoined its master")
         if self.connects > 1:
-            log.info("sbus-relay: reconnected to the master at {up}; re-subscribed {n} patterns",
-                     up=self.upstream, n=len(held))
+            gap = self.reactor.seconds() - self._down_since
+            self.gaps += 1
+            self.gap_seconds += gap
+            self.last_gap = gap
+            lost = self._notUp() - self._not_up_mark
+            log.info("sbus-relay: reconnected to the master at {up} after {gap:.3f}s without it; "
+                     "re-subscribed {n} patterns; {lost} local publishes did not go up meanwhile "
+                     "(drops.master_down, drops.in_flight)", up=self.upstream, n=len(held), gap=gap, lost=lost)
         else:
             log.info("sbus-relay: connected to the master at {up} as {who}", up=self.upstream,
                      who=_show(proto.credentials))
+        self._not_up_mark = self._notUp()
 
     def masterDown(self, reason):
         self.up = None
@@ -320,7 +647,7 @@ class Relay(service.Service):
             if lived < 5.0:
                 # Cut off right after connecting: do not hot-loop; back off as if it had failed.
                 self._backoff = min(max(2 * getattr(self, "_backoff", 0.0), 1.0), self.maxDelay)
-                self.client._delay = max(getattr(self.client, "_delay", 0.0), self._backoff)
+                self.client.backOffAtLeast(self._backoff)
             else:
                 self._backoff = 0.0
             why = self.disconnect_reason
@@ -331,6 +658,7 @@ class Relay(service.Service):
         if self.factory is None:
             return
         self.disconnects += 1
+        self._down_since = self.reactor.seconds()
         # Our bus is a segment of its own now: a standby bridge or link may have to take over.
         self._topologyChange(f"relay pid {os.getpid()} lost its master")
         if self.running:
@@ -445,12 +773,17 @@ class Relay(service.Service):
     def localPublish(self, packet: bytes, key: bytes, client) -> None:
         if key.startswith(self._local_secret):
             return  # only local clients can own it: never useful upward
+        if key == STATS_REQUEST:
+            self.reactor.callLater(0, self._answerStats, packet[len(b"MSG ") + len(key) + 1:])
         up = self.up
-        if up is None:
-            self.drops["master_down"] += 1
+        transport = up.transport if up is not None else None
+        if transport is None or not transport.connected or transport.disconnecting:
+            self.drops["master_down"] += 1  # no master, or it is gone and we are finding out
             return
-        transport = up.transport
         transport.write(packet)
+        if transport.disconnecting:  # this very send found the master gone
+            self.drops["in_flight"] += 1
+            return
         self.forwarded_up += 1
         if transport.queuedBytes() > self.up_limit and client.pauses is not None:
             self.blocked.add(client.pauses)
@@ -489,10 +822,39 @@ class Relay(service.Service):
             "reconnects": max(0, self.connects - 1),
             "disconnects": self.disconnects,
             "failed_attempts": self.failed_attempts,
+            "wakeups": self.wakeups,
+            "master_gaps": {"count": self.gaps, "last_seconds": round(self.last_gap, 3),
+                            "total_seconds": round(self.gap_seconds, 3),
+                            "now_seconds": round(self.reactor.seconds() - self._down_since, 3)
+                            if up is None and self.disconnects else 0.0},
+            "watching": self.watch_missing is None,
             "drops": dict(self.drops),
+            "stats_requests": {"answered": self.responder.answered, "refused": self.responder.refused},
             "queued_up_bytes": up.transport.queuedBytes() if up is not None else 0,
             "blocked_publishers": len(self.blocked),
         }
+
+    def _notUp(self) -> int:
+        return self.drops["master_down"] + self.drops["in_flight"]
+
+    def lostQueued(self, n: int) -> None:
+        """`n` messages were queued for the master when the connection to it ended."""
+        self.drops["in_flight"] += n
+
+    def _answerStats(self, payload: bytes) -> None:
+        """``sbus/services/stats`` published on our bus: answer its asker (a local client)."""
+        factory = self.factory
+        if factory is None or self.local_prefix is None:
+            return
+        me = self.local_prefix + SECRET_ROOT + b"%d/%d/%d" % (os.getgid(), os.getuid(), os.getpid())
+        reply = self.responder.answer(payload, me)
+        if reply is None:
+            return
+        key = reply[4:reply.index(b"\0")]
+        if not key.startswith(self._local_secret):
+            return  # an asker above us: the services up there answer it
+        factory.deliverLocally(reply, key)
+        factory.flushDirty()
 
     # -- from the master
 
