@@ -50,7 +50,7 @@ from .blocking import ConnectionClosed, echo_packet, flood_packets
 
 log = Logger()
 
-__all__ = ["SbusProtocol", "ReconnectingClient", "TwistedWorker", "connect", "ConnectionClosed",
+__all__ = ["SbusProtocol", "ReconnectingClient", "TwistedWorker", "connect", "connect_socket", "ConnectionClosed",
            "parse_whoami"]
 
 
@@ -452,8 +452,9 @@ class TwistedWorker(WorkerBase):
         self.client.unsubscribe(self.membership.prefix)
 
 
-def _connect_socket(reactor, address, max_packet, timeout):
-    """Deferred[socket]: a nonblocking connect, retried while the server's backlog is full."""
+def connect_socket(reactor, address, max_packet: int = MAX_PACKET, timeout: float = 10.0):
+    """Deferred[socket]: a nonblocking connect, retried while the server's backlog is full (for
+    `ReconnectingClient(connector=...)`, which may open the socket its own way and then call this)."""
     d = defer.Deferred()
     deadline = reactor.seconds() + timeout
 
@@ -476,7 +477,7 @@ def _connect_socket(reactor, address, max_packet, timeout):
 
 
 async def _connect(reactor, address, protocolFactory, max_packet, timeout, connector=None):
-    sock = await (connector or _connect_socket)(reactor, address, max_packet, timeout)
+    sock = await (connector or connect_socket)(reactor, address, max_packet, timeout)
     proto = protocolFactory()
     proto.max_packet = max_packet
     transport = SeqPacketTransport(sock, proto, reactor, max_packet=max_packet)
@@ -576,6 +577,45 @@ class ReconnectingClient:
         d = defer.Deferred()
         self._waiters.append(d)
         return d
+
+    def backOffAtLeast(self, delay: float) -> None:
+        """Wait at least `delay` seconds before the next attempt after a failure (the back-off
+        then grows from there); `connectionFailed` may also lower it with `retryFailuresAfter`."""
+        self._delay = max(self._delay, delay)
+
+    def retryFailuresAfter(self, delay: float) -> None:
+        """The next failed attempt is retried after `delay` seconds (called from
+        `connectionFailed`: a server known to be coming back is tried at short intervals)."""
+        self._delay = delay
+
+    def retryNow(self, soon: float = 0.0, before=None) -> bool:
+        """The address is worth trying at once (its socket reappeared): start an attempt now,
+        unless connected, one is under way, or the next is due within `soon` seconds anyway
+        (so that a storm of such news makes no storm of connects). `before()` is called just
+        before the attempt (whose failure may be reported before this returns). True if one
+        was started."""
+        if not self._running or self.connected or self._connecting:
+            return False
+        call = self._call
+        if call is not None and call.active():
+            if call.getTime() - self.reactor.seconds() <= soon:
+                return False
+            call.cancel()
+        self._call = None
+        if before is not None:
+            before()
+        self._attempt()
+        return True
+
+    @property
+    def connecting(self) -> bool:
+        """An attempt to connect is under way."""
+        return self._connecting
+
+    @property
+    def running(self) -> bool:
+        """Started and not stopped."""
+        return self._running
 
     def _attempt(self):
         self._call = None

@@ -79,7 +79,7 @@ from twisted.python import usage
 from zope.interface import implementer
 
 from sbus.client import address as client_address
-from sbus.client.twisted import ReconnectingClient, SbusProtocol, _connect_socket, parse_whoami
+from sbus.client.twisted import ReconnectingClient, SbusProtocol, connect_socket, parse_whoami
 from sbus.core.credentials import SECRET_ROOT, secret_prefix, whoami
 from sbus.core.flood import Outbox
 from sbus.core.pausing import Holds, Pauses
@@ -255,12 +255,12 @@ def connect_master(reactor, address, max_packet, timeout):
     plain connect."""
     addr = client_address.resolve(address)
     if addr.kind != "path":
-        return _connect_socket(reactor, address, max_packet, timeout)
+        return connect_socket(reactor, address, max_packet, timeout)
     if not os.path.isdir(_PROC_FD):  # no /proc: judged by name, then connected by name
         refusal = master_file_refusal(addr.value)
         if refusal is not None:
             return defer.fail(OSError(errno.ELOOP, refusal, addr.text))
-        return _connect_socket(reactor, address, max_packet, timeout)
+        return connect_socket(reactor, address, max_packet, timeout)
     try:
         fd = _open_master_file(addr.value)
     except OSError as e:
@@ -270,7 +270,7 @@ def connect_master(reactor, address, max_packet, timeout):
         os.close(fd)
         return result
 
-    return _connect_socket(reactor, f"{_PROC_FD}/{fd}", max_packet, timeout).addBoth(close)
+    return connect_socket(reactor, f"{_PROC_FD}/{fd}", max_packet, timeout).addBoth(close)
 
 
 class MasterSocketWatch:
@@ -389,33 +389,21 @@ class _MasterClient(ReconnectingClient):
 
     def connectionFailed(self, reason):
         if self.reactor.seconds() < self.fast_until:
-            self._delay = WAKE_INTERVAL
+            self.retryFailuresAfter(WAKE_INTERVAL)
         self.relay.masterUnreachable(reason, self.lastFailure if self.failureIsNews else None)
-
-    def backOffAtLeast(self, delay: float) -> None:
-        """Wait at least `delay` before the next attempt after this one."""
-        self._delay = max(self._delay, delay)
 
     def tryNow(self, announce=None) -> bool:
         """The master's socket reappeared: try at once (at most once per WAKE_INTERVAL), and
         retry failures after WAKE_INTERVAL for WAKE_WINDOW. True if an attempt was started;
         `announce()` is called just before it (a refusal may be logged before this returns)."""
-        if not self._running or self.connected:
+        if not self.running or self.connected:
             return False
-        now = self.reactor.seconds()
-        self.fast_until = now + WAKE_WINDOW
-        if self._connecting:
+        self.fast_until = self.reactor.seconds() + WAKE_WINDOW
+        if self.connecting:
             return False  # under way: if refused, retried soon (connectionFailed)
-        call = self._call
-        if call is not None and call.active():
-            if call.getTime() - now <= 2 * WAKE_INTERVAL:
-                return False  # soon anyway (jitter included): an event storm makes no connect storm
-            call.cancel()
-        self._call = None
-        if announce is not None:
-            announce()
-        self._attempt()
-        return True
+        # An attempt due within two intervals (jitter included) comes soon anyway: an event
+        # storm makes no connect storm.
+        return self.retryNow(soon=2 * WAKE_INTERVAL, before=announce)
 
 
 @implementer(IUpstream)

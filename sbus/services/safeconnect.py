@@ -316,10 +316,10 @@ class OwnerConnector:
             keeper.close()
 
     def __call__(self, reactor, address, max_packet, timeout):
-        from sbus.client.twisted import _connect_socket
+        from sbus.client.twisted import connect_socket
 
         if os.geteuid() != 0:
-            return _connect_socket(reactor, address, max_packet, timeout)
+            return connect_socket(reactor, address, max_packet, timeout)
         d = defer.Deferred()
         deadline = reactor.seconds() + timeout
         text = str(resolve(address))
