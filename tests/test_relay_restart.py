@@ -233,6 +233,7 @@ def test_what_the_relay_could_not_send_up_is_counted_across_a_master_kill(start_
     assert answer.returncode == 0, answer.stderr[-500:]
     relays = [a for a in json.loads(answer.stdout) if a["service"] == "sbus-relay"]
     assert len(relays) == 1 and relays[0]["stats"]["drops"] == up["drops"], answer.stdout[-1000:]
+    assert sum(relays[0]["stats"]["lost"].values()) == counted, relays[0]["stats"]["lost"]  # as `sbus top` shows it
     relay.stop(signal.SIGTERM)
     line = [ln for ln in relay.log().splitlines() if "sbus-relay stopped:" in ln]
     assert line and (f"master_down={up['drops'].get('master_down', 0)} "

@@ -89,7 +89,7 @@ from sbus.options import MISSING_BUS_HELP
 from sbus.server import tap
 from sbus.server.address import parse_address
 from sbus.server.config import ServerConfig
-from sbus.services.svcstats import STATS_REQUEST, StatsResponder
+from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
 
 log = Logger(namespace="sbus.relay")
 
@@ -817,6 +817,7 @@ class Relay(service.Service):
                             if up is None and self.disconnects else 0.0},
             "watching": self.watch_missing is None,
             "drops": dict(self.drops),
+            "lost": lost(self.drops),
             "stats_requests": {"answered": self.responder.answered, "refused": self.responder.refused},
             "queued_up_bytes": up.transport.queuedBytes() if up is not None else 0,
             "blocked_publishers": len(self.blocked),
