@@ -59,15 +59,30 @@ class UserCharge:
         #: Bytes queued for this uid's clients, under the server's budget.
         self.queue = Budget(queue_limit, server_queue)
         self.work = WorkBudget(now)
-        #: Its connections watching `server/interest`: each holds a view of the uid's patterns.
+        #: Its connections watching `server/interest`: each keeps a view of the uid's patterns,
+        #: charged like them (`pattern_refusal`, `watch_refusal`) unless the uid sees everything.
         self.watchers = 0
 
-    def pattern_refusal(self, cost: int, max_subscriptions: int, max_bytes: int) -> str | None:
-        """Why one more pattern of `cost` would be over this uid's limits, or None."""
+    def pattern_refusal(self, cost: int, max_subscriptions: int, max_bytes: int, views: bool = True) -> str | None:
+        """Why one more pattern of `cost` would be over this uid's limits, or None. With
+        `views` (a uid whose interest watchers see only its own patterns), each of its
+        watchers keeps a copy of every pattern it holds: they count too."""
         if self.subscriptions + 1 > max_subscriptions:
             return f"over the limit of {max_subscriptions} subscriptions for uid {self.uid}"
-        if self.subscription_bytes + cost > max_bytes:
-            return f"over the limit of {max_bytes} subscription bytes for uid {self.uid}"
+        copies = 1 + self.watchers if views else 1
+        if (self.subscription_bytes + cost) * copies > max_bytes:
+            held = f" (its patterns and {copies - 1} interest watchers' views of them)" if copies > 1 else ""
+            return f"over the limit of {max_bytes} subscription bytes for uid {self.uid}{held}"
+        return None
+
+    def watch_refusal(self, max_bytes: int) -> str | None:
+        """Why one more interest watcher of this uid (which sees only its own uid's patterns and
+        keeps a view of them, `sbus.core.interest`) would be over its subscription bytes, or None:
+        its patterns and every view of them are charged alike."""
+        copies = 2 + self.watchers
+        if self.subscription_bytes * copies > max_bytes:
+            return (f"over the limit of {max_bytes} subscription bytes for uid {self.uid}: one more interest "
+                    f"watcher's view of its {self.subscription_bytes} bytes of patterns would make {copies} copies")
         return None
 
     def charge_pattern(self, cost: int) -> None:

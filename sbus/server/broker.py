@@ -521,7 +521,8 @@ class BrokerProtocol(protocol.Protocol):
         ):
             if have > limit:
                 return self.misbehaved(TOO_MANY_SUBSCRIPTIONS, f"over the limit of {limit} {what}")
-        refusal = self.charge.pattern_refusal(cost, config.max_uid_subscriptions, config.max_uid_subscription_bytes)
+        refusal = self.charge.pattern_refusal(cost, config.max_uid_subscriptions, config.max_uid_subscription_bytes,
+                                              not factory.privileged(uid))
         if refusal is not None:
             return self.misbehaved(TOO_MANY_SUBSCRIPTIONS, refusal)
         admit = getattr(factory.upstream, "admitPattern", None)  # a relay: its quota on the master
@@ -665,16 +666,17 @@ class BrokerProtocol(protocol.Protocol):
     def _interest(self):
         """Start telling this client which patterns are held (`sbus.core.interest`); asking again
         changes nothing. The first listing ends with `=`, which comes before any later reply.
-        Each watcher keeps a view of what it may see (for a uid other than root and the server's
-        own, at most that uid's own patterns), so a uid has at most `max_uid_watchers` of them:
-        without a bound, 400 connections of one uid holding 100,000 patterns pinned 2 GB."""
+        Each watcher keeps a view of what it may see: for a uid other than root and the server's
+        own, that uid's own patterns, so the view is charged to the uid's subscription bytes like
+        the patterns themselves (without it, 400 connections of one uid holding 100,000 patterns
+        pinned 2 GB)."""
         if not self._watching:
             factory = self.factory
             user = self.charge
-            limit = factory.config.max_uid_watchers
-            if not factory.privileged(self.cred.uid) and user.watchers >= limit:
-                return self.misbehaved(TOO_MANY_SUBSCRIPTIONS, f"over the limit of {limit} interest watchers "
-                                                               f"for uid {self.cred.uid}")
+            if not factory.privileged(self.cred.uid):
+                refusal = user.watch_refusal(factory.config.max_uid_subscription_bytes)
+                if refusal is not None:
+                    return self.misbehaved(TOO_MANY_SUBSCRIPTIONS, refusal)
             user.watchers += 1
             self._watching = True
             if not self._waitForWork():  # else `_workEarned` starts it
@@ -1136,7 +1138,7 @@ class BrokerFactory(protocol.Factory):
             "uptime_s": round(time.time() - self.started, 3),
             "limits": {name: getattr(self.config, name) for name in (
                 "max_packet", "queue_bytes", "queue_packets", "max_uid_queue_bytes", "max_queue_bytes",
-                "stall_timeout", "max_subscriptions", "max_uid_subscriptions", "max_uid_connections", "max_uid_watchers",
+                "stall_timeout", "max_subscriptions", "max_uid_subscriptions", "max_uid_connections",
                 "max_subscription_bytes", "max_uid_subscription_bytes", "max_pattern_segments")},
         }
         if private:

@@ -29,9 +29,6 @@ DEFAULT_STALL_TIMEOUT = 30.0
 DEFAULT_MAX_SUBSCRIPTIONS = 100_000
 DEFAULT_MAX_UID_SUBSCRIPTIONS = 1_000_000
 DEFAULT_MAX_UID_CONNECTIONS = 4096
-#: Connections of one uid (other than root and the server's own) that may watch `server/interest`
-#: at once: each keeps its own view of the patterns it may see, up to the uid's own patterns.
-DEFAULT_MAX_UID_WATCHERS = 8
 #: What stored patterns may cost, estimated as their bytes plus SEGMENT_COST per '/'-segment
 #: and per '*' (each can be a trie node of its own), per client and per uid.
 DEFAULT_MAX_SUBSCRIPTION_BYTES = 32 << 20
@@ -60,7 +57,6 @@ class ServerConfig:
     #: Subscriptions and connections all clients of one uid may hold together.
     max_uid_subscriptions: int = DEFAULT_MAX_UID_SUBSCRIPTIONS
     max_uid_connections: int = DEFAULT_MAX_UID_CONNECTIONS
-    max_uid_watchers: int = DEFAULT_MAX_UID_WATCHERS
     max_subscription_bytes: int = DEFAULT_MAX_SUBSCRIPTION_BYTES
     max_uid_subscription_bytes: int = DEFAULT_MAX_UID_SUBSCRIPTION_BYTES
     max_pattern_segments: int = DEFAULT_MAX_PATTERN_SEGMENTS

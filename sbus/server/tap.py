@@ -25,7 +25,6 @@ from sbus.server.config import (
     DEFAULT_MAX_UID_SUBSCRIPTION_BYTES,
     DEFAULT_MAX_QUEUE_BYTES,
     DEFAULT_MAX_UID_CONNECTIONS,
-    DEFAULT_MAX_UID_WATCHERS,
     DEFAULT_MAX_UID_QUEUE_BYTES,
     DEFAULT_MAX_UID_SUBSCRIPTIONS,
     DEFAULT_QUEUE_BYTES,
@@ -57,7 +56,7 @@ def parse_cred_prefix(text: str | bytes) -> bytes:
 #: Positive integer options, each named like its `ServerConfig` field.
 _LIMITS = (
     "queue-bytes", "queue-packets", "max-subscriptions", "max-uid-subscriptions", "max-uid-connections",
-    "max-uid-watchers", "max-subscription-bytes", "max-uid-subscription-bytes", "max-pattern-segments",
+    "max-subscription-bytes", "max-uid-subscription-bytes", "max-pattern-segments",
     "max-uid-queue-bytes", "max-queue-bytes",
 )
 
@@ -95,8 +94,6 @@ class BusOptions(usage.Options):
         ["max-uid-subscriptions", None, str(DEFAULT_MAX_UID_SUBSCRIPTIONS),
          "Subscriptions all clients of one uid may hold together."],
         ["max-uid-connections", None, str(DEFAULT_MAX_UID_CONNECTIONS), "Connections one uid may hold open."],
-        ["max-uid-watchers", None, str(DEFAULT_MAX_UID_WATCHERS),
-         "Connections of one uid (not root's or the server's own) that may watch server/interest at once."],
         ["max-subscription-bytes", None, str(DEFAULT_MAX_SUBSCRIPTION_BYTES),
          "Estimated memory one client's patterns may pin (bytes + 128 per segment)."],
         ["max-uid-subscription-bytes", None, str(DEFAULT_MAX_UID_SUBSCRIPTION_BYTES),
