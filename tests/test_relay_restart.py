@@ -124,6 +124,8 @@ def test_socket_bound_before_listen_is_retried_at_short_intervals(start_bus, tmp
         listener.close()
     wait_until(lambda: relay_stats(relay)["connected"], "the relay connected to the listening master", FAST)
     both_ways(path, relay, b"late-listen")
+    st = relay_stats(relay)
+    assert st["wakeups"] >= 1 and st["failed_attempts"] >= before + 3, st  # woken, then tried again soon
 
 
 def test_master_directory_made_late_and_made_again_is_watched(start_bus, tmp_path, procs):
@@ -158,6 +160,8 @@ def test_master_directory_made_late_and_made_again_is_watched(start_bus, tmp_pat
         directory.mkdir()
         master = start_bus(address=path)
         wait_until(lambda: relay_stats(relay)["reconnects"] == n, f"reconnection {n}", FAST)
+    both_ways(path, relay, b"last")
+    assert relay_stats(relay)["watching"], "the relay no longer watches the master's socket"
 
 
 def _take(sub_sock, got: set) -> bool:
