@@ -246,24 +246,28 @@ def test_three_buses_exactly_once_never_back(mesh):
         s.close()
 
 
+#: Under a prefix no earlier test of the module holds: the previous test's `t/` subscribers
+#: closing make the importer withdraw `sbus.t.>` while this one subscribes again, and a probe
+#: still handed over by the withdrawn subscription (drained) would prove nothing about the new
+#: one (CI: the first five keys lost, published before the new subscription reached the route).
 KEYS = [
-    b"t/a.b c/*/>/caf\xc3\xa9/\x01\x7f\xff",
-    b"t/", b"t//", b"t/*", b"t/>", b"t/$SYS.x/_/__/_2E",
-    b"t/" + bytes(range(1, 256)).replace(b"/", b""),
-    b"t/tab\there/new\nline/dots.../...",
+    b"hk/a.b c/*/>/caf\xc3\xa9/\x01\x7f\xff",
+    b"hk/", b"hk//", b"hk/*", b"hk/>", b"hk/$SYS.x/_/__/_2E",
+    b"hk/" + bytes(range(1, 256)).replace(b"/", b""),
+    b"hk/tab\there/new\nline/dots.../...",
 ]
 
 
 def test_hostile_keys_round_trip_through_the_cluster(mesh):
     buses = mesh["buses"]
-    s = subscriber(buses[1])
+    s = subscriber(buses[1], b"hk/")
     p = connect(buses[0].address, big=True)
-    warm_up_pair(p, s, "keys")
+    warm_up_pair(p, s, "keys", key=b"hk/probe")
     for k in KEYS:
         send(p, msg(k, b"payload:" + k))
-    send(p, msg(b"t/end-keys"))
-    got = drain(s, lambda g: any(k == b"t/end-keys" for k, _ in g))
-    got = [(k, v) for k, v in got if k != b"t/end-keys"]
+    send(p, msg(b"hk/end-keys"))
+    got = drain(s, lambda g: any(k == b"hk/end-keys" for k, _ in g))
+    got = [(k, v) for k, v in got if k not in (b"hk/end-keys", b"hk/probe")]
     assert got == [(k, b"payload:" + k) for k in KEYS]
     s.close()
     p.close()
