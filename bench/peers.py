@@ -187,6 +187,10 @@ def settle_exit(proc: subprocess.Popen, rc: int) -> None:
             pass
 
 
+#: One clock tick of /proc/PID/stat's CPU times, in seconds.
+TICK = 1 / os.sysconf("SC_CLK_TCK")
+
+
 def free_port() -> int:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -306,7 +310,8 @@ class Peers:
         self.samples["lost"][name][rnd] = self.samples["lost"][name].get(rnd, 0) + (want - got)
         self.sent[name] += want
         cpu = ""
-        if m.group(6) is not None and got:
+        # /proc counts CPU time in clock ticks (10 ms): less than two of them is no figure ("—")
+        if m.group(6) is not None and got and float(m.group(6)) >= 2 * TICK:
             self.record("cpu_" + key, name, rnd, float(m.group(6)) * 1e6 / got)
             cpu = f", server CPU {float(m.group(6)) * 1e6 / got:.2f} µs/delivery"
         lost = f", LOST {want - got:,}" if want != got else ""
