@@ -8,11 +8,15 @@ expiry, names per uid, and what a lingering session costs its uid.
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 from helpers import Agent, cmsg, connect, msg, recv, send, stats, sub, sync, wait_stats, whoami
 from sbus.core import codec
 from sbus.core.sessions import BUSY, NEW, RESUMED, Lingering, SessionRefused, SessionTable, parse_request
+from test_server_secrets import NOBODY, world_bus  # noqa: F401  (fixture)
 
 REPLY = b"CMSG server/session\0"
 INTEREST = b"CMSG server/interest\0"
@@ -164,3 +168,31 @@ def test_a_uid_cannot_pile_up_lingering_sessions_past_its_connections(start_twis
     assert claim(observer, b"n0").state == "resumed"
     accepted = connect(bus.address)
     assert sync(accepted) == [], "a claimed stand-in still counted as a connection"
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to switch to another uid")
+def test_another_uid_cannot_claim_or_see_a_session(world_bus):  # noqa: F811
+    """Attack: uid 65534 asks for the name root's dead service held. It gets a session of its
+    own (names are per uid), learns nothing of root's, and root's successor still resumes."""
+    bus = world_bus
+    holder = connect(bus.address)
+    send(holder, sub(b"r/"))
+    assert claim(holder, b"svc").state == "new"
+    holder.close()
+    pub = connect(bus.address)
+    wait_stats(pub, lambda s: s["sessions"]["lingering"] == 1)
+    send(pub, msg(b"r/1", b"x"))
+    sync(pub)
+    nobody = Agent(bus.address, uid=NOBODY, gid=NOBODY)
+    try:
+        nobody.send(codec.session_request(b"svc", 30), b"CMSG server/stats")
+        got = [p for p in nobody.sync() if p.startswith(REPLY) or p.startswith(b"CMSG server/stats\0")]
+        assert got[0].startswith(REPLY + b"svc\0new\0"), got[0][:80]
+        seen = json.loads(got[1].split(b"\0", 1)[1])["sessions"]
+        assert seen == {"held": 1, "lingering": 0}, f"uid 65534 sees other uids' sessions: {seen}"
+    finally:
+        nobody.kill()
+    successor = connect(bus.address)
+    send(successor, sub(b"r/"))
+    r = claim(successor, b"svc")
+    assert (r.state, r.missed) == ("resumed", 1), r
