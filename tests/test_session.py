@@ -196,3 +196,22 @@ def test_another_uid_cannot_claim_or_see_a_session(world_bus):  # noqa: F811
     send(successor, sub(b"r/"))
     r = claim(successor, b"svc")
     assert (r.state, r.missed) == ("resumed", 1), r
+
+
+def test_a_watcher_that_asks_after_the_holder_died_sees_the_lingering_patterns(bus):
+    """The interest table is built when the first watcher asks: a stand-in made before that
+    must be in it, or a service that follows interest (sbus-nats, a relay) would let go of what
+    the dead service's successor will want."""
+    holder = connect(bus.address)
+    send(holder, sub(b"late/"))
+    assert claim(holder, b"l").state == "new"
+    holder.close()
+    watcher = connect(bus.address)
+    wait_stats(watcher, lambda s: s["sessions"]["lingering"] == 1)
+    send(watcher, cmsg(codec.INTEREST))
+    told = []
+    while INTEREST + b"=" not in told:
+        p = recv(watcher)
+        assert p, "the watcher was disconnected"
+        told.append(p)
+    assert INTEREST + b"+\0late/" in told, told

@@ -1099,6 +1099,9 @@ class BrokerFactory(protocol.Factory):
                 uid = c.cred.uid
                 for pattern in self.router.patterns_of(c):
                     table.held(c, uid, form(pattern))
+            for ghost in self.sessions.lingering():  # still held for a successor
+                for pattern in self.router.patterns_of(ghost):
+                    table.held(ghost, ghost.uid, form(pattern))
         uid = client.cred.uid
         table.watch(client, uid, self.privileged(uid))
 
