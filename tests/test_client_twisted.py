@@ -116,6 +116,26 @@ async def test_whoami_and_stats(clients):
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_session_claimed_by_a_successor_says_what_it_missed(clients):
+    first, pub = await clients(), await clients()
+    first.subscribe("svc/", lambda k, p: None)
+    assert (await within(first.session(b"tw", 30))).state == "new"
+    await within(first.close())
+    await within(pub.sync())
+    while (await within(pub.stats()))["sessions"]["lingering"] != 1:
+        await within(pub.sync())  # the server learns of the close in its own time
+    for i in range(5):
+        pub.publish("svc/x", b"%d" % i)
+    await within(pub.sync())
+    successor = await clients()
+    successor.subscribe("svc/", lambda k, p: None)
+    reply = await within(successor.session(b"tw", 30))
+    assert (reply.state, reply.missed, reply.linger) == ("resumed", 5, 30.0), reply
+    with pytest.raises(ValueError):
+        successor.session(b"", 30)
+
+
+@pytest_twisted.ensureDeferred
 async def test_message_received_hook(clients):
     seen = defer.DeferredQueue()
 

@@ -218,6 +218,16 @@ class SbusProtocol(Protocol):
         """Deferred[dict]: the server's statistics."""
         return self.server_request(codec.STATS).addCallback(lambda p: json.loads(p or b"{}"))
 
+    def session(self, name: bytes, linger: float) -> defer.Deferred:
+        """Deferred[`codec.SessionReply`]: hold the named session (docs/protocol.md "Sessions"),
+        or claim the one a dead predecessor left and learn what it missed. Subscribe first."""
+        codec.check_session_name(name)
+        packet = codec.session_request(name, linger)
+        self.sendPacket(packet)
+        d = defer.Deferred()
+        self._requests.setdefault(codec.SESSION, deque()).append(d)
+        return d.addCallback(codec.parse_session_reply)
+
     def echo(self, on: bool = True) -> None:
         self.sendPacket(echo_packet(on))
         self.echoOn = bool(on)
