@@ -214,6 +214,16 @@ def check_session_name(name: bytes) -> bytes:
     return name
 
 
+def session_name(text: str) -> bytes:
+    """A session name made of what identifies a service (its role and where it works, the same
+    for the process that replaces it): over the limit, it ends with a hash of the whole."""
+    name = text.encode("utf-8", "surrogateescape").replace(b"\0", b"?")
+    if len(name) > MAX_SESSION_NAME:
+        import hashlib
+        name = name[:MAX_SESSION_NAME - 17] + b"~" + hashlib.sha256(name).hexdigest()[:16].encode()
+    return name or b"?"
+
+
 def session_request(name: bytes, linger: float) -> bytes:
     """The CMSG that holds (or claims) session `name`, lingering `linger` seconds after a close."""
     text = (b"%.3f" % linger).rstrip(b"0").rstrip(b".") or b"0"  # decimal, never an exponent
