@@ -266,6 +266,39 @@ async def test_server_disconnect(clients):
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_reconnecting_client_with_a_session_is_told_what_it_missed_while_away(bus):
+    replies = defer.DeferredQueue()
+
+    class Client(ReconnectingClient):
+        def sessionClaimed(self, reply):
+            ReconnectingClient.sessionClaimed(self, reply)
+            replies.put(reply)
+
+    rc = Client(reactor(), bus.address, initialDelay=60.0, maxDelay=60.0)
+    rc.subscribe("s/", lambda k, p: None)
+    rc.holdSession(b"rc", 30)
+    rc.start()
+    other = await within(connect(reactor(), bus.address))
+    try:
+        first = await within(rc.whenConnected())
+        assert (await within(replies.get())).state == "new"
+        lost = first.whenLost()
+        first.transport.loseConnection()
+        await within(lost)
+        while (await within(other.stats()))["sessions"]["lingering"] != 1:
+            await within(other.sync())
+        for _ in range(3):
+            other.publish("s/x", b"")
+        await within(other.sync())
+        assert rc.retryNow()  # (its back-off would wait a minute)
+        reply = await within(replies.get())
+        assert (reply.state, reply.missed) == ("resumed", 3), reply
+    finally:
+        await within(rc.stop())
+        await within(other.close())
+
+
+@pytest_twisted.ensureDeferred
 async def test_reconnecting_client(start_bus, tmp_path):
     path = str(tmp_path / "re.socket")
     bus = start_bus(address=path)
