@@ -322,6 +322,7 @@ def test_what_the_master_had_for_a_killed_middle_relay_is_counted_by_its_success
     from test_lossless import routed
 
     master, middle, low = chain
+    middle.wait_log("holding session")   # claimed 2 s after it first served (SESSION_SETTLE)
     prefix = f"down/{uuid.uuid4().hex[:6]}/".encode()
     s = far_subscriber(low.address, prefix)
     routed(master.address, s, prefix)

@@ -370,7 +370,7 @@ class BridgeService(service.Service):
         def protocol_factory(side):
             class BridgeProtocol(SbusProtocol):
                 echo_filter: RecentPackets | None = None
-                session: SessionClaim | None = None
+                claim: SessionClaim | None = None
                 probe_key: bytes | None = None
                 probe_seen = False
 
@@ -488,7 +488,7 @@ class BridgeService(service.Service):
             proto.transport.pauseProducing()
         who = proto.credentials or b""
         if self.session_linger > 0:
-            proto.session = SessionClaim(proto, self.session_names[side], self.session_linger)
+            proto.claim = SessionClaim(proto, self.session_names[side], self.session_linger)
         what = "connected" if self.connects[side] == 1 else f"reconnected (reconnect {self.connects[side] - 1})"
         if self.connectors[side].last_why:
             log.info("side {side}: connected {how}", side=side, how=self.connectors[side].last_why)
@@ -546,7 +546,7 @@ class BridgeService(service.Service):
     # -- forwarding
 
     def _received(self, side: str, proto, key: bytes, payload: bytes, packet: bytes) -> None:
-        session = proto.session
+        session = proto.claim
         if session is not None and session.counting and not self._unwatched(side):
             session.saw(key)   # passed on, or counted here: not lost to a predecessor's gap
         if key.startswith(TOPOLOGY) or self.tree.owns(PORT[side], key):
@@ -721,10 +721,10 @@ class BridgeService(service.Service):
         claimed earlier, a kill before the window is out would lose it uncounted). A standby
         claims nothing: if it dies, the active path lost nothing."""
         proto = self.clients[side].protocol if side in self.clients else None
-        if proto is None or proto.session is None or not proto.connected or not self.tree.forwarding \
+        if proto is None or proto.claim is None or not proto.connected or not self.tree.forwarding \
                 or self._catching_up:
             return
-        session = proto.session
+        session = proto.claim
         if session.holds or session.pending:
             return
         session.claim().addCallback(self._claimed, side, proto)
@@ -732,7 +732,7 @@ class BridgeService(service.Service):
     def _published(self, proto, side: str, key: bytes) -> None:
         """We published `key` on `side`: a predecessor's lingering session there counts it if
         its patterns (ours) match it, and we do not see it (echo off): not a loss either."""
-        session = proto.session
+        session = proto.claim
         if session is None or not session.counting:
             return
         match = proto.stored_pattern
@@ -742,8 +742,8 @@ class BridgeService(service.Service):
     def _retryClaims(self) -> None:
         for side in SIDES:
             proto = self.clients[side].protocol
-            if proto is not None and proto.session is not None and proto.session.reply is not None \
-                    and proto.session.reply.state == "busy":
+            if proto is not None and proto.claim is not None and proto.claim.reply is not None \
+                    and proto.claim.reply.state == "busy":
                 self._claim(side)
 
     def _sessionLog(self, side: str, what: str, text: str, **kw) -> None:
@@ -776,19 +776,19 @@ class BridgeService(service.Service):
             log.info("side {side}: holding session {name!r} (lingers {linger:.3f} s after we go)",
                      side=side, name=name, linger=reply.linger)
             return
-        lost_now = proto.session.lost
+        lost_now = proto.claim.lost
         self.gap_lost[reason][side] += lost_now
         self.last_gap[side] = reply.gap
         log.info("side {side}: resumed session {name!r} after a gap of {gap:.3f} s: {missed} message(s) "
                  "for it meanwhile, {seen} of them reached us, {lost} lost ({reason}, {dir})",
-                 side=side, name=name, gap=reply.gap, missed=reply.missed, seen=proto.session.seen,
+                 side=side, name=name, gap=reply.gap, missed=reply.missed, seen=proto.claim.seen,
                  lost=lost_now, reason=reason, dir=f"{side}>{OTHER[side]}")
 
     def _sessionStats(self) -> dict:
         out = {}
         for side in SIDES:
             proto = self.clients[side].protocol if side in self.clients else None
-            session = proto.session if proto is not None else None
+            session = proto.claim if proto is not None else None
             reply = session.reply if session is not None else None
             out[side] = {"name": self.session_names[side].decode("utf-8", "replace"),
                          "state": reply.state if reply is not None else None,

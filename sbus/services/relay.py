@@ -185,7 +185,7 @@ class UpstreamProtocol(SbusProtocol):
 
     relay: "Relay | None" = None
     #: Our claim of the relay's session on the master (`sbus.services.session`).
-    session: SessionClaim | None = None
+    claim: SessionClaim | None = None
     #: Who holds this connection's reading paused (the broker's feeder protocol).
     pauses: Pauses | None = None
 
@@ -651,7 +651,7 @@ class Relay(service.Service):
         self.disconnect_reason = None
         proto.stats().addCallbacks(self._masterStats, lambda f: None)
         if self.session_linger > 0:
-            proto.session = SessionClaim(proto, self.session_name, self.session_linger)
+            proto.claim = SessionClaim(proto, self.session_name, self.session_linger)
             if self.connects == 1:  # our first: let our clients subscribe again first
                 self.reactor.callLater(SESSION_SETTLE, self._claim, proto)
             else:
@@ -899,7 +899,7 @@ class Relay(service.Service):
 
     def fromMaster(self, proto: UpstreamProtocol, key: bytes, packet: bytes) -> None:
         self.forwarded_down += 1
-        session = proto.session
+        session = proto.claim
         if session is not None and session.counting:
             session.saw(key)
         self.factory.deliverLocally(packet, key, proto)
@@ -907,15 +907,15 @@ class Relay(service.Service):
     # -- the session on the master: what a predecessor's gap lost
 
     def _claim(self, proto: UpstreamProtocol) -> None:
-        if proto is not self.up or proto.session is None or not proto.connected:
+        if proto is not self.up or proto.claim is None or not proto.connected:
             return
-        proto.session.claim().addCallback(self._claimed, proto)
+        proto.claim.claim().addCallback(self._claimed, proto)
 
     def _sentUp(self, proto: UpstreamProtocol, key: bytes) -> None:
         """We published `key` on the master: our predecessor's lingering session counts it if its
         patterns (those our clients hold again) match it, and it never comes back to us (echo
         off): not a loss either."""
-        session = proto.session
+        session = proto.claim
         if session is not None and session.counting and self.factory.router.match(key):
             session.sent(key)
 
@@ -938,19 +938,19 @@ class Relay(service.Service):
             log.info("sbus-relay: holding session {name!r} on the master (lingers {linger:.3f} s after "
                      "we go)", name=name, linger=reply.linger)
             return
-        lost_now = proto.session.lost
+        lost_now = proto.claim.lost
         self.gap_lost[reason] += lost_now
         self.last_session_gap = reply.gap
         log.info("sbus-relay: resumed session {name!r} on the master after a gap of {gap:.3f} s: "
                  "{missed} message(s) for our subscriptions meanwhile, {seen} of them reached us, "
                  "{lost} lost ({reason})", name=name, gap=reply.gap, missed=reply.missed,
-                 seen=proto.session.seen, lost=lost_now, reason=reason)
+                 seen=proto.claim.seen, lost=lost_now, reason=reason)
 
     def _sessionStats(self) -> dict | None:
         if self.session_linger <= 0:
             return None
         up = self.up
-        session = up.session if up is not None else None
+        session = up.claim if up is not None else None
         reply = session.reply if session is not None else None
         return {"name": self.session_name.decode("utf-8", "replace"),
                 "state": reply.state if reply is not None else None,

@@ -7,8 +7,8 @@ lasted (GAP). `SessionClaim` is one connection's claim, shared by the bridge and
 
 * `saw()` is called for each message the connection received and passed on (or counted
   elsewhere) before the claim was answered, and `sent()` for each the service published
-  there itself, before the claim was sent, that its own patterns match (echo is off: it never sees those, but the lingering session,
-  another connection, counts them). Those matched the lingering session's patterns too (when
+  there itself, before the claim was sent, that its own patterns match (echo is off: it
+  never sees those, but the lingering session, another connection, counts them). Those matched the lingering session's patterns too (when
   the patterns are the same: the same role), so they are in MISSED as well: the loss is
   ``MISSED - seen``, never below 0. A connection that was subscribed before the
   predecessor's connection closed has seen everything MISSED counts, so its loss is 0: a
@@ -21,49 +21,15 @@ Secret keys (``!/cred/``) are never counted by the server, so `saw()` ignores th
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from twisted.internet import defer
 
 from sbus.client.twisted import parse_whoami
+from sbus.core.codec import SessionReply, session_name  # noqa: F401  (the services' one import)
 from sbus.core.credentials import SECRET_ROOT
 
-SESSION = b"server/session"
 #: Seconds a service asks its session to linger after its connection closes (the server clamps
 #: it to its ``--max-session-linger``, 60 s by default).
 DEFAULT_LINGER = 60.0
-MAX_NAME = 200
-STATES = ("new", "resumed", "busy", "refused")
-
-
-class SessionReply(NamedTuple):
-    name: bytes
-    state: str
-    missed: int
-    gap: float
-    linger: float
-
-
-def parse_reply(payload: bytes | None) -> SessionReply | None:
-    """The server's ``server/session`` reply, or None if it is not one."""
-    parts = (payload or b"").split(b"\0")
-    if len(parts) != 5:
-        return None
-    name, state, missed, gap, linger = parts
-    try:
-        state = state.decode("ascii")
-        reply = SessionReply(name, state, int(missed), float(gap), float(linger))
-    except (UnicodeDecodeError, ValueError):
-        return None
-    if state not in STATES or reply.missed < 0 or not reply.gap >= 0 or not reply.linger >= 0:
-        return None
-    return reply
-
-
-def session_name(text: str) -> bytes:
-    """A session name from `text`: UTF-8, no NUL, at most `MAX_NAME` bytes (cut, the caller puts
-    what makes it unique first)."""
-    return text.replace("\0", "?").encode("utf-8", "surrogateescape")[:MAX_NAME]
 
 
 class SessionClaim:
@@ -104,22 +70,19 @@ class SessionClaim:
 
     def claim(self) -> defer.Deferred:
         """Send the claim (unless one is under way or held); fires with the `SessionReply`,
-        or None (no answer we understand). Errors (the connection went away) are swallowed."""
+        or None (the connection went away, or an answer we do not understand)."""
         if self.pending or self.holds or not self.proto.connected:
             return defer.succeed(None)
         self.pending = True
         self.attempts += 1
         try:
-            d = self.proto.server_request(SESSION, self.name + b"\0" + b"%.3f" % self.linger)
+            d = self.proto.session(self.name, self.linger)
         except Exception:
             self.pending = False
             return defer.succeed(None)
 
-        def answered(payload):
+        def answered(reply: SessionReply):
             self.pending = False
-            reply = parse_reply(payload)
-            if reply is None:
-                return None
             self.reply = reply
             if reply.state == "resumed":
                 self.lost = max(0, reply.missed - self.seen)
