@@ -347,7 +347,7 @@ def test_single_bridge_killed_again_counts_every_gap(start_bus, services, how): 
             armed(second)   # it watches; the tree lets it forward (and claim) only 1 s later
         else:
             settled([second], forwarding=1, timeout=DONE_TIMEOUT)
-            second.wait_log(RESUMED)
+            second.wait_log(RESUMED, count=2)   # both sides claimed
         second.proc.kill()
         wait_published(pub, pub.sent + DEAD_FOR)
         third = start()
