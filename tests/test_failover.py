@@ -397,6 +397,17 @@ def test_standby_window_usage_errors_are_one_line(tmp_path, service):
         assert res.returncode != 0 and needle in out and "Traceback" not in out, out[-500:]
 
 
+@pytest.mark.parametrize("value, needle", [("-1", "--session-linger: must be 0 or more seconds"),
+                                           ("inf", "--session-linger: must be 0 or more seconds"),
+                                           ("soon", "--session-linger: not a number")])
+def test_bridge_session_linger_usage_errors_are_one_line(tmp_path, value, needle):
+    res = subprocess.run([*TWISTD, "sbus-bridge", "--a", "x", "--b", "y", "--rule", "'' both",
+                          "--session-linger", value],
+                         capture_output=True, timeout=SERVICE_TIMEOUT, cwd=tmp_path, env=child_env())
+    out = (res.stderr + res.stdout).decode()
+    assert res.returncode != 0 and needle in out and "Traceback" not in out, out[-500:]
+
+
 @pytest.mark.parametrize("kill_at", [1000])
 def test_parallel_bridges_both_ways_kill_the_forwarding_one_loses_nothing(start_bus, services, kill_at):  # noqa: F811
     """Publishers on both buses: the standby reads the active path's copies on each side

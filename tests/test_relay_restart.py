@@ -365,6 +365,17 @@ def test_what_the_master_had_for_a_killed_middle_relay_is_counted_by_its_success
     assert "resumed session" in middle.log() and f"{counted} lost (restart)" in middle.log()
 
 
+@pytest.mark.parametrize("value, needle", [("-1", "--session-linger: must be 0 or more seconds"),
+                                           ("nan", "--session-linger: must be 0 or more seconds"),
+                                           ("soon", "--session-linger: not a number")])
+def test_relay_session_linger_usage_errors_are_one_line(tmp_path, value, needle):
+    res = subprocess.run([sys.executable, "-m", "twisted", "sbus-relay", "--upstream", str(tmp_path / "m.sock"),
+                          "--socket", str(tmp_path / "r.sock"), "--session-linger", value],
+                         capture_output=True, timeout=FAST, cwd=tmp_path, env=child_env())
+    out = (res.stderr + res.stdout).decode()
+    assert res.returncode != 0 and needle in out and "Traceback" not in out, out[-500:]
+
+
 @pytest.fixture
 def attacker_dir():
     """A directory of uid 65534 (which may create and replace names in it), under a fresh
