@@ -82,6 +82,20 @@ everything new. The assumptions (identical messages, the window's bounds,
 100,000 messages and 64 MiB) and their counters (``failover_gap``,
 ``skipped_by_active``) are in docs/deploy.md, "Failover without loss".
 
+Restarted: the gap counted
+--------------------------
+
+On each side the bridge holds a ``server/session`` named after its role (the side, both
+addresses, the rules: `BridgeService.roleName`), so the same command started again claims the
+same one. When it dies its patterns linger on each bus, counting what they match. A bridge
+claims only once it forwards and has forwarded its window; the gap's loss is what the session
+counted less what this connection received, or published there itself, before the claim
+(`sbus.services.session.SessionClaim`): exact whenever the claim comes, and 0 for a standby
+that watched the whole gap. It goes to ``lost.restart`` (``reconnect``: our own connection
+broke and came back) with one log line giving the gap. A second live bridge of the role gets
+``busy`` and asks again every `SESSION_RETRY` seconds while it forwards; a standby holds no
+session, since the active path loses nothing when it dies.
+
 Reconnection, back-pressure, statistics
 ---------------------------------------
 
@@ -96,7 +110,8 @@ A stats line is logged every ``--stats-interval`` seconds (if anything
 changed) and at stop: messages forwarded each way, reconnects per side,
 drops (other side down, rewritten key invalid or too long for a packet),
 secret keys filtered, what the active path delivered while we stood by,
-what we forwarded from the window at takeover and the failover gap.
+what we forwarded from the window at takeover, the failover gap, and what a restart's gap
+lost.
 """
 
 from __future__ import annotations
@@ -333,7 +348,7 @@ class BridgeService(service.Service):
         self._catching_up = False
         self._takeovers = 0
         self.spanning_tree = spanning_tree
-        #: ``server/session`` (docs/deploy.md, "A bridge restarted"): seconds our session lingers
+        #: ``server/session`` (docs/deploy.md, "Restarted: its gap counted"): seconds it lingers
         #: (0: none); per side, its name, whether this process held it before, what the gaps lost.
         self.session_linger = session_linger
         self.session_names = {side: self.roleName(side) for side in SIDES}

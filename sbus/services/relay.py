@@ -58,6 +58,14 @@ itself one client of the master:
   the relay apply). Upward: when more than ``--queue-bytes`` wait to go to
   the master, the local publishers feeding it are paused until it drains.
 
+* **Restarted: the gap counted.** The relay holds a ``server/session`` on its master named
+  after the socket it serves. When it dies, its clients' patterns linger on the master and
+  count what the master had for them; the restarted relay claims the session
+  `SESSION_SETTLE` seconds after it first serves (its clients have subscribed again) and
+  counts what it missed, less what reached it or it published up meanwhile
+  (`sbus.services.session.SessionClaim`), as ``lost.restart`` with one log line giving the
+  gap; after a reconnection the claim is at once and a loss is ``lost.reconnect``.
+
 Statistics: ``CMSG server/stats`` on the relay shows an ``"upstream"``
 object (see `Relay.stats`); the relay also answers ``sbus/services/stats``
 requests published on its own bus (`sbus.services.svcstats`) with it, and
