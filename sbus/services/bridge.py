@@ -793,9 +793,10 @@ class BridgeService(service.Service):
             return
         lost_now = proto.claim.lost
         self.gap_lost[reason][side] += lost_now
-        self.last_gap[side] = reply.gap
-        log.info("side {side}: resumed session {name!r} after a gap of {gap:.3f} s: {missed} message(s) "
-                 "for it meanwhile, {seen} of them reached us, {lost} lost ({reason}, {dir})",
+        self.last_gap[side] = proto.claim.uncovered
+        log.info("side {side}: resumed session {name!r} after a gap of {gap:.3f} s ({away:.3f} s of it "
+                 "before we subscribed): {missed} message(s) for it meanwhile, {seen} of them reached "
+                 "us, {lost} lost ({reason}, {dir})", away=proto.claim.uncovered,
                  side=side, name=name, gap=reply.gap, missed=reply.missed, seen=proto.claim.seen,
                  lost=lost_now, reason=reason, dir=f"{side}>{OTHER[side]}")
 

@@ -948,10 +948,11 @@ class Relay(service.Service):
             return
         lost_now = proto.claim.lost
         self.gap_lost[reason] += lost_now
-        self.last_session_gap = reply.gap
-        log.info("sbus-relay: resumed session {name!r} on the master after a gap of {gap:.3f} s: "
-                 "{missed} message(s) for our subscriptions meanwhile, {seen} of them reached us, "
-                 "{lost} lost ({reason})", name=name, gap=reply.gap, missed=reply.missed,
+        self.last_session_gap = proto.claim.uncovered
+        log.info("sbus-relay: resumed session {name!r} on the master after a gap of {gap:.3f} s "
+                 "({away:.3f} s of it before we were connected): {missed} message(s) for our "
+                 "subscriptions meanwhile, {seen} of them reached us, {lost} lost ({reason})",
+                 away=proto.claim.uncovered, name=name, gap=reply.gap, missed=reply.missed,
                  seen=proto.claim.seen, lost=lost_now, reason=reason)
 
     def _sessionStats(self) -> dict | None:

@@ -21,6 +21,8 @@ Secret keys (``!/cred/``) are never counted by the server, so `saw()` ignores th
 
 from __future__ import annotations
 
+import time
+
 from twisted.internet import defer
 
 from sbus.client.twisted import parse_whoami
@@ -47,6 +49,9 @@ class SessionClaim:
         self.reply: SessionReply | None = None
         #: What the predecessor's gap lost: MISSED less what this connection saw (0 if not resumed).
         self.lost = 0
+        #: Of the gap, the seconds before this connection was made (subscribed): nobody's.
+        self.uncovered = 0.0
+        self._made = time.monotonic()
         self.attempts = 0
 
     @property
@@ -86,6 +91,7 @@ class SessionClaim:
             self.reply = reply
             if reply.state == "resumed":
                 self.lost = max(0, reply.missed - self.seen)
+                self.uncovered = max(0.0, reply.gap - (time.monotonic() - self._made))
             return reply
 
         def failed(_):
