@@ -21,7 +21,7 @@ import uuid
 
 import pytest
 
-from helpers import SERVICE_TIMEOUT, child_env, connect, send, sub, sync, wait_until
+from helpers import SERVICE_TIMEOUT, child_env, connect, msg, send, sub, sync, wait_until
 from test_lossless import HARD_BLOCK, routed
 from test_topology_services import TWISTD, bridge, services, settled  # noqa: F401  (fixture)
 
@@ -395,6 +395,37 @@ def test_standby_window_usage_errors_are_one_line(tmp_path, service):
                              capture_output=True, timeout=SERVICE_TIMEOUT, cwd=tmp_path, env=child_env())
         out = (res.stderr + res.stdout).decode()
         assert res.returncode != 0 and needle in out and "Traceback" not in out, out[-500:]
+
+
+def test_two_live_bridges_of_one_role_never_steal_the_session_nor_count_twice(start_bus, services):  # noqa: F811
+    """Attack: two bridges configured alike, both live and both forwarding (``--no-spanning-tree``,
+    a>b only, so b gets each message twice and nothing loops). The second to claim the role's
+    session is told ``busy`` and asks again; when the holder is killed (-9) it takes the session
+    over and counts 0 (it received every message the session counted). The killed one started
+    again is ``busy`` in turn: it steals nothing, and no bridge counts a loss that was not one."""
+    a, b = start_bus(), start_bus()
+
+    def start():
+        return services("sbus-bridge", "--a", a.address, "--b", b.address, "--rule", "'' a>b",
+                        "--no-spanning-tree", "--max-delay", "0.5", "--stats-interval", "1")
+
+    first = start()
+    first.wait_log("side a: holding session")
+    second = start()
+    second.wait_log("side a: session 'sbus-bridge a ")      # busy: held by another live bridge
+    assert "is held by another live bridge of this role" in second.log()
+    first.proc.kill()
+    with connect(a.address) as pub:
+        for i in range(300):   # while the session lingers: counted by it, and seen by `second`
+            send(pub, msg(b"gap/%d" % i, b"x"))
+        sync(pub)
+    found = second.wait_log(re.compile(r"side a: resumed session"))
+    ((_, lost_n, reason),) = [m for m in RESUMED.findall(found) if m[0] == "a"]
+    assert (lost_n, reason) == ("0", "restart"), found[-600:]
+    again = start()
+    again.wait_log("is held by another live bridge of this role")
+    for st in bridge_stats(a.address):
+        assert st["stats"]["lost"] == {}, st["stats"]["lost"]
 
 
 @pytest.mark.parametrize("value, needle", [("-1", "--session-linger: must be 0 or more seconds"),
