@@ -190,19 +190,35 @@ def test_killed_and_restarted_after_0_2s_its_loss_is_counted(pair, side):
         assert pair.stats("a")["restarts"]["session"]["state"] == "resumed"
 
 
+def check_logged(pair, sent, got):
+    """sent = received + what every instance, dead or live, logged as counted (a count held
+    by an instance that died again is in its log line only), + the live ones' drops."""
+    missing = sent - len(got)
+    settled_lost(pair, sent, got)
+
+    def counted():
+        return pair.logged() + sum(n for why, n in pair.lost().items() if why != "restart")
+
+    wait_until(lambda: abs(missing - counted()) <= 0.01 * sent,
+               f"the logged counts to account for the {missing} missing messages", 30, interval=0.2)
+    print(f"sent {sent}, received {len(got)}, missing {missing}, counted {counted()} "
+          f"(logged {pair.logged()})")
+    assert missing > 0
+
+
 @pytest.mark.parametrize("side", ["a", "b"])
 def test_killed_again_in_its_first_second(pair, side):
-    """The successor is killed again as soon as it logged its start (before it could claim or
-    acknowledge anything), restarted after 0.2 s: the second successor counts both gaps."""
+    """The successor is killed again as soon as it logged its start line (within its first
+    second: it may or may not have claimed its session or acknowledged), restarted after
+    0.2 s: both gaps are counted, by the second successor or in the first one's log line."""
     def during(r):
         first = pair.restart(side)
-        first.wait_re(r"sbus-nats/|: exporting ")     # its first log line: well within a second
+        first.wait_re(r": exporting ")     # its first log line
         pair.restart(side).wait_re(READY)
         resumed_through(r)
 
     sent, got = flow(pair, during)
-    lost_now = settled_lost(pair, sent, got)
-    check_accounted(pair, sent, got, lost_now)
+    check_logged(pair, sent, got)
 
 
 @pytest.mark.parametrize("side", ["a", "b"])
@@ -216,12 +232,7 @@ def test_two_kills_in_a_row(pair, side):
             resumed_through(r)
 
     sent, got = flow(pair, during)
-    missing = sent - len(got)
-    settled_lost(pair, sent, got)
-    wait_until(lambda: abs(missing - pair.logged()) <= 0.01 * sent,
-               "the logged counts to account for the missing messages", 30, interval=0.2)
-    print(f"sent {sent}, received {len(got)}, missing {missing}, logged {pair.logged()}")
-    assert missing > 0
+    check_logged(pair, sent, got)
 
 
 def test_the_counting_peer_restarts_too(pair):
@@ -234,12 +245,8 @@ def test_the_counting_peer_restarts_too(pair):
             resumed_through(r)
 
     sent, got = flow(pair, during)
-    missing = sent - len(got)
-    settled_lost(pair, sent, got)
-    wait_until(lambda: abs(missing - pair.logged()) <= 0.01 * sent,
-               "the logged counts to account for the missing messages", 30, interval=0.2)
+    check_logged(pair, sent, got)
     assert pair.stats("a")["restarts"]["importer_restarts"] == 1
-    print(f"sent {sent}, received {len(got)}, missing {missing}, logged {pair.logged()}")
 
 
 def test_a_second_one_with_the_same_name_refuses(pair):

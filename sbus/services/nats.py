@@ -122,7 +122,6 @@ MAX_PEERS = 1000
 #: An exporter instance nothing arrived from for this long is forgotten by importers.
 EXPORTER_IDLE = 300.0
 MAX_ACK = 1024
-SESSION = b"server/session"
 #: Messages read from the bus before the session is claimed wait for the answer (a round trip).
 MAX_HELD = 10000
 NAME_RE = re.compile(r"[A-Za-z0-9._:@-]{1,100}\Z")
@@ -464,8 +463,8 @@ class NatsService(service.Service):
         if self._held is None:
             self._held = []
         answered: list = []
-        linger = b"%g" % self.session_linger
-        d = proto.server_request(SESSION, self.session_name + b"\0" + linger)
+        payload = codec.session_request(self.session_name, self.session_linger).split(b"\0", 1)[1]
+        d = proto.server_request(codec.SESSION, payload)
         d.addCallbacks(lambda p: answered.append(1) or self._session_answer(proto, p or b""),
                        lambda f: None)
 
@@ -482,17 +481,17 @@ class NatsService(service.Service):
     def _session_answer(self, proto, payload: bytes) -> None:
         if self.client is None or proto is not self.client.protocol:
             return
-        parts = payload.split(b"\0")
-        state = parts[1].decode("ascii", "replace") if len(parts) >= 5 else "malformed"
+        try:
+            reply = codec.parse_session_reply(payload)
+        except ProtocolError as e:
+            log.warn("bus: {err}", err=e)
+            reply = codec.SessionReply(self.session_name, "malformed", 0, 0.0, 0.0)
+        state = reply.state
         self.session["state"] = state
         if state in ("new", "resumed"):
-            try:
-                missed = max(0, min(int(parts[2]), 1 << 62))
-                gap = max(0.0, float(parts[3]))
-            except ValueError:
-                missed, gap = 0, 0.0
-            self.session.update(missed=self.session["missed"] + missed, gap=gap,
-                                linger=parts[4].decode("ascii", "replace"))
+            missed = max(0, min(reply.missed, 1 << 62))
+            gap = max(0.0, reply.gap)
+            self.session.update(missed=self.session["missed"] + missed, gap=gap, linger=reply.linger)
             if state == "resumed":
                 # a predecessor's gap on the first connection; later, our own bus connection's
                 reason = "restart" if self.bus_connects == 1 else "bus_down"
@@ -502,9 +501,8 @@ class NatsService(service.Service):
                          "published for export meanwhile were not exported; counted as lost ({why})",
                          name=self.session["name"], gap=gap, n=missed, why=reason)
             else:
-                log.info("bus: session {name} claimed (new: nothing lingered); lingers {l} s "
-                         "after this process ends", name=self.session["name"],
-                         l=parts[4].decode("ascii", "replace"))
+                log.info("bus: session {name} claimed (new: nothing lingered); lingers {l:.3f} s "
+                         "after this process ends", name=self.session["name"], l=reply.linger)
             self._release_held()
         elif state == "busy":
             log.error("bus: another sbus-nats named {name} is running on this bus (server/session "
