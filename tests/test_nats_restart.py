@@ -213,7 +213,7 @@ def test_killed_again_in_its_first_second(pair, side):
     0.2 s: both gaps are counted, by the second successor or in the first one's log line."""
     def during(r):
         first = pair.restart(side)
-        first.wait_re(r": exporting ")     # its first log line
+        first.wait_re(r"exporting .*; importing ")     # its first log line
         pair.restart(side).wait_re(READY)
         resumed_through(r)
 

@@ -68,6 +68,18 @@ counted by reason in `stats()`; a stats line is logged every
 ``--stats-interval`` seconds if it changed, and at stop; the service also
 answers ``sbus/services/stats`` requests on the bus (`sbus.services.svcstats`).
 
+Restarts (docs/deploy.md "Restarts"). What a killed sbus-nats missed is counted
+as ``lost["restart"]`` by someone alive. Bus -> NATS: the service holds the
+bus session ``sbus-nats/<--name>`` (``CMSG server/session``), which the
+server keeps counting for ``--session-linger`` seconds after a crash; the
+successor subscribes, claims it and adds the count. NATS -> bus: exported
+messages carry ``Sbus-Seq: <instance>.<n>``; importers acknowledge, per
+exporter instance and at most every ACK_INTERVAL, the first and last number
+they handled on ``_SBUS.ack.<instance>``; an exporter that hears a new
+instance of an importer (same bus id and name) counts the numbers between the
+predecessor's last acknowledgement and the successor's first. One sbus-nats
+per name per bus: a second one exits.
+
 Authentication. A NATS server anyone can reach is a way into the bus: whoever
 connects to it reads what is exported and publishes what is imported, as the
 bus's owner. So the service refuses to start without an authentication of its
