@@ -17,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 import time
 import uuid
 
 import pytest
 
-from helpers import SbusdProcess, wait_until
+from helpers import SbusdProcess, child_env, wait_until
 from test_failover import Receiver, SteadyPublisher, far_subscriber, service_stats
 from test_lossless import routed
 from test_nats import UNAUTH, NatsNode, Twistd, free_ports, nats
@@ -91,6 +93,17 @@ class Pair:
             for why, n in self.stats(side)["lost"].items():
                 total[why] = total.get(why, 0) + n
         return total
+
+    def top_line(self, side) -> str:
+        """The sbus-nats line of `sbus top` on that side's bus (the answers asked for in a frame
+        are shown in the next: the second frame's)."""
+        r = subprocess.run([sys.executable, "-m", "sbus.cli", "--socket", self.buses[side].address,
+                            "top", "-n", "2", "-i", "0.5"], capture_output=True, timeout=30,
+                           env=child_env(), stdin=subprocess.DEVNULL)
+        assert r.returncode == 0, r.stderr[-300:]
+        lines = [line for line in r.stdout.decode().splitlines() if "sbus-nats" in line]
+        assert lines, r.stdout[-500:]
+        return lines[-1]
 
     def logged(self) -> int:
         """What every instance, dead or live, logged as counted."""
@@ -188,6 +201,11 @@ def test_killed_and_restarted_after_0_2s_its_loss_is_counted(pair, side):
         assert pair.stats("a")["restarts"]["importer_restarts"] == 1
     else:
         assert pair.stats("a")["restarts"]["session"]["state"] == "resumed"
+    # where an operator looks: sbus top, and the stop line
+    assert f"restart {lost_now['restart']}" in pair.top_line("a")
+    pair.live("a").stop()
+    assert re.search(r'sbus-nats stopped: .*"lost":\{[^}]*"restart":%d' % lost_now["restart"],
+                     pair.live("a").log())
 
 
 def check_logged(pair, sent, got):
