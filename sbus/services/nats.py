@@ -117,6 +117,9 @@ from sbus.options import MISSING_BUS_HELP
 from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
 
+#: Exit status when another sbus-nats of the same --name runs on the bus (a configuration error,
+#: sysexits' EX_CONFIG: contrib/systemd's unit does not restart on it).
+EXIT_NAME_TAKEN = 78
 log = Logger(namespace="sbus.nats")
 
 ORIGIN_HEADER = "Sbus-Origin"
@@ -521,7 +524,7 @@ class NatsService(service.Service):
                       "busy); one per name per bus: give the other one a different --name; exiting",
                       name=self.name)
             self._held = []
-            stop_with_status(self.reactor, 1)
+            stop_with_status(self.reactor, EXIT_NAME_TAKEN)
         else:
             log.warn("bus: the server refused session {name} ({state}; its log says why): what is "
                      "published while this sbus-nats is not running is not counted",
