@@ -105,7 +105,9 @@ every ``--stats-interval`` seconds.
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
+import math
 import json
 import os
 import socket
@@ -163,6 +165,10 @@ SEEN = b"link/seen"
 #: ``link/ack\0N``: the first N messages the peer sent on this connection are handled here
 #: (published on our bus, which answered a round trip after them, or counted as dropped).
 ACK = b"link/ack"
+#: The bus's lingering sessions (docs/protocol.md): ``CMSG server/session\0NAME\0LINGER``.
+SESSION = b"server/session"
+#: Default --session-linger, seconds (the server clamps it to its --max-session-linger).
+SESSION_LINGER = 60.0
 #: Seconds the takeover waits for the peer's answer to ``link/sync``.
 SYNC_TIMEOUT = 10.0
 #: The window's side names: our bus, and what the peer sent us from its bus.
@@ -378,6 +384,43 @@ def _split_pem(data: bytes) -> list[bytes]:
     return [part + end for part in data.split(end) if b"-----BEGIN CERTIFICATE-----" in part]
 
 
+# ---------------------------------------------------------------- the bus session
+
+
+#: The longest session name the server takes (docs/protocol.md, ``server/session``).
+MAX_SESSION_NAME = 200
+
+
+def check_session_name(name: bytes) -> bytes:
+    """`name` if the server takes it as a session name (1-200 bytes, no NUL), else ValueError."""
+    if not 1 <= len(name) <= MAX_SESSION_NAME:
+        raise ValueError(f"a session name has 1 to {MAX_SESSION_NAME} bytes, not {len(name)}")
+    if b"\0" in name:
+        raise ValueError("NUL in the session name")
+    return name
+
+
+def default_session(listen: str | None, connect: str | None) -> bytes:
+    """``sbus-link listen=ENDPOINT`` or ``sbus-link connect=ENDPOINT``: the same for each process
+    that replaces this one, different for two links on one bus (they listen on, or connect to,
+    different ports). Files of certificates and keys are left out; a name over the server's
+    limit ends with a hash of the whole."""
+    role, where = ("listen", listen) if listen else ("connect", connect)
+    kind, args, kw = _kind(where)
+    kept = [a for a in args]
+    kept += [f"{k}={v}" for k, v in kw.items() if k not in ("privateKey", "certKey", "caCertsDir",
+                                                            "extraCertChain", "dhParameters")]
+    name = f"sbus-link {role}={':'.join([kind, *kept])}".encode("utf-8", "surrogateescape")
+    if len(name) > MAX_SESSION_NAME:
+        name = name[:MAX_SESSION_NAME - 17] + b"~" + hashlib.sha256(name).hexdigest()[:16].encode()
+    return name
+
+
+def _decimal(seconds: float) -> bytes:
+    """``60``, ``0.5``: a LINGER the server reads (decimal, never an exponent)."""
+    return (b"%.3f" % seconds).rstrip(b"0").rstrip(b".") or b"0"
+
+
 # ---------------------------------------------------------------- options
 
 
@@ -404,6 +447,11 @@ class Options(usage.Options):
         ["stats-interval", None, "60", "Log a statistics line this often, seconds (0: only at exit)."],
         ["key-file", "k", None, "Shared key (a file only its owner may read, the same on both ends): "
                                 "both ends prove they hold it at every connection. Needed for plain TCP."],
+        ["session", None, None, "Name of this half's session on its bus (default: sbus-link, the role "
+                                "and the endpoint): a restarted process claims it and counts what "
+                                "its bus published while it was dead (lost.restart)."],
+        ["session-linger", None, str(SESSION_LINGER), "Seconds the bus keeps counting for a dead "
+                                                      "process's successor (0: nothing is counted)."],
         ["standby-window", None, str(MAX_MESSAGES), "Standing by, remember at most this many messages "
                                                     "the active path has not yet delivered (forwarded "
                                                     "if we take over; see docs/deploy.md)."],
@@ -451,8 +499,15 @@ class Options(usage.Options):
             raise usage.UsageError("--max-packet: must be > 16 and <= 16 MiB")
         for name in ("initial-delay", "max-delay"):
             self[name] = positive_float(name, self[name])
-        for name in ("keepalive", "stats-interval"):
+        for name in ("keepalive", "stats-interval", "session-linger"):
             self[name] = positive_float(name, self[name], zero_ok=True)
+        if not math.isfinite(self["session-linger"]):
+            raise usage.UsageError(f"--session-linger: not a finite number: {self['session-linger']}")
+        if self["session"] is not None:
+            try:
+                self["session"] = check_session_name(os.fsencode(self["session"]))
+            except ValueError as e:
+                raise usage.UsageError(f"--session: {e}") from None
         try:
             self["standby-window"] = parse_size(self["standby-window"])
         except ValueError as e:
@@ -508,6 +563,9 @@ class PeerProtocol(Int32StringReceiver, TimeoutMixin):
         #: The peer's export patterns (its hello), None: not said.
         self.remote_patterns: list[bytes] | None = None
         self.watch_noted = False
+        #: The peer's hello: did the link carry when the peer's previous connection (to the
+        #: process before us) went down? None: not said.
+        self.carried_before: bool | None = None
         #: Our `link/sync` requests awaiting the peer's answer: number -> (Deferred, timer).
         self.syncs: dict[int, tuple] = {}
         self.next_sync = 0
@@ -632,7 +690,8 @@ class Link(service.MultiService):
                  patterns=(b"",), max_packet: int = MAX_PACKET, initialDelay: float = 0.2,
                  maxDelay: float = 30.0, keepalive: float = 30.0, statsInterval: float = 60.0,
                  reactor=None, key_file: str | None = None, spanning_tree: bool = True,
-                 trusted_uids=(), standby_window: int = MAX_MESSAGES):
+                 trusted_uids=(), standby_window: int = MAX_MESSAGES, session: bytes | None = None,
+                 session_linger: float = SESSION_LINGER):
         super().__init__()
         #: Who may reach the bus: a unix peer must be one of them (`sbus.services.access`).
         self.access = bus_access.BusAccess(bus)
@@ -686,6 +745,17 @@ class Link(service.MultiService):
         #: What a takeover could not forward (the peer or bus went away during its round trip).
         self.takeover_lost = 0
         self._warned = set()
+        #: Our session on the bus (``server/session``): a successor of this process claims it
+        #: and counts what the bus published while we were dead (`_sessionAnswer`).
+        self.session_name = session if session is not None else default_session(listen, connect)
+        self.session_linger = session_linger
+        self.session: dict = {"name": _show(self.session_name), "state": None, "linger": None}
+        #: What the bus published while the process before us was dead, if the peer then said
+        #: the link stood by (another path carried it): not lost.
+        self.restart_standing_by = 0
+        #: Did the link carry traffic when the last peer connection went down (None: no peer
+        #: yet, or not known)? Told to the next peer in the hello (``carried_before``).
+        self.carried_before: bool | None = None
         where = (listen or connect or "").split(":privateKey=")[0].split(":caCertsDir=")[0][:80]
         self.tree = Tree(reactor, default_name("sbus-link", f"bus={bus} {'listen' if listen else 'connect'}="
                                                             f"{where}"),
@@ -775,6 +845,7 @@ class Link(service.MultiService):
                 "window": self.window.stats(),
             },
             "failover_gap": self._failoverGap(),
+            "session": dict(self.session, restart_standing_by=self.restart_standing_by),
             "spanning_tree": self.tree.stats(),
         }
 
@@ -818,6 +889,10 @@ class Link(service.MultiService):
         self._own_secret = whoami + b"/"
         # Our own secret space: the keys other clients use to reach the peer's clients.
         proto.subscribe(self._own_secret)
+        # SUB first (above and at connect), then the claim: nothing falls between the two.
+        first = self.bus_connects == 1
+        proto.server_request(SESSION, self.session_name + b"\0" + _decimal(self.session_linger)).addCallbacks(
+            lambda answer: self._sessionAnswer(proto, answer, first), lambda f: None)
         proto.transport.registerProducer(_Pauser(self._pausePeer, self._resumePeer), True)
         if self._local_paused:
             proto.transport.pauseProducing()
@@ -833,6 +908,55 @@ class Link(service.MultiService):
             for conn in self.conns:
                 if conn.auth is None or conn.auth.done:  # mid-handshake: its hello follows the proof
                     conn.sendFrame(self._hello())
+
+    def _sessionAnswer(self, proto: LocalProtocol, answer: bytes | None, first: bool) -> None:
+        """The bus's answer to our ``server/session`` claim: ``NAME\0STATE\0MISSED\0GAP\0LINGER``.
+        ``resumed``: the process before us (or, `first` false, our own previous connection)
+        died, and the bus counted MISSED messages of ours since, GAP seconds ago: lost."""
+        fields = (answer or b"").split(b"\0")
+        try:
+            name, state, missed, gap, linger = fields
+            state = state.decode("ascii")
+            missed, gap, linger = int(missed), float(gap), float(linger)
+            if missed < 0 or not (math.isfinite(gap) and math.isfinite(linger)):
+                raise ValueError
+        except ValueError:
+            log.warn("sbus-link: the bus answered our session claim with {a!r}; running without a "
+                     "session (a restart of this process is not counted)", a=(answer or b"")[:120])
+            return
+        self.session.update(state=state, linger=linger)
+        if state == "resumed":
+            reason = "restart" if first else "bus_down"
+            self.drops[reason] += missed
+            self.session.update(missed=self.session.get("missed", 0) + missed, gap=round(gap, 3),
+                                reason=reason)
+            who = "the previous sbus-link process" if first else "our previous bus connection"
+            log.warn("sbus-link: resumed session {name}: {n} message(s) published on our bus while "
+                     "{who} was down are lost ({reason}), gap {gap:.3f} s", name=_show(name), n=missed,
+                     who=who, reason=reason, gap=gap)
+            if first and self.peer is not None:
+                self._standingByBefore(self.peer)
+        elif state == "new":
+            log.info("sbus-link: holding session {name} on the bus (lingers {linger:g} s after a crash)",
+                     name=_show(name), linger=linger)
+        elif state == "busy":
+            log.warn("sbus-link: another process of our uid holds session {name} on the bus (two links "
+                     "with the same endpoint? give each its own --session); a restart of this process "
+                     "is not counted", name=_show(name))
+        else:
+            log.warn("sbus-link: the bus refused our session {name} ({state}; its log says why); a "
+                     "restart of this process is not counted", name=_show(name), state=state[:40])
+
+    def _standingByBefore(self, peer: PeerProtocol) -> None:
+        """The peer said the link stood by when its connection to the process before us went
+        down: another path carried what our bus published meanwhile, it is not lost."""
+        missed = self.session.get("missed", 0) if self.session.get("reason") == "restart" else 0
+        if peer.carried_before is not False or not missed or self.restart_standing_by:
+            return
+        self.drops.pop("restart", None)
+        self.restart_standing_by = missed
+        log.info("sbus-link: the link stood by when the process before us died: the {n} message(s) "
+                 "of its gap went another way (not lost)", n=missed)
 
     def _listenNow(self):
         """Open the --listen port (the first time the bus answers); a port that cannot be
@@ -996,6 +1120,8 @@ class Link(service.MultiService):
         body = {"version": VERSION, "whoami": _show(self.whoami) if self.whoami else None,
                 "max_packet": self.max_packet, "ack": True,
                 "patterns": [p.decode("utf-8", "surrogateescape") for p in self.patterns]}
+        if self.carried_before is not None:
+            body["carried_before"] = self.carried_before
         return b"CMSG " + HELLO + b"\0" + json.dumps(body).encode()
 
     def peerConnected(self, peer: PeerProtocol):
@@ -1069,6 +1195,7 @@ class Link(service.MultiService):
             d.errback(ConnectionError("the link went down"))
         peer.syncs.clear()
         if peer is self.peer:
+            self.carried_before = bool(self.tree.forwarding and peer.remote_forwarding)
             self.peer = None
             self.window.reset()
             self._receiving = STANDBY
@@ -1198,6 +1325,9 @@ class Link(service.MultiService):
         patterns = hello.get("patterns")
         if isinstance(patterns, list) and all(isinstance(p, str) for p in patterns):
             peer.remote_patterns = [p.encode("utf-8", "surrogateescape") for p in patterns]
+        if isinstance(hello.get("carried_before"), bool):
+            peer.carried_before = hello["carried_before"]
+            self._standingByBefore(peer)
         if not peer.ready:
             self._activate(peer)
         elif whoami is not None:
@@ -1380,6 +1510,7 @@ def makeService(options: Options) -> Link:
             key_file=options["key-file"],
             spanning_tree=not options["no-spanning-tree"],
             trusted_uids=options["trust-uids"], standby_window=options["standby-window"],
+            session=options["session"], session_linger=options["session-linger"],
         )
     except EndpointError as e:
         raise usage.UsageError(str(e)) from None

@@ -1,0 +1,282 @@
+"""Link failover through real processes, over every transport a link runs on (issue 23).
+
+The kill-and-count scenarios of sbus-link, each run over TCP with the shared key, over TLS with
+client certificates and over a unix stream socket (`transport`): a publisher sends numbered
+messages at a steady rate (`test_failover.run_flow`), a link process is killed with
+``kill -9`` mid-flow (placed by an event: the far subscriber got message K), and the far
+subscriber's count plus what the links counted as lost must equal what was sent.
+
+A restarted half claims a ``server/session`` on its bus (docs/deploy.md): what its bus
+published while it was dead is counted by its successor as ``lost["restart"]``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import re
+import signal
+import socket
+import ssl
+import struct
+import termios
+import uuid
+
+import pytest
+
+from helpers import SERVICE_TIMEOUT, connect, msg, recv, send, sub, sync, wait_until
+from test_lossless import HARD_BLOCK
+from test_failover import DONE_TIMEOUT, LINK_TAKEOVER, WATCHING, run_flow, service_stats
+from test_link import FramedPeer, pki  # noqa: F401  (fixture)
+from test_topology_services import settled, services  # noqa: F401  (fixture)
+
+TRANSPORTS = ["key", "tls", "unix"]
+RESUMED = re.compile(r"resumed session .*?: (\d+) message\(s\).*gap ([0-9.]+) s")
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now (a restarted listening half must find it again)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TransportLink:
+    """The two processes of one link over `transport` ("key": loopback TCP with a shared key,
+    "tls": TLS with client certificates, "unix": a unix stream socket): `listen` on bus a,
+    `connect` on bus b. `restart(half)` starts a half again with the same arguments (the
+    listening one on the same port or path)."""
+
+    def __init__(self, services, tmp_path, transport: str, a: str, b: str, pki=None, *extra,
+                 start=("listen", "connect")):
+        self.services, self.transport = services, transport
+        common = ["--initial-delay", "0.05", "--max-delay", "0.5", "--stats-interval", "1", *extra]
+        if transport == "key":
+            key = tmp_path / "link.key"
+            if not key.exists():
+                key.write_text(uuid.uuid4().hex * 2)
+                key.chmod(0o600)
+            common += ["--key-file", str(key)]
+            port = free_port()
+            listen, connect = f"tcp:{port}:interface=127.0.0.1", f"tcp:host=127.0.0.1:port={port}"
+        elif transport == "tls":
+            (server_cert, server_key), (client_cert, client_key) = pki["server"], pki["client"]
+            port = free_port()
+            listen = (f"ssl:{port}:interface=127.0.0.1:privateKey={server_key}:certKey={server_cert}"
+                      f":caCertsDir={pki['cadir']}")
+            connect = (f"ssl:host=127.0.0.1:port={port}:caCertsDir={pki['cadir']}:hostname=localhost"
+                       f":certKey={client_cert}:privateKey={client_key}")
+        else:
+            path = tmp_path / f"link-{uuid.uuid4().hex[:6]}.sock"
+            listen = connect = f"unix:{path}"
+        self.port, self.path = (None, str(path)) if transport == "unix" else (port, None)
+        self.argv = {"listen": ["--bus", a, "--listen", listen, *common],
+                     "connect": ["--bus", b, "--connect", connect, *common]}
+        self.listen = self.connect = None
+        for half in start:
+            self.restart(half)
+
+    @property
+    def halves(self):
+        return [self.listen, self.connect]
+
+    def start(self, half: str):
+        return self.services("sbus-link", *self.argv[half])
+
+    def restart(self, half: str):
+        new = self.start(half)
+        setattr(self, half, new)
+        if half == "listen":
+            new.wait_log("listening on")
+        return new
+
+    def forwarding(self) -> bool:
+        return all(h.state() == "forwarding" for h in self.halves)
+
+
+def lost_on(*addresses) -> dict[str, int]:
+    """The links' `lost` counters on these buses, summed by reason."""
+    total: dict[str, int] = {}
+    for address in addresses:
+        for st in service_stats(address, "sbus-link"):
+            for reason, count in st["stats"]["lost"].items():
+                total[reason] = total.get(reason, 0) + count
+    return total
+
+
+def in_order(name, received, n) -> None:
+    assert all(x < y for x, y in zip(received, received[1:])), f"{name}: duplicated or out of order"
+
+
+@pytest.mark.parametrize("half", ["listen", "connect"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_parallel_links_kill_a_half_of_the_forwarding_one_loses_nothing(start_bus, services, tmp_path,
+                                                                        pki, transport, half):  # noqa: F811
+    """kill -9 of either process of the forwarding link, with a publisher on each bus: the
+    standing-by half of the other link forwards what the dead path had not delivered, both
+    ways, and nothing twice."""
+    a, b = start_bus(), start_bus()
+    links = [TransportLink(services, tmp_path, transport, a.address, b.address, pki) for _ in range(2)]
+    settled([h for link in links for h in link.halves], forwarding=3)
+    for h in links[0].halves + links[1].halves:
+        h.wait_log(WATCHING)
+    active = next(link for link in links if link.forwarding())
+    standby = next(link for link in links if link is not active)
+    run_flow(a.address, {"b": b.address}, getattr(active, half), 1000, after=6000,
+             also=(b.address, {"a": a.address}))
+    takeovers = [[int(x) for x in found] for h in standby.halves for found in LINK_TAKEOVER.findall(h.log())]
+    print(f"{transport}: the standby link's takeovers (published, gap): {takeovers}")
+    assert takeovers and all(gap == 0 for _, gap in takeovers), takeovers
+    st = [s["stats"] for s in service_stats(a.address, "sbus-link") + service_stats(b.address, "sbus-link")]
+    assert sum(s["standby"]["replayed_at_takeover"]["from_remote"] for s in st) == sum(n for n, _ in takeovers)
+    assert all("failover_gap" not in s["lost"] for s in st), [s["lost"] for s in st]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_single_link_kill_of_the_connecting_side_counts_what_it_held(start_bus, services, tmp_path, pki,
+                                                                     transport):  # noqa: F811
+    """The connecting side is stopped (its peer keeps sending until the connection's buffers are
+    full) and killed: what the listening side sent that was never published is counted as lost
+    (``in_flight``, from the peer's acknowledgements), and what it read afterwards as
+    ``peer_down``: sent = received + lost (within 1 %)."""
+    a, b = start_bus(), start_bus()
+    link = TransportLink(services, tmp_path, transport, a.address, b.address, pki)
+    settled(link.halves, forwarding=2)
+    kill_at, n = 1000, 8000
+
+    def stop_fill_kill(pub):
+        link.connect.proc.send_signal(signal.SIGSTOP)
+        wait_until(lambda: pub.sent >= kill_at + 2000, "2,000 more published", DONE_TIMEOUT)
+        link.connect.proc.kill()
+
+    got, counted = {}, {}
+
+    def read_all():
+        (st,) = service_stats(a.address, "sbus-link")
+        counted.update(st["stats"]["lost"])
+        return st["stats"]["to_remote"] + st["stats"]["drops"].get("peer_down", 0) >= n
+
+    def check(name, received, total):
+        wait_until(read_all, "the listening side read all", DONE_TIMEOUT)
+        in_order(name, received, total)
+        got[name] = len(received)
+
+    run_flow(a.address, {"b": b.address}, stop_fill_kill, kill_at, after=n - kill_at, check=check,
+             wait_all=False)
+    print(f"{transport}: sent {n}, received {got['b']}, counted lost {counted}")
+    assert abs(n - got["b"] - sum(counted.values())) <= n // 100, \
+        f"sent {n} != received {got['b']} + lost {counted} (+-1%)"
+
+
+RESTARTS = [("key", "connect"), ("key", "listen"), ("tls", "connect"), ("tls", "listen"), ("unix", "connect")]
+
+
+@pytest.mark.parametrize("transport,half", RESTARTS)
+def test_single_link_half_killed_and_restarted_counts_what_its_bus_published_meanwhile(
+        start_bus, services, tmp_path, pki, transport, half):  # noqa: F811
+    """The issue's row: kill -9 of one half of a single link, its own bus keeps publishing, a new
+    process is started 400 messages (0.2 s) later. What the dead half's bus published while it
+    was dead is counted by the successor (its bus session: ``lost["restart"]``, with the gap in
+    one log line); what the other half had sent and the dead one never published is
+    ``in_flight``, what it read with no peer ``peer_down``: sent = received + lost (within 1 %),
+    nothing twice, in order."""
+    a, b = start_bus(), start_bus()
+    link = TransportLink(services, tmp_path, transport, a.address, b.address, pki)
+    settled(link.halves, forwarding=2)
+    own, far = (b, a) if half == "connect" else (a, b)
+    new = {}
+
+    def kill_restart(pub):
+        getattr(link, half).proc.kill()
+        dead_at = pub.sent
+        wait_until(lambda: pub.sent >= dead_at + 400, "0.2 s of messages", DONE_TIMEOUT)
+        new["half"] = link.restart(half)
+        settled(link.halves, forwarding=2, timeout=DONE_TIMEOUT)
+
+    got = {}
+
+    def check(name, received, n):
+        in_order(name, received, n)
+        got.update(n=n, received=len(received))
+
+    run_flow(own.address, {"far": far.address}, kill_restart, 1000, check=check)
+    lost = lost_on(a.address, b.address)
+    n, received = got["n"], got["received"]
+    print(f"{transport}/{half}: sent {n}, received {received}, counted lost {lost}")
+    assert abs(n - received - sum(lost.values())) <= n // 100, \
+        f"sent {n} != received {received} + lost {lost} (+-1%)"
+    found = RESUMED.search(new["half"].wait_log(RESUMED))   # one line says it, with the gap
+    assert lost.get("restart", 0) == int(found.group(1)) > 0, (lost, found.group(0))
+    assert float(found.group(2)) > 0
+
+
+# ---------------------------------------------------------------- attacks
+
+
+def tls_context(pki, cert="client") -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=f"{pki['cadir']}/ca.pem")
+    ctx.load_cert_chain(*pki[cert])
+    return ctx
+
+
+def reset(sock: socket.socket) -> None:
+    """Close as a killed process's kernel does with data unread: a TCP reset."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def peer_socket(link: TransportLink, pki, tmp_path) -> socket.socket:
+    """A hand-made link peer connected to `link`'s listening half, past its transport's
+    authentication (TLS handshake, shared key, or nothing more for unix)."""
+    if link.transport == "unix":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(link.path)
+        return sock
+    if link.transport == "key":
+        return FramedPeer(link.port, str(tmp_path / "link.key")).sock
+    sock = tls_context(pki).wrap_socket(socket.create_connection(("127.0.0.1", link.port), timeout=DONE_TIMEOUT),
+                                        server_hostname="localhost")
+    return sock
+
+
+def unsent(sock: socket.socket) -> int:
+    """Bytes in the socket's send queue the other end has not acknowledged (SIOCOUTQ)."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+
+
+def frame(packet: bytes) -> bytes:
+    return struct.pack(">I", len(packet)) + packet
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_peer_that_closes_with_data_unread_has_all_it_sent_published(start_bus, services, tmp_path, pki,
+                                                                       transport):  # noqa: F811
+    """A peer streams 3,000 messages and closes at once without reading anything the link sent it
+    (its kernel resets the connection): every message it sent is published, once."""
+    bus = start_bus()
+    link = TransportLink(services, tmp_path, transport, bus.address, bus.address, pki, "--no-spanning-tree",
+                         start=("listen",))
+    watcher = connect(bus.address, big=True)
+    send(watcher, HARD_BLOCK, sub(b"u/"))
+    sync(watcher)
+    peer = peer_socket(link, pki, tmp_path)
+    hello = {"version": 1, "whoami": None, "max_packet": 65536, "ack": True, "patterns": ["u/"]}
+    peer.sendall(frame(b"CMSG link/hello\0" + json.dumps(hello).encode()))
+    link.listen.wait_log("link up")
+    n = 3000
+    peer.sendall(b"".join(frame(msg(b"u/%d" % i, b"x" * 100)) for i in range(n)))
+    # all of it reached the link's kernel (what a reset discards from our own send queue never
+    # arrives: the sender's to count); then the reset, with the link's frames unread here
+    wait_until(lambda: unsent(peer) == 0, "the peer's send queue empty", DONE_TIMEOUT)
+    reset(peer)
+    link.listen.wait_log(re.compile(r"link to .* down"))
+    got = []
+    try:
+        while len(got) < n:
+            p = recv(watcher, SERVICE_TIMEOUT)
+            if p.startswith(b"MSG u/"):
+                got.append(int(p[6:p.index(b"\0")]))
+    except TimeoutError:
+        pass
+    assert got == list(range(n)), f"{transport}: {len(got)} of {n} published"
+    assert sync(watcher) == []
