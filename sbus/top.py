@@ -108,6 +108,11 @@ def render(address: str, stats: dict, before: dict | None, dt: float, interval: 
         if name in stats and isinstance(stats[name], dict):
             prev = before.get(name) if before and isinstance(before.get(name), dict) else None
             lines.append(f"{name:<12}{_reasons(stats[name], prev)}")
+    sessions = stats.get("sessions")
+    if isinstance(sessions, dict) and any(_total(v) for v in sessions.values()):
+        # Named sessions (server/session): "lingering" are dead services' stand-ins still counting.
+        prev = before.get("sessions") if before and isinstance(before.get("sessions"), dict) else None
+        lines.append(f"{'sessions':<12}{_reasons({k: v for k, v in sessions.items() if _total(v)}, prev)}")
     if services is not None:
         lines.extend(_services(services, services_before))
     queues = [q for q in stats.get("queues", ()) if isinstance(q, dict)]

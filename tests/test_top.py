@@ -241,3 +241,15 @@ def test_services_line_keeps_lost_apart_and_shows_the_change():
     assert "  sbus-bridge a<->b pid 7: lost failover_gap 5 (+3)" in lines
     assert "  sbus-link x pid 8: (no counters for this uid)" in lines
     assert not any("services" in line for line in render("bus", {"clients": 1}, None, 0, 1, 120, 40))
+
+
+def test_sessions_line_shows_lingering_stand_ins_and_what_expired_ones_missed():
+    from sbus.top import render
+
+    idle = {"held": 0, "lingering": 0, "resumed": 0, "expired": 0, "missed": 0}
+    now = {"clients": 1, "sessions": {**idle, "held": 2, "lingering": 1, "expired": 1, "missed": 40}}
+    before = {"clients": 1, "sessions": {**idle, "held": 2, "missed": 10}}
+    lines = render("bus", now, before, 1, 1, 120, 40)
+    assert "sessions    missed 40 (+30), held 2, expired 1 (+1), lingering 1 (+1)" in lines, lines[:6]
+    assert not any(line.startswith("sessions") for line in render("bus", {"clients": 1, "sessions": idle},
+                                                                   None, 0, 1, 120, 40))

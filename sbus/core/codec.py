@@ -152,6 +152,9 @@ INTEREST = b"server/interest"
 #: A client asks for the notices above (docs/protocol.md "Extensions"); a client that never
 #: sends it sees only packets the reference server would send.
 EXTENSIONS = b"server/extensions"
+#: A request (docs/protocol.md "Sessions"): hold a named session that lingers after this
+#: connection closes, or claim the one a predecessor left.
+SESSION = b"server/session"
 
 
 def msg_key(packet: bytes) -> bytes:
@@ -184,6 +187,38 @@ def parse_drop_notice(payload: bytes | None) -> DropNotice:
     if len(parts) != 3 or not parts[0].isdigit():
         raise ProtocolError(f"malformed {DROPPED.decode()} payload {bytes(payload or b'')[:60]!r}")
     return DropNotice(int(parts[0]), parts[1], parts[2])
+
+
+class SessionReply(NamedTuple):
+    """`CMSG server/session\0NAME\0STATE\0MISSED\0GAP\0LINGER` (docs/protocol.md "Sessions"):
+    `state` is new, resumed, busy or refused; a resumed session's predecessor missed `missed`
+    messages during a gap of `gap` seconds."""
+
+    name: bytes
+    state: str
+    missed: int
+    gap: float
+    linger: float
+
+
+def session_request(name: bytes, linger: float) -> bytes:
+    """The CMSG that holds (or claims) session `name`, lingering `linger` seconds after a close."""
+    return b"CMSG %s\0%s\0%s" % (SESSION, name, repr(float(linger)).encode())
+
+
+def session_reply(name: bytes, state: bytes, missed: int = 0, gap: float = 0.0, linger: float = 0.0) -> bytes:
+    return b"CMSG %s\0%s\0%s\0%d\0%.3f\0%.3f" % (SESSION, name, state, missed, gap, linger)
+
+
+def parse_session_reply(payload: bytes | None) -> SessionReply:
+    parts = (payload or b"").split(b"\0")
+    try:
+        if len(parts) != 5:
+            raise ValueError
+        name, state, missed, gap, linger = parts
+        return SessionReply(name, state.decode("ascii"), int(missed), float(gap), float(linger))
+    except (ValueError, UnicodeDecodeError):
+        raise ProtocolError(f"malformed {SESSION.decode()} payload {bytes(payload or b'')[:60]!r}") from None
 
 
 def parse_disconnect(payload: bytes | None) -> DisconnectNotice:

@@ -29,8 +29,10 @@ from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key, check
 from sbus.core.interest import InterestTable
 from sbus.core.pausing import HoldBudget, Holds, Pauses
 from sbus.core.router import Router
+from sbus.core.sessions import REFUSED, Lingering, SessionRefused, SessionTable, parse_request
+from sbus.core.sessions import reply as session_reply
 from sbus.interfaces import IQueueingProtocol
-from sbus.server.config import SEGMENT_COST, ServerConfig, allowed_uid_set
+from sbus.server.config import ServerConfig, allowed_uid_set, pattern_cost
 
 log = Logger()
 
@@ -40,6 +42,7 @@ _ID_REPLY = b"CMSG " + codec.SERVER_ID + b"\0"
 _DROPPED = b"CMSG " + codec.DROPPED + b"\0"
 _DISCONNECT = b"CMSG " + codec.DISCONNECT + b"\0"
 _INTEREST = b"CMSG " + codec.INTEREST + b"\0"
+_SESSION = b"CMSG " + codec.SESSION
 
 # Disconnect reasons, as they appear in statistics.
 PROTOCOL_ERROR = "protocol_error"
@@ -236,6 +239,8 @@ class BrokerProtocol(protocol.Protocol):
             handler = _CONTROL.get(key)
             if handler is not None:
                 handler(self)
+            elif key == codec.SESSION:
+                self.factory.sessionRequested(self, packet[len(_SESSION) + 1:])
         else:
             t0 = perf_counter()
             if kind == codec.SUB:
@@ -513,7 +518,7 @@ class BrokerProtocol(protocol.Protocol):
         if segments > config.max_pattern_segments:
             return self.misbehaved(TOO_MANY_SUBSCRIPTIONS, f"pattern of {segments} segments (each '*' counts as "
                                                            f"one), over the limit of {config.max_pattern_segments}")
-        cost = len(pattern) + SEGMENT_COST * segments
+        cost = pattern_cost(pattern)
         uid = self.cred.uid
         for have, limit, what in (
             (self.subscriptions + 1, config.max_subscriptions, "subscriptions per client"),
@@ -551,7 +556,7 @@ class BrokerProtocol(protocol.Protocol):
         held = self.factory.router.unsubscribe(self, pattern)
         if held is None:
             return
-        cost = len(pattern) + SEGMENT_COST * (pattern.count(b"/") + pattern.count(b"*") + 1)  # as in subscribe
+        cost = pattern_cost(pattern)
         self.subscriptions -= 1
         self.subscription_bytes -= cost
         self.charge.release_patterns(1, cost)
@@ -816,6 +821,11 @@ def _pidfd_of_old_process(pid: int, accepted: float) -> int:
     return fd
 
 
+def _show(name: bytes) -> str:
+    """A session name for a log line: printable, and short."""
+    return repr(name[:60])[1:]
+
+
 def _control_table():
     table = {
         codec.EXTENSIONS: BrokerProtocol._extensions,
@@ -886,9 +896,14 @@ class BrokerFactory(protocol.Factory):
         #: Clients whose queues got packets since they were last sent from (`flushDirty`).
         self.dirty: list[BrokerProtocol] = []
         self._interest_room = self.config.max_packet - len(_INTEREST) - 2
+        #: `server/session`: named sessions, and the stand-ins of closed ones (`sbus.core.sessions`).
+        self.sessions = SessionTable()
 
     def stopFactory(self):
         """The server is stopping: tell every client why before the process closes them."""
+        for ghost in self.sessions.lingering():  # nothing lingers past the server
+            if ghost.timer is not None and ghost.timer.active():
+                ghost.timer.cancel()
         notice = _DISCONNECT + SHUTDOWN.encode() + b"\0the server is shutting down"
         for client in list(self.clients):
             transport = client.transport
@@ -954,6 +969,11 @@ class BrokerFactory(protocol.Factory):
                 client.flush(feeder)
 
     def clientGone(self, client: BrokerProtocol):
+        uid = client.cred.uid
+        session = self.sessions.leave(client, uid)
+        ghost = None
+        if session is not None and session[1] > 0:
+            ghost = self._linger(client, *session)  # before its patterns go: the stand-in holds them
         if self.interest is not None:
             self.tellInterest(self.interest.forget(client))
         released = self.router.remove_client(client)
@@ -962,7 +982,6 @@ class BrokerFactory(protocol.Factory):
                 self.upstream.patternReleased(pattern)
         self.clients.discard(client)
         self.noSecrets.pop(client, None)
-        uid = client.cred.uid
         mine = self.uid_clients.get(uid)
         if mine is not None:
             mine.discard(client)
@@ -970,8 +989,10 @@ class BrokerFactory(protocol.Factory):
                 del self.uid_clients[uid]
         user = client.charge
         if user is not None:
-            user.connections -= 1
-            user.release_patterns(client.subscriptions, client.subscription_bytes)
+            if ghost is None:
+                user.connections -= 1  # (a stand-in counts as one of its uid's connections)
+            user.release_patterns(client.subscriptions - (ghost.subscriptions if ghost else 0),
+                                  client.subscription_bytes - (ghost.subscription_bytes if ghost else 0))
             if client.watching:
                 user.watchers -= 1
             if user.idle() and self.users.get(uid) is user:
@@ -990,6 +1011,78 @@ class BrokerFactory(protocol.Factory):
         if not self.clients and self.on_empty is not None:
             self.on_empty()
 
+    # -- server/session (sbus.core.sessions)
+
+    def sessionRequested(self, client: BrokerProtocol, payload: bytes) -> None:
+        """Hold a named session for `client`, or hand it the one a predecessor left: it is told
+        how many messages matched while nobody held it, and how long that was."""
+        uid = client.cred.uid
+        try:
+            name, linger = parse_request(payload, self.config.max_session_linger)
+            state, ghost = self.sessions.claim(client, uid, name, linger)
+        except SessionRefused as e:
+            log.warn("server/session refused for {client}: {why}", client=client.label, why=str(e))
+            client.reply(session_reply(payload.partition(b"\0")[0][:200], REFUSED))
+            return
+        missed = gap = 0
+        if ghost is not None:
+            missed, gap = ghost.missed, max(0.0, self.reactor.seconds() - ghost.left)
+            self._endLingering(ghost)
+            log.info("session {name} of uid {uid} resumed by {client} after {gap:.3f} s: {n} messages missed",
+                     name=_show(name), uid=uid, client=client.label, gap=gap, n=missed)
+        client.reply(session_reply(name, state, missed, gap, linger))
+
+    def _linger(self, client: BrokerProtocol, name: bytes, linger: float) -> Lingering:
+        """`client` closed holding session `name`: a stand-in takes over its patterns (not its
+        secret ones: a secret reaches only a live process) and counts what they match, charged to
+        the uid as the patterns were, until it is claimed or `linger` seconds are up."""
+        uid = client.cred.uid
+        ghost = Lingering(uid, name, self.reactor.seconds(), linger, missed=len(client.outbox))
+        router = self.router
+        router.add_client(ghost, None)
+        secret = (SECRET_ROOT, self.config.cred_prefix + SECRET_ROOT)
+        interest = self.interest
+        touched = []
+        for pattern, n in router.patterns_of(client).items():
+            if pattern.startswith(secret):
+                continue
+            for _ in range(n):
+                router.subscribe(ghost, pattern)
+            ghost.subscriptions += n
+            ghost.subscription_bytes += n * pattern_cost(pattern)
+            if interest is not None:
+                touched += interest.held(ghost, uid, self.interestForm(pattern))
+        self.tellInterest(touched)
+        self.sessions.linger(ghost)
+        ghost.timer = self.reactor.callLater(linger, self._expire, ghost)
+        return ghost
+
+    def _expire(self, ghost: Lingering) -> None:
+        ghost.timer = None
+        if self.sessions.expire(ghost):
+            log.warn("session {name} of uid {uid} expired after {linger:.3f} s: {n} messages missed",
+                     name=_show(ghost.name), uid=ghost.uid, linger=ghost.linger, n=ghost.missed)
+            self._endLingering(ghost)
+            self.flushDirty()
+
+    def _endLingering(self, ghost: Lingering) -> None:
+        """The stand-in's patterns go (claimed or expired), and what it cost its uid."""
+        timer, ghost.timer = ghost.timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+        if self.interest is not None:
+            self.tellInterest(self.interest.forget(ghost))
+        released = self.router.remove_client(ghost)
+        if released and self.upstream is not None:
+            for pattern in released:
+                self.upstream.patternReleased(pattern)
+        user = self.users.get(ghost.uid)
+        if user is not None:
+            user.connections -= 1
+            user.release_patterns(ghost.subscriptions, ghost.subscription_bytes)
+            if user.idle():
+                del self.users[ghost.uid]
+
     # -- server/interest
 
     def interestForm(self, pattern: bytes) -> bytes:
@@ -1006,6 +1099,9 @@ class BrokerFactory(protocol.Factory):
                 uid = c.cred.uid
                 for pattern in self.router.patterns_of(c):
                     table.held(c, uid, form(pattern))
+            for ghost in self.sessions.lingering():  # still held for a successor
+                for pattern in self.router.patterns_of(ghost):
+                    table.held(ghost, ghost.uid, form(pattern))
         uid = client.cred.uid
         table.watch(client, uid, self.privileged(uid))
 
@@ -1145,6 +1241,7 @@ class BrokerFactory(protocol.Factory):
             result["scope"] = "uid"
         else:  # who may connect (the -u list; None: anyone the socket's mode lets in), for services
             result["allowed_uids"] = sorted(self.allowed_uids) if self.allowed_uids is not None else None
+        result["sessions"] = self.sessions.stats(viewer_uid if private else None)
         upstream_stats = getattr(self.upstream, "stats", None)
         if upstream_stats is not None and not private:
             result["upstream"] = upstream_stats()

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from sbus.core.sessions import DEFAULT_MAX_LINGER
 from sbus.core.limits import DEFAULT_DRAIN_CAP, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_PACKETS, MAX_PACKET
 
 
@@ -37,6 +38,11 @@ DEFAULT_MAX_PATTERN_SEGMENTS = 256
 SEGMENT_COST = 128
 
 
+def pattern_cost(pattern: bytes) -> int:
+    """What one stored pattern is estimated to pin: its bytes, and SEGMENT_COST per trie node."""
+    return len(pattern) + SEGMENT_COST * (pattern.count(b"/") + pattern.count(b"*") + 1)
+
+
 @dataclass
 class ServerConfig:
     max_packet: int = MAX_PACKET
@@ -60,6 +66,8 @@ class ServerConfig:
     max_subscription_bytes: int = DEFAULT_MAX_SUBSCRIPTION_BYTES
     max_uid_subscription_bytes: int = DEFAULT_MAX_UID_SUBSCRIPTION_BYTES
     max_pattern_segments: int = DEFAULT_MAX_PATTERN_SEGMENTS
+    #: How long a closed connection's named session may keep its patterns (`server/session`).
+    max_session_linger: float = DEFAULT_MAX_LINGER
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):

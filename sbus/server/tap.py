@@ -34,6 +34,7 @@ from sbus.server.config import (
     allowed_uid_set,
 )
 from sbus.core.codec import MAX_PACKET
+from sbus.core.sessions import DEFAULT_MAX_LINGER
 from sbus.core.credentials import SECRET_ROOT
 
 #: A credential prefix: empty, or one or more ``!/cred/GID/UID/PID/`` links.
@@ -99,6 +100,9 @@ class BusOptions(usage.Options):
         ["max-uid-subscription-bytes", None, str(DEFAULT_MAX_UID_SUBSCRIPTION_BYTES),
          "The same for all clients of one uid together."],
         ["max-pattern-segments", None, str(DEFAULT_MAX_PATTERN_SEGMENTS), "'/'-separated segments in one pattern (each '*' counts as one more)."],
+        ["max-session-linger", None, str(DEFAULT_MAX_LINGER),
+         "Seconds a closed connection's named session (server/session) may keep its patterns, "
+         "counting what they match for its successor; 0: sessions never linger."],
     ]
 
     def __init__(self):
@@ -140,6 +144,14 @@ class BusOptions(usage.Options):
         for name in _LIMITS:
             self[name] = positive_int(name, self[name])
         self["stall-timeout"] = positive_float("stall-timeout", self["stall-timeout"])
+        try:
+            linger = float(self["max-session-linger"])
+        except ValueError:
+            linger = -1.0
+        if not 0 <= linger < float("inf"):
+            raise usage.UsageError(f"--max-session-linger: not a number of seconds >= 0: "
+                                   f"{self['max-session-linger']!r}")
+        self["max-session-linger"] = linger
 
 
 class Options(BusOptions):
@@ -161,7 +173,7 @@ class Options(BusOptions):
 
 def config_from_options(options: BusOptions) -> ServerConfig:
     users = options["users"]
-    settings = {name.replace("-", "_"): options[name] for name in ("max-packet", "stall-timeout", *_LIMITS)}
+    settings = {name.replace("-", "_"): options[name] for name in ("max-packet", "stall-timeout", "max-session-linger", *_LIMITS)}
     settings["cred_prefix"] = options.get("cred-prefix", b"")
     return ServerConfig(allowed_uids=allowed_uid_set(users or None), **settings)
 

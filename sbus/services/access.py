@@ -227,7 +227,7 @@ def unix_peer_uid(sock: socket.socket) -> int | None:
     return uid
 
 
-def _ip(text: str) -> ipaddress._BaseAddress:
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     addr = ipaddress.ip_address(text.split("%", 1)[0])
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         return addr.ipv4_mapped
@@ -344,8 +344,36 @@ def peer_uid(transport) -> tuple[int | None, str]:
 # ---------------------------------------------------------------- sockets we create
 
 
+def _split_description(description: str) -> tuple[list, dict]:
+    """A Twisted endpoint description (``tcp:host=h:port=1``) as (positional, keyword) parts:
+    split on ``:``, a part with ``=`` is ``key=value``, ``\\`` escapes the next character (the
+    grammar of `twisted.internet.endpoints.clientFromString`, which has no public parser)."""
+    parts, part, escaped, equals = [], [], False, None
+    for ch in description:
+        if escaped:
+            part.append(ch)
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch == ":":
+            parts.append(("".join(part), equals))
+            part, equals = [], None
+        else:
+            if ch == "=" and equals is None:
+                equals = len(part)
+            part.append(ch)
+    parts.append(("".join(part), equals))
+    args, kw = [], {}
+    for text, equals in parts:
+        if equals is None:
+            args.append(text)
+        else:
+            kw[text[:equals]] = text[equals + 1:]
+    return args, kw
+
+
 def endpoint_kind(description: str) -> tuple[str, list, dict]:
-    args, kw = endpoints._parse(description)
+    args, kw = _split_description(description)
     if not args or not args[0]:
         raise ValueError(f"endpoint {description!r} has no type (tcp:, ssl:, unix:, ...)")
     return args[0].lower(), list(args[1:]), dict(kw)

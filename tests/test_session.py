@@ -1,0 +1,217 @@
+"""`CMSG server/session`: a named session lingers after its connection dies and counts what its
+patterns matched; the successor claims it and is told (docs/protocol.md "Sessions").
+
+The table (`sbus.core.sessions`) alone, then real servers through their sockets on both I/O
+paths: a holder killed with SIGKILL, what the successor is told, interest kept while it lingers,
+expiry, names per uid, and what a lingering session costs its uid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from helpers import Agent, cmsg, connect, msg, recv, send, stats, sub, sync, wait_stats, whoami
+from sbus.core import codec
+from sbus.core.sessions import BUSY, NEW, RESUMED, Lingering, SessionRefused, SessionTable, parse_request
+from test_server_secrets import NOBODY, world_bus  # noqa: F401  (fixture)
+
+REPLY = b"CMSG server/session\0"
+INTEREST = b"CMSG server/interest\0"
+
+
+def claim(sock, name: bytes, linger: float = 30) -> codec.SessionReply:
+    """Ask for session `name`; skip whatever comes before the reply."""
+    send(sock, codec.session_request(name, linger))
+    while True:
+        p = recv(sock)
+        assert p, "the server closed the connection"
+        if p.startswith(REPLY):
+            return codec.parse_session_reply(p[len(REPLY):])
+
+
+# -- the table alone
+
+
+def test_the_table_names_sessions_per_uid_and_hands_a_stand_in_to_one_successor():
+    table = SessionTable()
+    assert table.claim("a", 7, b"svc", 5) == (NEW, None)
+    assert table.claim("b", 7, b"svc", 5) == (BUSY, None)
+    assert table.claim("c", 8, b"svc", 5) == (NEW, None)  # another uid's name
+    assert table.claim("a", 7, b"svc", 5) == (NEW, None)  # asking again changes nothing
+    with pytest.raises(SessionRefused):
+        table.claim("a", 7, b"other", 5)
+    assert table.leave("a", 7) == (b"svc", 5)
+    ghost = Lingering(7, b"svc", 0.0, 5)
+    table.linger(ghost)
+    ghost.deliver(b"MSG t\0")
+    state, got = table.claim("b", 7, b"svc", 5)
+    assert (state, got, got.missed) == (RESUMED, ghost, 1)
+    assert not table.expire(ghost), "a claimed stand-in expired too"
+    assert table.stats() == {"held": 2, "lingering": 0, "resumed": 1, "expired": 0, "missed": 0}
+
+
+@pytest.mark.parametrize("payload", [b"", b"\x0010", b"n", b"n\0", b"n\0-1", b"n\0nan", b"n\0inf",
+                                     b"n\0ten", b"x" * 201 + b"\x0010", b"n\x001\x002"])
+def test_bad_requests_are_refused_with_a_reason(payload):
+    with pytest.raises(SessionRefused):
+        parse_request(payload, 60.0)
+
+
+def test_linger_is_clamped_to_the_servers_limit():
+    assert parse_request(b"n\x001e9", 60.0) == (b"n", 60.0)
+    assert parse_request(b"n\x000.25", 60.0) == (b"n", 0.25)
+
+
+# -- a real server
+
+
+def test_a_killed_holder_leaves_a_count_its_successor_is_told(both_paths):
+    bus = both_paths()
+    holder = Agent(bus.address)
+    try:
+        holder.send(sub(b"t/"), codec.session_request(b"svc", 30))
+        assert any(p.startswith(REPLY + b"svc\0new\0") for p in holder.sync())
+    finally:
+        holder.kill()  # SIGKILL: the server sees the connection close, nobody says goodbye
+    pub = connect(bus.address)
+    wait_stats(pub, lambda s: s["sessions"]["lingering"] == 1)
+    send(pub, *[msg(b"t/x", b"%d" % i) for i in range(50)], *[msg(b"u/x", b"no") for _ in range(7)])
+    sync(pub)
+    successor = connect(bus.address)
+    send(successor, sub(b"t/"))
+    r = claim(successor, b"svc")
+    assert (r.state, r.missed) == ("resumed", 50), r
+    assert 0 < r.gap < 60 and r.linger == 30
+    send(pub, msg(b"t/x", b"after"))
+    sync(pub)
+    assert sync(successor) == [b"MSG t/x\0after"], "the successor does not get what comes after its claim"
+    st = stats(pub)["sessions"]
+    assert (st["lingering"], st["resumed"], st["held"]) == (0, 1, 1), st
+
+
+def test_a_lingering_session_keeps_its_patterns_held_until_it_expires(both_paths):
+    bus = both_paths()
+    watcher = connect(bus.address)
+    send(watcher, cmsg(codec.INTEREST))
+    holder = connect(bus.address)
+    send(holder, sub(b"kept/"))
+    assert claim(holder, b"w", 0.3).state == "new"
+    holder.close()
+    told = []
+    while INTEREST + b"-\0kept/" not in told:  # released only when the stand-in expires
+        p = recv(watcher, 10)
+        assert p, "the watcher was disconnected"
+        told.append(p)
+    assert INTEREST + b"+\0kept/" in told
+    assert told.index(INTEREST + b"+\0kept/") < told.index(INTEREST + b"-\0kept/")
+    st = wait_stats(watcher, lambda s: s["sessions"]["expired"] == 1)["sessions"]
+    assert st["lingering"] == 0
+    assert bus.wait_log("expired after")
+    successor = connect(bus.address)
+    assert claim(successor, b"w").state == "new", "an expired session was resumed"
+
+
+def test_a_name_held_by_a_live_connection_is_busy_and_linger_zero_leaves_nothing(bus):
+    first = connect(bus.address)
+    send(first, sub(b"a/"))
+    assert claim(first, b"x", 0).state == "new"
+    second = connect(bus.address)
+    assert claim(second, b"x").state == "busy"
+    assert claim(first, b"y").state == "refused", "one connection held two names"
+    first.close()
+    wait_stats(second, lambda s: s["sessions"]["held"] == 0)
+    r = claim(second, b"x")
+    assert (r.state, r.missed) == ("new", 0), "a session with linger 0 lingered"
+    third = connect(bus.address)
+    assert claim(third, b"z", 1e9).linger == 60.0, "the linger was not clamped to --max-session-linger"
+    send(third, b"CMSG server/session\0z\0soon")
+    assert recv(third) == REPLY + b"z\0refused\x000\x000.000\x000.000"
+    assert claim(third, b"z").state == "new"  # still served: the bad request changed nothing
+    assert bus.wait_log("server/session refused")
+
+
+def test_secret_keys_are_not_counted_for_a_stand_in(bus):
+    holder = connect(bus.address)
+    g, u, p = whoami(holder)
+    mine = b"!/cred/%d/%d/%d/" % (g, u, p)
+    send(holder, sub(mine), sub(b""))
+    assert claim(holder, b"s").state == "new"
+    holder.close()
+    pub = connect(bus.address)
+    wait_stats(pub, lambda s: s["sessions"]["lingering"] == 1)
+    send(pub, msg(mine + b"secret", b"1"), msg(b"plain", b"2"))
+    sync(pub)
+    successor = connect(bus.address)
+    r = claim(successor, b"s")
+    # The publisher's own whoami reply is not a message; `plain` is the only one the stand-in counts.
+    assert (r.state, r.missed) == ("resumed", 1), r
+
+
+def test_a_uid_cannot_pile_up_lingering_sessions_past_its_connections(start_twistd_bus):
+    """Attack: connect, name a session, close, again. Each stand-in is one of its uid's
+    connections (and keeps its patterns charged) until it is claimed or expires, so a uid
+    cannot pin more than its limits allow."""
+    bus = start_twistd_bus("--max-uid-connections", "3")
+    observer = connect(bus.address)
+    for i in range(2):
+        s = connect(bus.address)
+        send(s, sub(b"p%d/" % i))
+        assert claim(s, b"n%d" % i).state == "new"
+        s.close()
+    wait_stats(observer, lambda st: st["sessions"]["lingering"] == 2)
+    refused = connect(bus.address, extensions=False)
+    assert recv(refused, 5) == b"", "a fourth connection was accepted beside two lingering sessions"
+    send(observer, sub(b"p0/"))
+    assert claim(observer, b"n0").state == "resumed"
+    accepted = connect(bus.address)
+    assert sync(accepted) == [], "a claimed stand-in still counted as a connection"
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to switch to another uid")
+def test_another_uid_cannot_claim_or_see_a_session(world_bus):  # noqa: F811
+    """Attack: uid 65534 asks for the name root's dead service held. It gets a session of its
+    own (names are per uid), learns nothing of root's, and root's successor still resumes."""
+    bus = world_bus
+    holder = connect(bus.address)
+    send(holder, sub(b"r/"))
+    assert claim(holder, b"svc").state == "new"
+    holder.close()
+    pub = connect(bus.address)
+    wait_stats(pub, lambda s: s["sessions"]["lingering"] == 1)
+    send(pub, msg(b"r/1", b"x"))
+    sync(pub)
+    nobody = Agent(bus.address, uid=NOBODY, gid=NOBODY)
+    try:
+        nobody.send(codec.session_request(b"svc", 30), b"CMSG server/stats")
+        got = [p for p in nobody.sync() if p.startswith(REPLY) or p.startswith(b"CMSG server/stats\0")]
+        assert got[0].startswith(REPLY + b"svc\0new\0"), got[0][:80]
+        seen = json.loads(got[1].split(b"\0", 1)[1])["sessions"]
+        assert seen == {"held": 1, "lingering": 0}, f"uid 65534 sees other uids' sessions: {seen}"
+    finally:
+        nobody.kill()
+    successor = connect(bus.address)
+    send(successor, sub(b"r/"))
+    r = claim(successor, b"svc")
+    assert (r.state, r.missed) == ("resumed", 1), r
+
+
+def test_a_watcher_that_asks_after_the_holder_died_sees_the_lingering_patterns(bus):
+    """The interest table is built when the first watcher asks: a stand-in made before that
+    must be in it, or a service that follows interest (sbus-nats, a relay) would let go of what
+    the dead service's successor will want."""
+    holder = connect(bus.address)
+    send(holder, sub(b"late/"))
+    assert claim(holder, b"l").state == "new"
+    holder.close()
+    watcher = connect(bus.address)
+    wait_stats(watcher, lambda s: s["sessions"]["lingering"] == 1)
+    send(watcher, cmsg(codec.INTEREST))
+    told = []
+    while INTEREST + b"=" not in told:
+        p = recv(watcher)
+        assert p, "the watcher was disconnected"
+        told.append(p)
+    assert INTEREST + b"+\0late/" in told, told
