@@ -280,3 +280,114 @@ def test_a_peer_that_closes_with_data_unread_has_all_it_sent_published(start_bus
         pass
     assert got == list(range(n)), f"{transport}: {len(got)} of {n} published"
     assert sync(watcher) == []
+
+
+def half_handshake(port: int, pki) -> None:
+    """A TLS client killed mid-handshake: its ClientHello sent, the server's first flight read,
+    then a reset (the kernel of a killed process, with data unread)."""
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = tls_context(pki).wrap_bio(incoming, outgoing, server_hostname="localhost")
+    sock = socket.create_connection(("127.0.0.1", port), timeout=DONE_TIMEOUT)
+    with pytest.raises(ssl.SSLWantReadError):
+        tls.do_handshake()
+    sock.sendall(outgoing.read())
+    assert sock.recv(65536)[:1] == b"\x16", "no TLS handshake record from the server"
+    reset(sock)
+
+
+def test_tls_handshakes_cut_by_a_kill_on_either_side_then_the_link_carries(start_bus, services, tmp_path,
+                                                                            pki):  # noqa: F811
+    """kill -9 in the middle of a TLS handshake, on either side: the connecting half, whose
+    server vanished after reading its ClientHello, retries; the listening half, whose client
+    vanished after reading its answer, forgets it (one line each, nothing counted); then the
+    link comes up and carries every message once, in order."""
+    a, b = start_bus(), start_bus()
+    link = TransportLink(services, tmp_path, "tls", a.address, b.address, pki, start=())
+    with socket.create_server(("127.0.0.1", link.port)) as stand_in:
+        stand_in.settimeout(DONE_TIMEOUT)
+        link.restart("connect")
+        conn, _ = stand_in.accept()
+        conn.settimeout(DONE_TIMEOUT)
+        assert conn.recv(5)[:1] == b"\x16", "no ClientHello"
+        reset(conn)
+    link.connect.wait_log("closed before the link was up")
+    link.restart("listen")
+    half_handshake(link.port, pki)
+    link.listen.wait_log("closed before the link was up")
+    settled(link.halves, forwarding=2, timeout=DONE_TIMEOUT)
+    run_flow(a.address, {"b": b.address}, lambda pub: None, 500, after=1500, also=(b.address, {"a": a.address}))
+    for h in link.halves:
+        assert "Traceback" not in h.log() and "Unhandled" not in h.log(), h.log()[-2000:]
+    assert lost_on(a.address, b.address) == {}
+
+
+def last_stats(service) -> dict:
+    """The last statistics line a link process logged (its stop line, once it stopped)."""
+    return json.loads(service.log().rsplit("sbus-link stats: ", 1)[1].splitlines()[0])
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_two_kills_in_a_row_each_gap_is_counted(start_bus, services, tmp_path, pki, transport):  # noqa: F811
+    """The connecting half killed, restarted 0.2 s later, and its successor killed as soon as it
+    carries (and logged its resume and a stats line), restarted 0.2 s later again: each successor
+    counts its own gap, the second one the second gap only. sent = received + counted (the live
+    processes' stats, the dead successor's last stats line) within 1 %."""
+    a, b = start_bus(), start_bus()
+    link = TransportLink(services, tmp_path, transport, a.address, b.address, pki)
+    settled(link.halves, forwarding=2)
+    successors = []
+
+    def kill_twice(pub):
+        for _ in range(2):
+            link.connect.proc.kill()
+            dead_at = pub.sent
+            wait_until(lambda: pub.sent >= dead_at + 400, "0.2 s of messages", DONE_TIMEOUT)
+            new = link.restart("connect")
+            settled(link.halves, forwarding=2, timeout=DONE_TIMEOUT)
+            new.wait_log(RESUMED)
+            new.wait_log("sbus-link stats: ", count=new.log().count("sbus-link stats: ") + 1)
+            successors.append(new)
+
+    got = {}
+
+    def check(name, received, n):
+        in_order(name, received, n)
+        got.update(n=n, received=len(received))
+
+    run_flow(b.address, {"a": a.address}, kill_twice, 1000, check=check)
+    lost = lost_on(a.address, b.address)
+    for reason, count in last_stats(successors[0])["lost"].items():
+        lost[reason] = lost.get(reason, 0) + count
+    gaps = [int(RESUMED.search(s.log()).group(1)) for s in successors]
+    n, received = got["n"], got["received"]
+    print(f"{transport}: sent {n}, received {received}, counted lost {lost}; gaps {gaps}")
+    assert all(g >= 400 for g in gaps), gaps
+    assert lost["restart"] == sum(gaps), (lost, gaps)
+    assert abs(n - received - sum(lost.values())) <= n // 100, \
+        f"sent {n} != received {received} + lost {lost} (+-1%)"
+
+
+def test_a_restarted_half_of_a_standing_by_link_counts_its_gap_as_carried_not_lost(start_bus, services,
+                                                                                   tmp_path):  # noqa: F811
+    """Two parallel links; the standing-by one's connecting half is killed and restarted while
+    its bus publishes: the active link delivers everything, and the successor, told by its peer
+    that the link stood by when the old process died, does not count the gap as lost."""
+    a, b = start_bus(), start_bus()
+    links = [TransportLink(services, tmp_path, "key", a.address, b.address) for _ in range(2)]
+    settled([h for link in links for h in link.halves], forwarding=3)
+    standby = next(link for link in links if not link.forwarding())
+    new = {}
+
+    def kill_restart(pub):
+        standby.connect.proc.kill()
+        dead_at = pub.sent
+        wait_until(lambda: pub.sent >= dead_at + 400, "0.2 s of messages", DONE_TIMEOUT)
+        new["half"] = standby.restart("connect")
+        new["half"].wait_log("went another way (not lost)", timeout=DONE_TIMEOUT)
+
+    run_flow(b.address, {"a": a.address}, kill_restart, 1000)
+    found = RESUMED.search(new["half"].log())
+    (st,) = [s["stats"] for s in service_stats(b.address, "sbus-link")
+             if s["stats"]["session"]["restart_standing_by"]]
+    assert st["session"]["restart_standing_by"] == int(found.group(1)) >= 400, (st["session"], found.group(0))
+    assert "restart" not in lost_on(a.address, b.address)

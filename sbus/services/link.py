@@ -133,6 +133,7 @@ from sbus.core import codec
 from sbus.core.codec import MAX_PACKET
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key
 from sbus.core.patterns import matches
+from sbus.core.sessions import MAX_NAME as MAX_SESSION_NAME
 from sbus.core.standby import MAX_MESSAGES, Window, parse_size
 from sbus.services import access as bus_access
 from sbus.services.linkauth import AUTH, PROOF, AuthError, Handshake, load_key
@@ -165,8 +166,6 @@ SEEN = b"link/seen"
 #: ``link/ack\0N``: the first N messages the peer sent on this connection are handled here
 #: (published on our bus, which answered a round trip after them, or counted as dropped).
 ACK = b"link/ack"
-#: The bus's lingering sessions (docs/protocol.md): ``CMSG server/session\0NAME\0LINGER``.
-SESSION = b"server/session"
 #: Default --session-linger, seconds (the server clamps it to its --max-session-linger).
 SESSION_LINGER = 60.0
 #: Seconds the takeover waits for the peer's answer to ``link/sync``.
@@ -212,12 +211,9 @@ def _is_loopback(host: str) -> bool:
 
 def _kind(description: str) -> tuple[str, list, dict]:
     try:
-        args, kw = endpoints._parse(description)
-    except Exception as e:  # pragma: no cover - _parse is lenient
-        raise EndpointError(f"cannot parse endpoint {description!r}: {e}") from None
-    if not args or not args[0]:
-        raise EndpointError(f"endpoint {description!r} has no type (tcp:, ssl:, unix:, ...)")
-    return args[0].lower(), args[1:], kw
+        return bus_access.endpoint_kind(description)
+    except ValueError as e:
+        raise EndpointError(str(e)) from None
 
 
 def require_tls() -> None:
@@ -387,10 +383,6 @@ def _split_pem(data: bytes) -> list[bytes]:
 # ---------------------------------------------------------------- the bus session
 
 
-#: The longest session name the server takes (docs/protocol.md, ``server/session``).
-MAX_SESSION_NAME = 200
-
-
 def check_session_name(name: bytes) -> bytes:
     """`name` if the server takes it as a session name (1-200 bytes, no NUL), else ValueError."""
     if not 1 <= len(name) <= MAX_SESSION_NAME:
@@ -407,18 +399,12 @@ def default_session(listen: str | None, connect: str | None) -> bytes:
     limit ends with a hash of the whole."""
     role, where = ("listen", listen) if listen else ("connect", connect)
     kind, args, kw = _kind(where)
-    kept = [a for a in args]
-    kept += [f"{k}={v}" for k, v in kw.items() if k not in ("privateKey", "certKey", "caCertsDir",
+    kept = list(args) + [f"{k}={v}" for k, v in kw.items() if k not in ("privateKey", "certKey", "caCertsDir",
                                                             "extraCertChain", "dhParameters")]
     name = f"sbus-link {role}={':'.join([kind, *kept])}".encode("utf-8", "surrogateescape")
     if len(name) > MAX_SESSION_NAME:
         name = name[:MAX_SESSION_NAME - 17] + b"~" + hashlib.sha256(name).hexdigest()[:16].encode()
     return name
-
-
-def _decimal(seconds: float) -> bytes:
-    """``60``, ``0.5``: a LINGER the server reads (decimal, never an exponent)."""
-    return (b"%.3f" % seconds).rstrip(b"0").rstrip(b".") or b"0"
 
 
 # ---------------------------------------------------------------- options
@@ -891,8 +877,9 @@ class Link(service.MultiService):
         proto.subscribe(self._own_secret)
         # SUB first (above and at connect), then the claim: nothing falls between the two.
         first = self.bus_connects == 1
-        proto.server_request(SESSION, self.session_name + b"\0" + _decimal(self.session_linger)).addCallbacks(
-            lambda answer: self._sessionAnswer(proto, answer, first), lambda f: None)
+        claim = codec.session_request(self.session_name, self.session_linger).split(b"\0", 1)[1]
+        proto.server_request(codec.SESSION, claim).addCallbacks(
+            lambda answer: self._sessionAnswer(answer, first), lambda f: None)
         proto.transport.registerProducer(_Pauser(self._pausePeer, self._resumePeer), True)
         if self._local_paused:
             proto.transport.pauseProducing()
@@ -909,18 +896,15 @@ class Link(service.MultiService):
                 if conn.auth is None or conn.auth.done:  # mid-handshake: its hello follows the proof
                     conn.sendFrame(self._hello())
 
-    def _sessionAnswer(self, proto: LocalProtocol, answer: bytes | None, first: bool) -> None:
+    def _sessionAnswer(self, answer: bytes | None, first: bool) -> None:
         """The bus's answer to our ``server/session`` claim: ``NAME\0STATE\0MISSED\0GAP\0LINGER``.
         ``resumed``: the process before us (or, `first` false, our own previous connection)
         died, and the bus counted MISSED messages of ours since, GAP seconds ago: lost."""
-        fields = (answer or b"").split(b"\0")
         try:
-            name, state, missed, gap, linger = fields
-            state = state.decode("ascii")
-            missed, gap, linger = int(missed), float(gap), float(linger)
+            name, state, missed, gap, linger = codec.parse_session_reply(answer)
             if missed < 0 or not (math.isfinite(gap) and math.isfinite(linger)):
-                raise ValueError
-        except ValueError:
+                raise codec.ProtocolError("negative or infinite")
+        except codec.ProtocolError:
             log.warn("sbus-link: the bus answered our session claim with {a!r}; running without a "
                      "session (a restart of this process is not counted)", a=(answer or b"")[:120])
             return
