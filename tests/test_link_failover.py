@@ -19,16 +19,17 @@ import signal
 import socket
 import ssl
 import struct
+import subprocess
 import termios
 import uuid
 
 import pytest
 
-from helpers import SERVICE_TIMEOUT, connect, msg, recv, send, sub, sync, wait_until
+from helpers import SERVICE_TIMEOUT, child_env, connect, msg, recv, send, sub, sync, wait_until
 from test_lossless import HARD_BLOCK
 from test_failover import DONE_TIMEOUT, LINK_TAKEOVER, WATCHING, run_flow, service_stats
 from test_link import FramedPeer, pki  # noqa: F401  (fixture)
-from test_topology_services import settled, services  # noqa: F401  (fixture)
+from test_topology_services import TWISTD, settled, services  # noqa: F401  (fixture)
 
 TRANSPORTS = ["key", "tls", "unix"]
 RESUMED = re.compile(r"resumed session .*?: (\d+) message\(s\).*gap ([0-9.]+) s")
@@ -391,3 +392,17 @@ def test_a_restarted_half_of_a_standing_by_link_counts_its_gap_as_carried_not_lo
              if s["stats"]["session"]["restart_standing_by"]]
     assert st["session"]["restart_standing_by"] == int(found.group(1)) >= 400, (st["session"], found.group(0))
     assert "restart" not in lost_on(a.address, b.address)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--session", ""], "--session: a session name has 1 to 200 bytes, not 0"),
+    (["--session", "x" * 201], "--session: a session name has 1 to 200 bytes, not 201"),
+    (["--session-linger", "-1"], "--session-linger: must be positive"),
+    (["--session-linger", "inf"], "--session-linger: not a finite number"),
+    (["--session-linger", "soon"], "--session-linger: not a number"),
+])
+def test_session_usage_errors_are_one_line(tmp_path, args, needle):
+    res = subprocess.run([*TWISTD, "sbus-link", "--bus", "x", "--listen", "unix:l.socket", *args],
+                         capture_output=True, timeout=SERVICE_TIMEOUT, cwd=tmp_path, env=child_env())
+    out = (res.stderr + res.stdout).decode()
+    assert res.returncode != 0 and needle in out and "Traceback" not in out, out[-500:]
