@@ -109,6 +109,27 @@ def in_order(name, received, n) -> None:
     assert all(x < y for x, y in zip(received, received[1:])), f"{name}: duplicated or out of order"
 
 
+def restart_after(link: TransportLink, half: str, pub, messages: int = 400):
+    """kill -9 the `half` of `link`, let `messages` more be published (0.2 s at the flow's
+    rate), and start it again: the new process."""
+    getattr(link, half).proc.kill()
+    dead_at = pub.sent
+    wait_until(lambda: pub.sent >= dead_at + messages, f"{messages} more published", DONE_TIMEOUT)
+    return link.restart(half)
+
+
+def lossy_flow(pub_address: str, far_address: str, victim) -> tuple[int, int]:
+    """`run_flow` where `victim` may lose messages: (sent, received), nothing twice, in order."""
+    got = {}
+
+    def check(name, received, n):
+        in_order(name, received, n)
+        got.update(n=n, received=len(received))
+
+    run_flow(pub_address, {"far": far_address}, victim, 1000, check=check)
+    return got["n"], got["received"]
+
+
 @pytest.mark.parametrize("half", ["listen", "connect"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_parallel_links_kill_a_half_of_the_forwarding_one_loses_nothing(start_bus, services, tmp_path,
@@ -188,21 +209,11 @@ def test_single_link_half_killed_and_restarted_counts_what_its_bus_published_mea
     new = {}
 
     def kill_restart(pub):
-        getattr(link, half).proc.kill()
-        dead_at = pub.sent
-        wait_until(lambda: pub.sent >= dead_at + 400, "0.2 s of messages", DONE_TIMEOUT)
-        new["half"] = link.restart(half)
+        new["half"] = restart_after(link, half, pub)
         settled(link.halves, forwarding=2, timeout=DONE_TIMEOUT)
 
-    got = {}
-
-    def check(name, received, n):
-        in_order(name, received, n)
-        got.update(n=n, received=len(received))
-
-    run_flow(own.address, {"far": far.address}, kill_restart, 1000, check=check)
+    n, received = lossy_flow(own.address, far.address, kill_restart)
     lost = lost_on(a.address, b.address)
-    n, received = got["n"], got["received"]
     print(f"{transport}/{half}: sent {n}, received {received}, counted lost {lost}")
     assert abs(n - received - sum(lost.values())) <= n // 100, \
         f"sent {n} != received {received} + lost {lost} (+-1%)"
@@ -340,27 +351,17 @@ def test_two_kills_in_a_row_each_gap_is_counted(start_bus, services, tmp_path, p
 
     def kill_twice(pub):
         for _ in range(2):
-            link.connect.proc.kill()
-            dead_at = pub.sent
-            wait_until(lambda: pub.sent >= dead_at + 400, "0.2 s of messages", DONE_TIMEOUT)
-            new = link.restart("connect")
+            new = restart_after(link, "connect", pub)
             settled(link.halves, forwarding=2, timeout=DONE_TIMEOUT)
             new.wait_log(RESUMED)
             new.wait_log("sbus-link stats: ", count=new.log().count("sbus-link stats: ") + 1)
             successors.append(new)
 
-    got = {}
-
-    def check(name, received, n):
-        in_order(name, received, n)
-        got.update(n=n, received=len(received))
-
-    run_flow(b.address, {"a": a.address}, kill_twice, 1000, check=check)
+    n, received = lossy_flow(b.address, a.address, kill_twice)
     lost = lost_on(a.address, b.address)
     for reason, count in last_stats(successors[0])["lost"].items():
         lost[reason] = lost.get(reason, 0) + count
     gaps = [int(RESUMED.search(s.log()).group(1)) for s in successors]
-    n, received = got["n"], got["received"]
     print(f"{transport}: sent {n}, received {received}, counted lost {lost}; gaps {gaps}")
     assert all(g >= 400 for g in gaps), gaps
     assert lost["restart"] == sum(gaps), (lost, gaps)
@@ -380,10 +381,7 @@ def test_a_restarted_half_of_a_standing_by_link_counts_its_gap_as_carried_not_lo
     new = {}
 
     def kill_restart(pub):
-        standby.connect.proc.kill()
-        dead_at = pub.sent
-        wait_until(lambda: pub.sent >= dead_at + 400, "0.2 s of messages", DONE_TIMEOUT)
-        new["half"] = standby.restart("connect")
+        new["half"] = restart_after(standby, "connect", pub)
         new["half"].wait_log("went another way (not lost)", timeout=DONE_TIMEOUT)
 
     run_flow(b.address, {"a": a.address}, kill_restart, 1000)

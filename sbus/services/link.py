@@ -15,7 +15,8 @@ replaces the older one; run one link process per remote host).
 sbus packet: ``MSG key\\0payload`` (a message), ``CMSG link/hello\\0<json>``
 (``{"version": 1, "whoami": ..., "max_packet": ...}``, sent on connection
 and again when the local whoami changes; ``"ack": true`` and ``"patterns"`` say the
-peer speaks the frames below) and ``CMSG link/ping`` (keepalive). Between current peers
+peer speaks the frames below; ``"carried_before"``: whether the link carried traffic when
+the sender's previous peer connection went down, see "Restarts") and ``CMSG link/ping`` (keepalive). Between current peers
 also: ``CMSG link/state\0{"forwarding": bool}`` (the sender's spanning-tree state, at link
 up and each change), ``CMSG link/seen\0KEY\0PAYLOAD`` (a message of the sender's bus it does
 not carry because it stands by: watched, never published), ``CMSG link/ack\0N`` (the first
@@ -98,7 +99,18 @@ receiving half first makes a round trip through its bus and, with
 ``link/sync``, through the peer's; then it publishes what still waits, in
 order, and carries from then on. The window watches only while our bus
 answered a round trip since it connected, the peer is a current one and
-our ``--pattern`` set covers the peer's (we must see another path's copies). Both sides reconnect with back-off
+our ``--pattern`` set covers the peer's (we must see another path's copies).
+
+**Restarts** (issue 23). What a half's bus published while that half was dead, only the bus
+saw: each half holds a session on its bus (``CMSG server/session\0NAME\0LINGER`` after its
+subscriptions, docs/protocol.md "Sessions"; ``--session``, by default ``sbus-link
+listen=ENDPOINT`` or ``connect=ENDPOINT`` without certificate and key files; ``--session-linger``,
+60 s). A successor that gets ``resumed`` adds MISSED to ``lost.restart`` (``bus_down`` when it
+is our own earlier connection, not a previous process) and logs one line with the gap; if its
+peer's hello says the link stood by when the old process died (another path carried those
+messages), the count moves to ``session.restart_standing_by``, not lost.
+
+Both sides reconnect with back-off
 (the ``--connect`` side reconnects to the peer). A stats line is logged
 every ``--stats-interval`` seconds.
 """
