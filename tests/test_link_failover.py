@@ -404,3 +404,18 @@ def test_session_usage_errors_are_one_line(tmp_path, args, needle):
                          capture_output=True, timeout=SERVICE_TIMEOUT, cwd=tmp_path, env=child_env())
     out = (res.stderr + res.stdout).decode()
     assert res.returncode != 0 and needle in out and "Traceback" not in out, out[-500:]
+
+
+def test_two_links_given_one_session_name_the_second_says_so_and_carries(start_bus, services,
+                                                                         tmp_path):  # noqa: F811
+    """An operator's mistake: two links on one bus with the same --session. The second is told
+    `busy`: one line naming the name and the fix; it runs without a session, and carries."""
+    a, b = start_bus(), start_bus()
+    first = TransportLink(services, tmp_path, "unix", a.address, b.address, None, "--session", "same")
+    first.listen.wait_log("holding session same on the bus")
+    second = TransportLink(services, tmp_path, "unix", a.address, b.address, None, "--session", "same",
+                           start=("listen",))
+    second.listen.wait_log("another process of our uid holds session same on the bus")
+    second.restart("connect")
+    settled(first.halves + second.halves, forwarding=3)
+    run_flow(a.address, {"b": b.address}, lambda pub: None, 300, after=700)
