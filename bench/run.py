@@ -282,7 +282,7 @@ class Bench:
         elif impl == "ref":
             cmd = [self.args.reference, "-f", "-a", sock]
         else:
-            cmd = [self.forwarder, sock]
+            cmd = [self.forwarder, "-b", sock] if self.args.floor_batched else [self.forwarder, sock]
         log = OUT / "logs" / f"{scenario}-{impl}-r{rnd}.log"
         return Server(impl, cmd, sock, log)
 
@@ -589,7 +589,7 @@ def table_rows(results: dict[str, dict]) -> list[list[str]]:
 
 LEGEND = ("ours, pure, reference, floor: medians over n rounds (fresh server each run, alternating "
           "ours/pure/reference/floor); pure: our server with SBUS_PURE_PYTHON=1 (--pure); reference: the C sbusd of maandree/sbus (--reference); floor: "
-          "bench/forwarder.c; ratios: of medians (time rows: lower is better), for the noise rows "
+          "bench/forwarder.c (with --floor-batched its -b mode: recvmmsg and sendmmsg batches); ratios: of medians (time rows: lower is better), for the noise rows "
           "ours/floor is the median per-round ratio to our own 0-pattern run; server CPU: utime + "
           "stime of the server process over the publishing phase / messages delivered; spread: "
           "(max - min) / median of ours. The floor does not run the noise rows (its linear "
@@ -719,6 +719,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "docs/performance.md says how to build it")
     p.add_argument("--pure", action="store_true",
                    help="also run our server with SBUS_PURE_PYTHON=1 (no batch I/O) in every round")
+    p.add_argument("--floor-batched", action="store_true",
+                   help="the floor batches like our server: one recvmmsg per readable client, one "
+                        "sendmmsg per subscriber (bench/forwarder.c -b; issue 25's limit)")
     p.add_argument("--silent", action="store_true", help="no progress lines on stderr")
     a = p.parse_args(argv)
     if a.reference and not os.access(a.reference, os.X_OK):

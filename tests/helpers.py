@@ -207,7 +207,7 @@ def wait_stats(sock, predicate, timeout: float = 5.0) -> dict:
         if predicate(st):
             return st
         if time.monotonic() > deadline:
-            raise AssertionError(f"stats never satisfied the condition: {st}")
+            raise AssertionError(f"stats never satisfied the condition: {str(st)[:300]}")
         time.sleep(0.01)
 
 

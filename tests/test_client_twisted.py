@@ -116,6 +116,26 @@ async def test_whoami_and_stats(clients):
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_session_claimed_by_a_successor_says_what_it_missed(clients):
+    first, pub = await clients(), await clients()
+    first.subscribe("svc/", lambda k, p: None)
+    assert (await within(first.session(b"tw", 30))).state == "new"
+    await within(first.close())
+    await within(pub.sync())
+    while (await within(pub.stats()))["sessions"]["lingering"] != 1:
+        await within(pub.sync())  # the server learns of the close in its own time
+    for i in range(5):
+        pub.publish("svc/x", b"%d" % i)
+    await within(pub.sync())
+    successor = await clients()
+    successor.subscribe("svc/", lambda k, p: None)
+    reply = await within(successor.session(b"tw", 30))
+    assert (reply.state, reply.missed, reply.linger) == ("resumed", 5, 30.0), reply
+    with pytest.raises(ValueError):
+        successor.session(b"", 30)
+
+
+@pytest_twisted.ensureDeferred
 async def test_message_received_hook(clients):
     seen = defer.DeferredQueue()
 
@@ -243,6 +263,39 @@ async def test_server_disconnect(clients):
     assert not p.connected
     with pytest.raises(ConnectionClosed):
         p.publish("a", b"b")
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_reconnecting_client_with_a_session_is_told_what_it_missed_while_away(bus):
+    replies = defer.DeferredQueue()
+
+    class Client(ReconnectingClient):
+        def sessionClaimed(self, reply):
+            ReconnectingClient.sessionClaimed(self, reply)
+            replies.put(reply)
+
+    rc = Client(reactor(), bus.address, initialDelay=60.0, maxDelay=60.0)
+    rc.subscribe("s/", lambda k, p: None)
+    rc.holdSession(b"rc", 30)
+    rc.start()
+    other = await within(connect(reactor(), bus.address))
+    try:
+        first = await within(rc.whenConnected())
+        assert (await within(replies.get())).state == "new"
+        lost = first.whenLost()
+        first.transport.loseConnection()
+        await within(lost)
+        while (await within(other.stats()))["sessions"]["lingering"] != 1:
+            await within(other.sync())
+        for _ in range(3):
+            other.publish("s/x", b"")
+        await within(other.sync())
+        assert rc.retryNow()  # (its back-off would wait a minute)
+        reply = await within(replies.get())
+        assert (reply.state, reply.missed) == ("resumed", 3), reply
+    finally:
+        await within(rc.stop())
+        await within(other.close())
 
 
 @pytest_twisted.ensureDeferred

@@ -18,7 +18,8 @@ import sys
 
 import pytest
 
-from helpers import REPO, LoggedProcess, run_as, wait_until
+from helpers import REPO, LoggedProcess, run_as, wait_stats, wait_until
+from helpers import connect as connect_raw
 from sbus.client import Client, Refused
 from sbus.core import codec
 from sbus.core.workqueue import ACK_KEY, Membership, QueueCore
@@ -455,6 +456,20 @@ def test_a_restarted_service_finds_its_members_and_serves_them(bus, start_queue,
     finally:
         m.kill()
         m.wait()
+
+
+def test_what_is_published_while_the_service_is_dead_is_counted_by_its_successor(bus, start_queue, tmp_path):
+    """Issue 23: kill -9 of the service, work published, a new service: the bus counted what
+    matched the dead intake's patterns (its session), and the successor reports it as lost,
+    reason restart (before: lost, counted nowhere)."""
+    first = start_queue(bus, "--group", "jobs=jobs/")
+    first.stop(signal.SIGKILL)
+    with connect_raw(bus.address) as probe:
+        wait_stats(probe, lambda st: st["sessions"]["lingering"] == 1)
+    publish(bus.address, [b"jobs/%d" % i for i in range(7)])
+    start_queue(bus, "--group", "jobs=jobs/")
+    wait_until(lambda: service_stats(bus.address)["lost"].get("restart") == 7, "lost restart 7",
+               timeout=20)
 
 
 def test_asyncio_and_twisted_members(bus, start_queue):

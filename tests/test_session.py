@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 
 import pytest
 
@@ -30,6 +31,18 @@ def claim(sock, name: bytes, linger: float = 30) -> codec.SessionReply:
         assert p, "the server closed the connection"
         if p.startswith(REPLY):
             return codec.parse_session_reply(p[len(REPLY):])
+
+
+def leave_lingering(address: str, pattern: bytes, name: bytes) -> "socket.socket":
+    """A holder of `pattern` names session `name` and closes; returns another connection, made
+    once the server's statistics show the stand-in."""
+    holder = connect(address)
+    send(holder, sub(pattern))
+    assert claim(holder, name).state == "new"
+    holder.close()
+    other = connect(address)
+    wait_stats(other, lambda s: s["sessions"]["lingering"] == 1)
+    return other
 
 
 # -- the table alone
@@ -175,12 +188,7 @@ def test_another_uid_cannot_claim_or_see_a_session(world_bus):  # noqa: F811
     """Attack: uid 65534 asks for the name root's dead service held. It gets a session of its
     own (names are per uid), learns nothing of root's, and root's successor still resumes."""
     bus = world_bus
-    holder = connect(bus.address)
-    send(holder, sub(b"r/"))
-    assert claim(holder, b"svc").state == "new"
-    holder.close()
-    pub = connect(bus.address)
-    wait_stats(pub, lambda s: s["sessions"]["lingering"] == 1)
+    pub = leave_lingering(bus.address, b"r/", b"svc")
     send(pub, msg(b"r/1", b"x"))
     sync(pub)
     nobody = Agent(bus.address, uid=NOBODY, gid=NOBODY)
@@ -202,12 +210,7 @@ def test_a_watcher_that_asks_after_the_holder_died_sees_the_lingering_patterns(b
     """The interest table is built when the first watcher asks: a stand-in made before that
     must be in it, or a service that follows interest (sbus-nats, a relay) would let go of what
     the dead service's successor will want."""
-    holder = connect(bus.address)
-    send(holder, sub(b"late/"))
-    assert claim(holder, b"l").state == "new"
-    holder.close()
-    watcher = connect(bus.address)
-    wait_stats(watcher, lambda s: s["sessions"]["lingering"] == 1)
+    watcher = leave_lingering(bus.address, b"late/", b"l")
     send(watcher, cmsg(codec.INTEREST))
     told = []
     while INTEREST + b"=" not in told:

@@ -218,6 +218,16 @@ class SbusProtocol(Protocol):
         """Deferred[dict]: the server's statistics."""
         return self.server_request(codec.STATS).addCallback(lambda p: json.loads(p or b"{}"))
 
+    def session(self, name: bytes, linger: float) -> defer.Deferred:
+        """Deferred[`codec.SessionReply`]: hold the named session (docs/protocol.md "Sessions"),
+        or claim the one a dead predecessor left and learn what it missed. Subscribe first."""
+        codec.check_session_name(name)
+        packet = codec.session_request(name, linger)
+        self.sendPacket(packet)
+        d = defer.Deferred()
+        self._requests.setdefault(codec.SESSION, deque()).append(d)
+        return d.addCallback(codec.parse_session_reply)
+
     def echo(self, on: bool = True) -> None:
         self.sendPacket(echo_packet(on))
         self.echoOn = bool(on)
@@ -531,6 +541,8 @@ class ReconnectingClient:
         self._subs: list[tuple[bytes, object]] = []
         self._echo: bool | None = None
         self._flood: dict[str, object] = {}
+        #: `holdSession`: (name, linger), claimed again on every connection.
+        self._session: tuple[bytes, float] | None = None
         self._delay = initialDelay
         self._call = None
         self._connecting = False
@@ -542,6 +554,13 @@ class ReconnectingClient:
         self.failureIsNews = False
 
     # -- life cycle
+
+    def holdSession(self, name: bytes, linger: float) -> None:
+        """Hold the named session on every connection (docs/protocol.md "Sessions"): while this
+        client is away (reconnecting, or dead and restarted) the bus counts what its patterns
+        match for `linger` seconds, and the next connection is told (`sessionClaimed`)."""
+        codec.check_session_name(name)
+        self._session = (name, float(linger))
 
     def start(self) -> "ReconnectingClient":
         if not self._running:
@@ -642,6 +661,8 @@ class ReconnectingClient:
                 proto.echo(self._echo)
             if self._flood:
                 proto.flood(**self._flood)
+            if self._session is not None:  # after the subscriptions, as the server asks
+                proto.session(*self._session).addCallbacks(self.sessionClaimed, lambda _: None)
         except ConnectionClosed:
             pass
         proto.whenLost().addCallback(self._lost, proto)
@@ -705,6 +726,18 @@ class ReconnectingClient:
         self._call = self.reactor.callLater(delay, self._attempt)
 
     # -- hooks
+
+    def sessionClaimed(self, reply: "codec.SessionReply") -> None:
+        """Hook: the bus answered `holdSession`'s claim. By default one log line when the session
+        was resumed (what was missed while away) or is held by another live process."""
+        name = reply.name.decode("utf-8", "replace")
+        if reply.state == "resumed":
+            log.warn("session {name}: away {gap:.3f} s, the bus counted {n} messages published for "
+                     "us meanwhile (lost)", name=name, gap=reply.gap, n=reply.missed)
+        elif reply.state in ("busy", "refused"):
+            log.warn("session {name}: {state} (another live connection of this user holds it, or "
+                     "the bus refused the name); nothing is counted for us while away",
+                     name=name, state=reply.state)
 
     def connectionMade(self, protocol: SbusProtocol) -> None:
         """Called after each (re)connection, once subscriptions and settings are re-sent."""

@@ -201,9 +201,33 @@ class SessionReply(NamedTuple):
     linger: float
 
 
+#: The longest session name a server takes.
+MAX_SESSION_NAME = 200
+
+
+def check_session_name(name: bytes) -> bytes:
+    """`name` if a server takes it as a session name (1 to 200 bytes, no NUL), else ValueError."""
+    if not 1 <= len(name) <= MAX_SESSION_NAME:
+        raise ValueError(f"a session name is 1 to {MAX_SESSION_NAME} bytes, not {len(name)}")
+    if b"\0" in name:
+        raise ValueError("a session name has no NUL")
+    return name
+
+
+def session_name(text: str) -> bytes:
+    """A session name made of what identifies a service (its role and where it works, the same
+    for the process that replaces it): over the limit, it ends with a hash of the whole."""
+    name = text.encode("utf-8", "surrogateescape").replace(b"\0", b"?")
+    if len(name) > MAX_SESSION_NAME:
+        import hashlib
+        name = name[:MAX_SESSION_NAME - 17] + b"~" + hashlib.sha256(name).hexdigest()[:16].encode()
+    return name or b"?"
+
+
 def session_request(name: bytes, linger: float) -> bytes:
     """The CMSG that holds (or claims) session `name`, lingering `linger` seconds after a close."""
-    return b"CMSG %s\0%s\0%s" % (SESSION, name, repr(float(linger)).encode())
+    text = (b"%.3f" % linger).rstrip(b"0").rstrip(b".") or b"0"  # decimal, never an exponent
+    return b"CMSG %s\0%s\0%s" % (SESSION, name, text)
 
 
 def session_reply(name: bytes, state: bytes, missed: int = 0, gap: float = 0.0, linger: float = 0.0) -> bytes:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 
+from sbus.core.codec import MAX_SESSION_NAME as MAX_NAME
+from sbus.core.codec import check_session_name
 from sbus.core.codec import session_reply as reply
 
 __all__ = ["SessionTable", "Lingering", "SessionRefused", "parse_request", "reply",
@@ -24,7 +26,6 @@ NEW = b"new"
 RESUMED = b"resumed"
 BUSY = b"busy"
 REFUSED = b"refused"
-MAX_NAME = 200
 DEFAULT_MAX_LINGER = 60.0
 
 
@@ -35,8 +36,10 @@ class SessionRefused(ValueError):
 def parse_request(payload: bytes, max_linger: float) -> tuple[bytes, float]:
     """``NAME\\0LINGER`` -> (name, linger clamped to `max_linger`); raises `SessionRefused`."""
     name, sep, text = payload.partition(b"\0")
-    if not name or len(name) > MAX_NAME:
-        raise SessionRefused(f"a session name is 1 to {MAX_NAME} bytes, got {len(name)}")
+    try:
+        check_session_name(name)
+    except ValueError as e:
+        raise SessionRefused(str(e)) from None
     if not sep:
         raise SessionRefused("no linger after the session name (NAME\\0SECONDS)")
     try:

@@ -30,6 +30,9 @@ from sbus.core.workqueue import ACK_KEY, MODES, QueueCore, check_group
 from sbus.services.shutdown import exit_zero_on_sigterm
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
 
+#: How long the bus counts for an intake that went away (`server/session`; the bus caps it).
+SESSION_LINGER = 60.0
+
 log = Logger()
 
 
@@ -55,6 +58,9 @@ class QueueService(service.Service):
                                         lambda: {"groups": sorted(g.decode() for g in self.core.groups)})
         self._loop = None
         self._last = None
+        #: What the bus counted for the intake's session while no intake was connected (a
+        #: restart of this service, a reconnection): lost, reason `restart`.
+        self.restart_lost = 0
 
     @property
     def reactor(self):
@@ -98,10 +104,14 @@ class QueueService(service.Service):
                 svc.intake_connects += 1
                 if svc.paused:
                     protocol.transport.pauseProducing()
-                if svc.intake_connects > 1:
-                    log.warn("intake: reconnected to the bus (what was queued for the old "
-                             "connection is lost, uncounted)")
                 protocol.sync().addCallbacks(lambda _: svc.intakeReady(), lambda f: None)
+
+            def sessionClaimed(self, reply):
+                # What the bus still held for the previous intake (this process's or a dead
+                # one's) and what came while none was connected: counted there, told here.
+                ReconnectingClient.sessionClaimed(self, reply)
+                if reply.state == "resumed":
+                    svc.restart_lost += reply.missed
 
             def connectionLost(self, reason):
                 svc.intake_ready = False
@@ -132,6 +142,7 @@ class QueueService(service.Service):
             self.intake.flood(hard="block")
         for g in self.core.groups.values():
             self.intake.subscribe(g.pattern)
+        self.intake.holdSession(codec.session_name(f"sbus-queue {self._name()}"), SESSION_LINGER)
         # the control connection once the intake is subscribed (and see _follow)
         self.intake.start()
         log.info("sbus-queue: groups {g}; at most {limit} waiting per group ({mode} beyond), "
@@ -209,7 +220,8 @@ class QueueService(service.Service):
 
     def stats(self) -> dict:
         st = self.core.stats()
-        st["lost"] = lost(*(g["lost"] for g in st["groups"].values()), {"intake": st["lost_intake"]})
+        st["lost"] = lost(*(g["lost"] for g in st["groups"].values()), {"intake": st["lost_intake"]},
+                          {"restart": self.restart_lost})
         st["intake_paused"] = self.paused
         st["pauses"] = self.pauses
         st["bus"] = {"connected": bool(self.control and self.control.connected

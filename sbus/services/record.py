@@ -31,8 +31,10 @@ never change; the file being written has a journal (``_tmp/*.arrows``, see
 the writer) that reaches the kernel with every batch the writer takes, so a
 restart after a crash (or ``kill -9``) **recovers** its rows and publishes
 them. Lost are the rows still queued for the writer (up to
-``--queue-bytes``) and whatever was published while no recorder ran: how
-many is unknown, so the restart writes a **gap row** (``dropped`` = -1,
+``--queue-bytes``) and whatever was published while no recorder ran. The
+bus counts the latter for the recorder's session (``server/session``,
+``--session-linger``), and the next recorder marks it with a drop row of
+that count. The former nobody counted, so the restart also writes a **gap row** (``dropped`` = -1,
 its payload a JSON description: after which seq, between which times) and
 logs it; the report's headline names it, replay warns when it crosses it,
 the stop line counts it. A clean stop (SIGTERM/SIGINT) publishes
@@ -78,6 +80,8 @@ STOP_SYNC = 5.0
 
 DEFAULT_QUEUE_BYTES = 64 << 20
 DEFAULT_REPORT_INTERVAL = 10.0
+#: How long the bus counts for a recorder that went away (`server/session`), seconds.
+DEFAULT_SESSION_LINGER = 60.0
 #: How long the recorder stays lossy after the bus disconnected it as ``stalled``.
 DEGRADED_FOR = 60.0
 
@@ -270,6 +274,8 @@ class Recorder:
         self.bus_dropped = 0  # counted from the server's drop notices
         self.notices = 0
         self.gaps = 0  # gap rows written (an unclean stop before this start)
+        #: Messages the bus counted for us while no recorder was connected (`server/session`).
+        self.missed_away = 0
         #: A run of messages our full queue dropped (lossy), not yet marked: [count, first, last, t]
         self.lost_run = None
         self._time_ns = time.time_ns
@@ -315,6 +321,15 @@ class Recorder:
         self.next_seq += 1
         return seq
 
+    def missed_while_away(self, count: int) -> None:
+        """The bus counted `count` messages published for us while no recorder was connected (a
+        restart, a reconnection): one drop row with that count, where we learned it (the keys
+        are not known: they are empty)."""
+        self.mark_lost_run()
+        self.missed_away += count
+        self.sink.offer_drop(self._time_ns() // 1000, self.next_seq, count, b"", b"")
+        self.next_seq += 1
+
     def dropped_by_bus(self, count: int, first: bytes, last: bytes) -> None:
         """A drop notice: the bus dropped `count` messages meant for us."""
         self.mark_lost_run()
@@ -359,7 +374,8 @@ class RecordService(service.Service):
                  roll_age=DEFAULT_ROLL_AGE, row_group_bytes=DEFAULT_ROW_GROUP_BYTES,
                  queue_bytes=DEFAULT_QUEUE_BYTES, retain_age=None, retain_bytes=None,
                  compression="snappy", report_interval=DEFAULT_REPORT_INTERVAL, lossy=False,
-                 exclude=(PIPELINE_PREFIX,), reactor=None):
+                 exclude=(PIPELINE_PREFIX,), session: bytes | None = None,
+                 session_linger: float = DEFAULT_SESSION_LINGER, reactor=None):
         self.bus = bus
         self.out = out
         self.patterns = patterns or [b""]
@@ -369,6 +385,9 @@ class RecordService(service.Service):
         self.report_interval = report_interval
         self.lossy = lossy
         self.exclude = list(exclude)
+        #: `server/session`: its name (default: the recording directory) and linger (0: none).
+        self.session = session or codec.session_name(f"sbus-record {os.path.abspath(out)}")
+        self.session_linger = session_linger
         self._reactor = reactor
         self.client = None
         self.sink: BoundedWriter | None = None
@@ -456,6 +475,11 @@ class RecordService(service.Service):
                 # after the round trip the server has our subscriptions and modes in place
                 protocol.sync().addCallbacks(subscribed, lambda f: None)
 
+            def sessionClaimed(self, reply):
+                ReconnectingClient.sessionClaimed(self, reply)
+                if reply.state == "resumed" and reply.missed:
+                    svc.recorder.missed_while_away(reply.missed)
+
             def connectionLost(self, reason):
                 if svc.running:
                     log.warn("lost the bus connection ({why}); reconnecting", why=reason)
@@ -467,6 +491,8 @@ class RecordService(service.Service):
         self.client = Client(self.reactor, self.bus, _make_protocol(self.recorder, self), maxDelay=5.0)
         for p in self.patterns:
             self.client.subscribe(p)
+        if self.session_linger > 0:
+            self.client.holdSession(self.session, self.session_linger)
         if self.lossy:
             self.client.flood(soft="queue", hard="discard")
         else:
@@ -585,10 +611,13 @@ class RecordService(service.Service):
                         f"{sum(n for _, n, _ in s.writer.recovery.recovered)} of its messages recovered)"
                         if rec.gaps else "; no gaps")
                 log.info("stopped: {rec} messages recorded, {lost} lost ({bus} dropped by the bus, "
-                         "{drop} dropped by our queue, {werr} lost to write errors){gaps}; {filt} secret "
+                         "{drop} dropped by our queue, {werr} lost to write errors, {away} published "
+                         "while no recorder was connected){gaps}; {filt} secret "
                          "filtered, {excl} excluded; {files} files published",
-                         rec=s.accepted - s.lost_rows, lost=rec.bus_dropped + s.dropped + s.lost_rows,
-                         bus=rec.bus_dropped, drop=s.dropped, werr=s.lost_rows, gaps=gaps, filt=rec.filtered,
+                         rec=s.accepted - s.lost_rows,
+                         lost=rec.bus_dropped + s.dropped + s.lost_rows + rec.missed_away,
+                         bus=rec.bus_dropped, drop=s.dropped, werr=s.lost_rows, away=rec.missed_away,
+                         gaps=gaps, filt=rec.filtered,
                          excl=rec.excluded, files=s.writer.files_published)
 
         return d.addBoth(flush).addCallback(done)
@@ -646,6 +675,11 @@ class Options(usage.Options):
         ["compression", None, "snappy", "Parquet compression: snappy, zstd, gzip, lz4, none."],
         ["report-interval", None, "10s", "At most one log line per this interval for each kind "
                                          "of loss (bus, queue) while it lasts."],
+        ["session", None, None, "Name of the recorder's session on the bus (default: sbus-record "
+                                "and the recording directory): a restarted recorder claims it and "
+                                "marks what was published while none ran with a drop row."],
+        ["session-linger", None, "60s", "How long the bus counts for a recorder that went away "
+                                        "(0: not at all; the bus caps it, 60 s by default)."],
     ]
 
     def __init__(self):
@@ -680,6 +714,15 @@ class Options(usage.Options):
                     raise usage.UsageError(f"--{name}: {e}") from None
                 if self[name] <= 0:
                     raise usage.UsageError(f"--{name}: must be positive")
+        if self["session"] is not None:
+            try:
+                self["session"] = codec.check_session_name(os.fsencode(self["session"]))
+            except ValueError as e:
+                raise usage.UsageError(f"--session: {e}") from None
+        try:
+            self["session-linger"] = parse_duration(self["session-linger"])
+        except ValueError as e:
+            raise usage.UsageError(f"--session-linger: {e}") from None
         for name in ("roll-age", "retain-age", "report-interval"):
             if self[name] is not None:
                 try:
@@ -738,4 +781,6 @@ def makeService(options) -> RecordService:
         report_interval=options["report-interval"],
         lossy=options["lossy"],
         exclude=options["exclude"],
+        session=options["session"],
+        session_linger=options["session-linger"],
     )
