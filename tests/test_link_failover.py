@@ -393,8 +393,8 @@ def test_a_restarted_half_of_a_standing_by_link_counts_its_gap_as_carried_not_lo
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--session", ""], "--session: a session name has 1 to 200 bytes, not 0"),
-    (["--session", "x" * 201], "--session: a session name has 1 to 200 bytes, not 201"),
+    (["--session", ""], "--session: a session name is 1 to 200 bytes, not 0"),
+    (["--session", "x" * 201], "--session: a session name is 1 to 200 bytes, not 201"),
     (["--session-linger", "-1"], "--session-linger: must be positive"),
     (["--session-linger", "inf"], "--session-linger: not a finite number"),
     (["--session-linger", "soon"], "--session-linger: not a number"),

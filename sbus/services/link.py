@@ -117,7 +117,6 @@ every ``--stats-interval`` seconds.
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import math
 import json
@@ -145,7 +144,6 @@ from sbus.core import codec
 from sbus.core.codec import MAX_PACKET
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key
 from sbus.core.patterns import matches
-from sbus.core.sessions import MAX_NAME as MAX_SESSION_NAME
 from sbus.core.standby import MAX_MESSAGES, Window, parse_size
 from sbus.services import access as bus_access
 from sbus.services.linkauth import AUTH, PROOF, AuthError, Handshake, load_key
@@ -395,28 +393,16 @@ def _split_pem(data: bytes) -> list[bytes]:
 # ---------------------------------------------------------------- the bus session
 
 
-def check_session_name(name: bytes) -> bytes:
-    """`name` if the server takes it as a session name (1-200 bytes, no NUL), else ValueError."""
-    if not 1 <= len(name) <= MAX_SESSION_NAME:
-        raise ValueError(f"a session name has 1 to {MAX_SESSION_NAME} bytes, not {len(name)}")
-    if b"\0" in name:
-        raise ValueError("NUL in the session name")
-    return name
-
-
 def default_session(listen: str | None, connect: str | None) -> bytes:
     """``sbus-link listen=ENDPOINT`` or ``sbus-link connect=ENDPOINT``: the same for each process
     that replaces this one, different for two links on one bus (they listen on, or connect to,
-    different ports). Files of certificates and keys are left out; a name over the server's
-    limit ends with a hash of the whole."""
+    different ports). Files of certificates and keys are left out (`codec.session_name`: a
+    name over the server's limit ends with a hash of the whole)."""
     role, where = ("listen", listen) if listen else ("connect", connect)
     kind, args, kw = _kind(where)
     kept = list(args) + [f"{k}={v}" for k, v in kw.items() if k not in ("privateKey", "certKey", "caCertsDir",
                                                             "extraCertChain", "dhParameters")]
-    name = f"sbus-link {role}={':'.join([kind, *kept])}".encode("utf-8", "surrogateescape")
-    if len(name) > MAX_SESSION_NAME:
-        name = name[:MAX_SESSION_NAME - 17] + b"~" + hashlib.sha256(name).hexdigest()[:16].encode()
-    return name
+    return codec.session_name(f"sbus-link {role}={':'.join([kind, *kept])}")
 
 
 # ---------------------------------------------------------------- options
@@ -503,7 +489,7 @@ class Options(usage.Options):
             raise usage.UsageError(f"--session-linger: not a finite number: {self['session-linger']}")
         if self["session"] is not None:
             try:
-                self["session"] = check_session_name(os.fsencode(self["session"]))
+                self["session"] = codec.check_session_name(os.fsencode(self["session"]))
             except ValueError as e:
                 raise usage.UsageError(f"--session: {e}") from None
         try:
@@ -679,6 +665,9 @@ class _BusClient(ReconnectingClient):
         if self.failureIsNews:
             self.link.busUnreachable(self.lastFailure)
 
+    def sessionClaimed(self, reply):
+        self.link.sessionClaimed(reply)
+
 
 # ---------------------------------------------------------------- the link
 
@@ -744,7 +733,7 @@ class Link(service.MultiService):
         self.takeover_lost = 0
         self._warned = set()
         #: Our session on the bus (``server/session``): a successor of this process claims it
-        #: and counts what the bus published while we were dead (`_sessionAnswer`).
+        #: and counts what the bus published while we were dead (`sessionClaimed`).
         self.session_name = session if session is not None else default_session(listen, connect)
         self.session_linger = session_linger
         self.session: dict = {"name": _show(self.session_name), "state": None, "linger": None}
@@ -770,6 +759,7 @@ class Link(service.MultiService):
         self.bus = _BusClient(self, reactor, bus, localFactory, initialDelay=initialDelay,
                               maxDelay=maxDelay, max_packet=max_packet)
         self.bus.echo(False)
+        self.bus.holdSession(self.session_name, session_linger)  # claimed after the subscriptions
         # Lossless: when we stop reading the bus (the peer is slow), the bus holds the publishers.
         self.bus.flood(hard="block")
         self.bus.subscribe(TOPOLOGY)
@@ -887,11 +877,6 @@ class Link(service.MultiService):
         self._own_secret = whoami + b"/"
         # Our own secret space: the keys other clients use to reach the peer's clients.
         proto.subscribe(self._own_secret)
-        # SUB first (above and at connect), then the claim: nothing falls between the two.
-        first = self.bus_connects == 1
-        claim = codec.session_request(self.session_name, self.session_linger).split(b"\0", 1)[1]
-        proto.server_request(codec.SESSION, claim).addCallbacks(
-            lambda answer: self._sessionAnswer(answer, first), lambda f: None)
         proto.transport.registerProducer(_Pauser(self._pausePeer, self._resumePeer), True)
         if self._local_paused:
             proto.transport.pauseProducing()
@@ -908,18 +893,16 @@ class Link(service.MultiService):
                 if conn.auth is None or conn.auth.done:  # mid-handshake: its hello follows the proof
                     conn.sendFrame(self._hello())
 
-    def _sessionAnswer(self, answer: bytes | None, first: bool) -> None:
-        """The bus's answer to our ``server/session`` claim: ``NAME\0STATE\0MISSED\0GAP\0LINGER``.
-        ``resumed``: the process before us (or, `first` false, our own previous connection)
-        died, and the bus counted MISSED messages of ours since, GAP seconds ago: lost."""
-        try:
-            name, state, missed, gap, linger = codec.parse_session_reply(answer)
-            if missed < 0 or not (math.isfinite(gap) and math.isfinite(linger)):
-                raise codec.ProtocolError("negative or infinite")
-        except codec.ProtocolError:
-            log.warn("sbus-link: the bus answered our session claim with {a!r}; running without a "
-                     "session (a restart of this process is not counted)", a=(answer or b"")[:120])
+    def sessionClaimed(self, reply: codec.SessionReply) -> None:
+        """The bus's answer to our session claim (`ReconnectingClient.holdSession`, sent on each
+        bus connection after the subscriptions). ``resumed``: the process before us (or our own
+        previous connection to the bus) died, and the bus counted MISSED messages of ours since,
+        GAP seconds ago: lost."""
+        name, state, missed, gap, linger = reply
+        if missed < 0 or not (math.isfinite(gap) and math.isfinite(linger)):
+            log.warn("sbus-link: the bus answered our session claim with {r!r}; ignored", r=reply)
             return
+        first = self.bus_connects == 1
         self.session.update(state=state, linger=linger)
         if state == "resumed":
             reason = "restart" if first else "bus_down"
