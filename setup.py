@@ -7,8 +7,13 @@ instead of an import hook. Twisted finds plugins by scanning sys.path entries fo
 of an editable install (a regular install copies them into site-packages/twisted/plugins).
 """
 
+import glob
+import os
+
 from setuptools import Extension, setup
 from setuptools.command.editable_wheel import editable_wheel
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class EditableWheel(editable_wheel):
@@ -64,7 +69,8 @@ setup(
         "nats": ["nats-py>=2.6"],
     },
     # `man sbus`, `man sbusd` once installed (share/man under the venv or prefix)
-    data_files=[("share/man/man1", ["docs/man/sbus.1"]), ("share/man/man8", ["docs/man/sbusd.8"])],
+    data_files=[("share/man/man1", sorted(glob.glob("docs/man/*.1", root_dir=_HERE))),
+                ("share/man/man8", sorted(glob.glob("docs/man/*.8", root_dir=_HERE)))],
     cmdclass={"editable_wheel": EditableWheel},
     entry_points={
         "console_scripts": [

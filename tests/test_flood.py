@@ -81,3 +81,61 @@ def test_dead_entries_do_not_pile_up():
         box.push(b"x" * (1 + i % 7))
         box.pop()
     assert len(box._heap) < 200 and len(box._items) < 200
+
+
+_queue_ops = st.lists(st.one_of(
+    st.tuples(st.just("offer"), st.integers(1, 40)),
+    st.tuples(st.just("control"), st.integers(1, 40)),
+    st.tuples(st.just("send"), st.integers(1, 5)),
+    st.tuples(st.just("refuse"), st.just(0)),
+    st.tuples(st.just("writable"), st.just(0)),
+    st.tuples(st.just("order"), st.sampled_from(sorted(flood.ORDERS))),
+), max_size=30)
+
+
+def _drive(box: Outbox, ops) -> None:
+    seq = 0
+    for op, arg in ops:
+        seq += 1
+        if op == "offer":
+            if box.offer(b"%d:" % seq + b"m" * arg) == flood.FLUSH:
+                box.decide(b"%d:" % seq + b"m" * arg)
+        elif op == "control":
+            box.push_control(b"%d:" % seq + b"c" * arg)
+        elif op == "send" and box.nbytes:
+            batch = box.head(arg)
+            if batch:
+                box.sent(len(batch))
+        elif op == "refuse" and box.nbytes:
+            box.refused()
+        elif op == "writable":
+            box.writable()
+        elif op == "order":
+            box.set_order(arg)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_queue_ops, st.lists(st.integers(1, 60), min_size=1, max_size=20), st.integers(64, 600),
+       st.integers(2, 24))
+def test_a_run_queued_at_once_is_what_offer_would_queue_message_by_message(ops, sizes, max_bytes, max_packets):
+    """The broker queues a publisher's run of messages for the same recipients at once
+    (`Outbox.room`, `take`): wherever `room` says the run fits, `offer` would have queued every
+    one of them (QUEUED, never FLUSH or a decision), and both leave the same queue."""
+    one, two = Outbox(max_bytes, max_packets), Outbox(max_bytes, max_packets)
+    _drive(one, ops)
+    _drive(two, ops)
+    room = one.room()
+    run = [b"r%d:" % i + b"x" * n for i, n in enumerate(sizes)]
+    nbytes = sum(map(len, run))
+    if room is None or nbytes > room[0] or len(run) > room[1]:
+        return
+    one.take(run, nbytes)
+    for packet in run:
+        assert two.offer(packet) == flood.QUEUED, "room said it fits, offer would not simply queue it"
+    assert (len(one), one.nbytes, one.state()) == (len(two), two.nbytes, two.state())
+    drained = [[], []]
+    for box, out in zip((one, two), drained):
+        while box.nbytes:
+            out.append(box.peek())
+            box.pop()
+    assert drained[0] == drained[1]

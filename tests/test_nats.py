@@ -771,8 +771,9 @@ def test_tls_with_client_certificates_and_a_token(tmp_path):
         x = start_bridge(tmp_path, buses[0].address, [], *common, "--token", token, "--export", "t/")
         y = start_bridge(tmp_path, buses[1].address, [], *common, "--token", token, "--import", "t/")
         procs += [x, y]
-        bad = Twistd(["sbus-nats", "--bus", buses[1].address, *common, "--token", "wrong", "--import", "t/"],
-                     tmp_path)
+        # a name of its own: one sbus-nats per name per bus (the same patterns make the same name)
+        bad = Twistd(["sbus-nats", "--bus", buses[1].address, *common, "--token", "wrong", "--import", "t/",
+                      "--name", "bad-token"], tmp_path)
         procs.append(bad)
         s = subscriber(buses[1])
         p = connect(buses[0].address)

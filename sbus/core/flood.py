@@ -219,6 +219,24 @@ class Outbox:
         items.append(packet)
         return QUEUED
 
+    def room(self) -> tuple[int, int] | None:
+        """How many bytes and packets may be queued now, all at once, where `offer` would simply
+        queue each of them (the same test, for a run of messages): None if `offer` would not (the
+        socket is full, the queue is closed, or it is in `random` order)."""
+        if self.blocked:
+            return None
+        return self._batch_bytes - (self.nbytes - self.ctl_bytes), self._batch_packets - len(self._items)
+
+    def take(self, packets: list, nbytes: int) -> None:
+        """Queue a run of messages of `nbytes` bytes that `room` said fits: what `offer` would
+        have done with each (QUEUED), at once."""
+        self.nbytes += nbytes
+        items = self._items
+        if items is _NO_ITEMS:
+            self._items = deque(packets)
+        else:
+            items.extend(packets)
+
     def decide(self, packet: bytes) -> int:
         """`offer` without FLUSH: what the limits and the soft mode say now."""
         if self.closed:
@@ -503,6 +521,9 @@ class _DualOutbox(Outbox):
 
     def offer(self, packet: bytes) -> int:
         return self.decide(packet)
+
+    def room(self) -> None:
+        return None  # every message is decided on its own here (`decide`)
 
     def __len__(self) -> int:
         return self._n + (len(self._ctl) if self._ctl else 0)

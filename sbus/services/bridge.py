@@ -82,6 +82,20 @@ everything new. The assumptions (identical messages, the window's bounds,
 100,000 messages and 64 MiB) and their counters (``failover_gap``,
 ``skipped_by_active``) are in docs/deploy.md, "Failover without loss".
 
+Restarted: the gap counted
+--------------------------
+
+On each side the bridge holds a ``server/session`` named after its role (the side, both
+addresses, the rules: `BridgeService.roleName`), so the same command started again claims the
+same one. When it dies its patterns linger on each bus, counting what they match. A bridge
+claims only once it forwards and has forwarded its window; the gap's loss is what the session
+counted less what this connection received, or published there itself, before the claim
+(`sbus.services.session.SessionClaim`): exact whenever the claim comes, and 0 for a standby
+that watched the whole gap. It goes to ``lost.restart`` (``reconnect``: our own connection
+broke and came back) with one log line giving the gap. A second live bridge of the role gets
+``busy`` and asks again every `SESSION_RETRY` seconds while it forwards; a standby holds no
+session, since the active path loses nothing when it dies.
+
 Reconnection, back-pressure, statistics
 ---------------------------------------
 
@@ -96,11 +110,13 @@ A stats line is logged every ``--stats-interval`` seconds (if anything
 changed) and at stop: messages forwarded each way, reconnects per side,
 drops (other side down, rewritten key invalid or too long for a packet),
 secret keys filtered, what the active path delivered while we stood by,
-what we forwarded from the window at takeover and the failover gap.
+what we forwarded from the window at takeover, the failover gap, and what a restart's gap
+lost.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -122,6 +138,7 @@ from sbus.core.standby import MAX_MESSAGES, Window, parse_size
 from sbus.core.topology import RESERVED as TOPOLOGY
 from sbus.options import MISSING_BUS_HELP
 from sbus.services.safeconnect import OwnerConnector, parse_user
+from sbus.services.session import DEFAULT_LINGER, SessionClaim, session_name
 from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
 from sbus.services.spanning import PRIVATE_PATTERN, Tree, default_name, opt_trust_uid, send_urgent
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
@@ -136,6 +153,11 @@ OTHER = {"a": "b", "b": "a"}
 PORT = {"a": 1, "b": 2}
 SIDE_OF_PORT = {1: "a", 2: "b"}
 PROBE_SEGMENT = b"/sbus-bridge/echo-probe/"
+#: While we forward and another live bridge of our role holds the session, ask again this often.
+SESSION_RETRY = 0.5
+#: Why a session's gap was lost: this process's first connection to a side (a restart), or a
+#: later one (our connection to that side broke while its server stayed up).
+GAP_REASONS = ("restart", "reconnect")
 
 
 class RuleError(ValueError):
@@ -284,7 +306,8 @@ class BridgeService(service.Service):
     def __init__(self, a, b, rules: list[Rule], *, stats_interval: float = 60.0,
                  initial_delay: float = 0.1, max_delay: float = 10.0,
                  max_packet: int = MAX_PACKET, reactor=None, users: dict | None = None,
-                 spanning_tree: bool = True, trusted_uids=(), standby_window: int = MAX_MESSAGES):
+                 spanning_tree: bool = True, trusted_uids=(), standby_window: int = MAX_MESSAGES,
+                 session_linger: float = DEFAULT_LINGER):
         if not rules:
             raise ValueError("a bridge needs at least one rule")
         self.address = {"a": a, "b": b}
@@ -325,6 +348,16 @@ class BridgeService(service.Service):
         self._catching_up = False
         self._takeovers = 0
         self.spanning_tree = spanning_tree
+        #: ``server/session`` (docs/deploy.md, "Restarted: its gap counted"): seconds it lingers
+        #: (0: none); per side, its name, whether this process held it before, what the gaps lost.
+        self.session_linger = session_linger
+        self.session_names = {side: self.roleName(side) for side in SIDES}
+        self._held_before = {"a": False, "b": False}
+        self.gap_lost = {reason: {"a": 0, "b": 0} for reason in GAP_REASONS}
+        self.last_gap: dict[str, float | None] = {"a": None, "b": None}
+        self._session_logged: dict[str, str | None] = {"a": None, "b": None}
+        self._retry = None
+        self._public_patterns: dict[str, list[bytes]] = {"a": [], "b": []}
         self.tree = None
         self.server_ids: dict[str, bytes] = {}
         self._loop = None
@@ -352,6 +385,7 @@ class BridgeService(service.Service):
         def protocol_factory(side):
             class BridgeProtocol(SbusProtocol):
                 echo_filter: RecentPackets | None = None
+                claim: SessionClaim | None = None
                 probe_key: bytes | None = None
                 probe_seen = False
 
@@ -391,6 +425,8 @@ class BridgeService(service.Service):
                 if route.pattern not in seen:  # one SUB per distinct pattern
                     seen.add(route.pattern)
                     client.subscribe(route.pattern)
+            #: The public patterns we hold on this side (what our session counts there).
+            self._public_patterns[side] = [TOPOLOGY, STATS_REQUEST, *seen]
             client.echo(False)
             self.clients[side] = client
         self.tree = Tree(self.reactor, default_name("sbus-bridge", f"a={self.address['a']} b={self.address['b']}"),
@@ -408,12 +444,17 @@ class BridgeService(service.Service):
         self._loop = LoopingCall(self._report, False)
         self._loop.clock = self.reactor
         self._loop.start(self.stats_interval, now=False)
+        if self.session_linger > 0:
+            self._retry = LoopingCall(self._retryClaims)
+            self._retry.clock = self.reactor
+            self._retry.start(SESSION_RETRY, now=False)
         exit_zero_on_sigterm(self.reactor)
 
     def stopService(self):
         super().stopService()
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
+        for loop in (self._loop, self._retry):
+            if loop is not None and loop.running:
+                loop.stop()
         if self.tree is not None:
             self.tree.stop()
         ds = [c.stop() for c in self.clients.values()]
@@ -431,6 +472,7 @@ class BridgeService(service.Service):
         proto = self.clients[SIDE_OF_PORT[port]].protocol
         if proto is not None and proto.connected:
             send_urgent(proto.transport, b"MSG " + key + b"\0" + payload)
+            self._published(proto, SIDE_OF_PORT[port], key)
 
     def _serverId(self, side: str, proto, payload) -> None:
         if not payload or proto is not self.clients[side].protocol:
@@ -460,6 +502,8 @@ class BridgeService(service.Service):
         if self._paused[side]:
             proto.transport.pauseProducing()
         who = proto.credentials or b""
+        if self.session_linger > 0:
+            proto.claim = SessionClaim(proto, self.session_names[side], self.session_linger)
         what = "connected" if self.connects[side] == 1 else f"reconnected (reconnect {self.connects[side] - 1})"
         if self.connectors[side].last_why:
             log.info("side {side}: connected {how}", side=side, how=self.connectors[side].last_why)
@@ -467,6 +511,7 @@ class BridgeService(service.Service):
             log.warn("side {side}: {what} to {addr}; no usable whoami, cannot check echo/off",
                      side=side, what=what, addr=self.address[side])
             self.tree.port_up(PORT[side], proto.credentials)   # no round trip: no window either
+            self._claim(side)
             return
         def bridge_ready():
             if proto is self.clients[side].protocol and proto.connected:
@@ -516,6 +561,9 @@ class BridgeService(service.Service):
     # -- forwarding
 
     def _received(self, side: str, proto, key: bytes, payload: bytes, packet: bytes) -> None:
+        session = proto.claim
+        if session is not None and session.counting and not self._unwatched(side):
+            session.saw(key)   # passed on, or counted here: not lost to a predecessor's gap
         if key.startswith(TOPOLOGY) or self.tree.owns(PORT[side], key):
             self.tree.received(PORT[side], key, payload)
             return  # never forwarded: each segment's hellos are its own
@@ -549,6 +597,12 @@ class BridgeService(service.Service):
             return
         for target in targets:
             self._forward(side, key, target, payload, packet)
+
+    def _unwatched(self, side: str) -> bool:
+        """A message from `side` now would be neither forwarded nor watched nor counted as
+        dropped: standing by (or catching up) before both sides answered their round trip."""
+        return ((not self.tree.forwarding or self._catching_up) and self.clients[OTHER[side]].connected
+                and not (self._ready[side] and self._ready[OTHER[side]]))
 
     def _targets(self, side: str, proto, key: bytes) -> tuple[list[bytes], bool]:
         """The keys a message `key` from `side` is published as on the other side, and whether a
@@ -595,6 +649,7 @@ class BridgeService(service.Service):
             dest.echo_filter.add(out)
         dest.sendPacket(out)
         self.forwarded[side] += 1
+        self._published(dest, OTHER[side], target)
         return True
 
     # -- standing by and taking over
@@ -606,6 +661,7 @@ class BridgeService(service.Service):
         self._ready[side] = True
         proto = self.clients[side].protocol
         self.tree.port_up(PORT[side], proto.credentials)
+        self._claim(side)
 
     def _forwardingChanged(self, forwarding: bool) -> None:
         if not forwarding:
@@ -615,7 +671,9 @@ class BridgeService(service.Service):
                 self.window.reset()         # a fresh window from the moment we stand by
             return
         if not (self._ready["a"] and self._ready["b"]):
-            return                # nothing watched (the window is empty): forward from now on
+            for side in SIDES:    # nothing watched (the window is empty): forward from now on
+                self._claim(side)
+            return
         # Read everything both servers delivered up to now before forwarding the window: then
         # every copy the old path made has met its original (sbus.core.standby).
         self._catching_up = True
@@ -648,6 +706,112 @@ class BridgeService(service.Service):
                  "(a>b={ab} b>a={ba}); failover gap a>b={gab} b>a={gba}",
                  n=len(out), ab=sum(1 for s, _, _ in out if s == "a"), ba=sum(1 for s, _, _ in out if s == "b"),
                  gab=gap["a"], gba=gap["b"])
+        for side in SIDES:    # what we saw is forwarded now: the gap before us is ours to count
+            self._claim(side)
+
+    # -- the session: what a predecessor's gap lost
+
+    def roleName(self, side: str) -> bytes:
+        """The ``server/session`` name of our connection to `side`: the same for every bridge
+        started with the same buses and rules (our restarted successor), different for any
+        other role. Sessions are per uid, so two users' bridges never meet."""
+        from sbus.client.address import AddressError, resolve
+
+        def canonical(address) -> str:
+            try:
+                r = resolve(address)
+            except AddressError:
+                return str(address)
+            value = os.path.abspath(r.value) if r.kind == "path" else r.value
+            return f"{r.kind}:{os.fsdecode(value) if isinstance(value, bytes) else value}"
+
+        role = "\0".join([side, canonical(self.address["a"]), canonical(self.address["b"]),
+                           *sorted(str(rule) for rule in self.rules)])
+        digest = hashlib.sha256(role.encode("utf-8", "surrogateescape")).hexdigest()[:20]
+        return session_name(f"sbus-bridge {side} {digest} a={self.address['a']} b={self.address['b']}")
+
+    def _claim(self, side: str) -> None:
+        """Claim our role's session on `side` once we forward and have forwarded what our window
+        held: whoever carries the role after a gap judges what the gap lost (`SessionClaim`;
+        claimed earlier, a kill before the window is out would lose it uncounted). A standby
+        claims nothing: if it dies, the active path lost nothing."""
+        proto = self.clients[side].protocol if side in self.clients else None
+        if proto is None or proto.claim is None or not proto.connected or not self.tree.forwarding \
+                or self._catching_up:
+            return
+        session = proto.claim
+        if session.holds or session.pending:
+            return
+        session.claim().addCallback(self._claimed, side, proto)
+
+    def _published(self, proto, side: str, key: bytes) -> None:
+        """We published `key` on `side`: a predecessor's lingering session there counts it if
+        its patterns (ours) match it, and we do not see it (echo off): not a loss either."""
+        session = proto.claim
+        if session is None or not session.counting:
+            return
+        match = proto.stored_pattern
+        if any(matches(match(p), key) for p in self._public_patterns[side]):
+            session.sent(key)
+
+    def _retryClaims(self) -> None:
+        for side in SIDES:
+            proto = self.clients[side].protocol
+            if proto is not None and proto.claim is not None and proto.claim.reply is not None \
+                    and proto.claim.reply.state == "busy":
+                self._claim(side)
+
+    def _sessionLog(self, side: str, what: str, text: str, **kw) -> None:
+        """Log a session's state once per state and side (a busy retry says it once)."""
+        if self._session_logged[side] == what:
+            return
+        self._session_logged[side] = what
+        (log.warn if what == "refused" else log.info)(text, side=side, **kw)
+
+    def _claimed(self, reply, side: str, proto) -> None:
+        if reply is None:
+            if proto.connected:
+                self._sessionLog(side, "unanswered", "side {side}: the server's answer to server/session "
+                                 "is not one we understand: a gap of ours is not counted there")
+            return
+        name = reply.name.decode("utf-8", "replace")
+        if reply.state == "busy":
+            self._sessionLog(side, "busy", "side {side}: session {name!r} is held by another live bridge "
+                             "of this role (same uid, buses and rules): it carries the count; asking "
+                             "again every {s} s while we forward", name=name, s=SESSION_RETRY)
+            return
+        if reply.state == "refused":
+            self._sessionLog(side, "refused", "side {side}: the server refused session {name!r} (see its "
+                             "log): a gap of ours is not counted there", name=name)
+            return
+        reason = "reconnect" if self._held_before[side] else "restart"
+        self._held_before[side] = True
+        self._session_logged[side] = reply.state
+        if reply.state == "new":
+            log.info("side {side}: holding session {name!r} (lingers {linger:.3f} s after we go)",
+                     side=side, name=name, linger=reply.linger)
+            return
+        lost_now = proto.claim.lost
+        self.gap_lost[reason][side] += lost_now
+        self.last_gap[side] = proto.claim.uncovered
+        log.info("side {side}: resumed session {name!r} after a gap of {gap:.3f} s ({away:.3f} s of it "
+                 "before we subscribed): {missed} message(s) for it meanwhile, {seen} of them reached "
+                 "us, {lost} lost ({reason}, {dir})", away=proto.claim.uncovered,
+                 side=side, name=name, gap=reply.gap, missed=reply.missed, seen=proto.claim.seen,
+                 lost=lost_now, reason=reason, dir=f"{side}>{OTHER[side]}")
+
+    def _sessionStats(self) -> dict:
+        out = {}
+        for side in SIDES:
+            proto = self.clients[side].protocol if side in self.clients else None
+            session = proto.claim if proto is not None else None
+            reply = session.reply if session is not None else None
+            out[side] = {"name": self.session_names[side].decode("utf-8", "replace"),
+                         "state": reply.state if reply is not None else None,
+                         "missed": reply.missed if reply is not None else 0,
+                         "seen": session.seen if session is not None else 0,
+                         "last_gap_seconds": self.last_gap[side]}
+        return out
 
     # -- statistics
 
@@ -669,7 +833,10 @@ class BridgeService(service.Service):
                 "window": self.window.stats(),
             },
             "failover_gap": self._byDirection(self.window.gap),
-            "lost": lost(*self.drop_reasons.values(), {"failover_gap": self.window.gap}),
+            "restart": self._byDirection(self.gap_lost["restart"]),
+            "reconnect": self._byDirection(self.gap_lost["reconnect"]),
+            "session": self._sessionStats() if self.session_linger > 0 else None,
+            "lost": lost(*self.drop_reasons.values(), {"failover_gap": self.window.gap}, self.gap_lost),
             "paused_reading": {s: self._pausedCount[s] for s in SIDES},
             "server_id": {s: v.decode("ascii", "replace") for s, v in self.server_ids.items()},
             "spanning_tree": self.tree.stats() if self.tree is not None else None,
@@ -688,7 +855,8 @@ class BridgeService(service.Service):
     def _report(self, final: bool) -> None:
         st = self.stats()
         seen = {k: st[k] for k in ("forwarded", "reconnects", "drops", "secret_filtered", "echoes_suppressed",
-                                    "connected", "standby_not_forwarded", "standby", "failover_gap")}
+                                    "connected", "standby_not_forwarded", "standby", "failover_gap",
+                                    "restart", "reconnect")}
         seen["forwarding"] = self.tree is None or self.tree.forwarding
         if not final and seen == self._last_stats:
             return
@@ -697,7 +865,11 @@ class BridgeService(service.Service):
                  "b>a={dba}; secret filtered={sf}; echoes suppressed={es}; connected a={ca} b={cb}; "
                  "standing by, delivered by the active path a>b={sab} b>a={sba}; "
                  "replayed at takeover a>b={rab} b>a={rba}; "
-                 "failover gap a>b={gab} b>a={gba}; drop reasons {why}",
+                 "failover gap a>b={gab} b>a={gba}; "
+                 "lost to a restart's gap a>b={lab} b>a={lba} (last gap a={pa} b={pb} s); "
+                 "drop reasons {why}",
+                 lab=st["restart"]["a>b"] + st["reconnect"]["a>b"], lba=st["restart"]["b>a"] + st["reconnect"]["b>a"],
+                 pa=_seconds(self.last_gap["a"]), pb=_seconds(self.last_gap["b"]),
                  rab=st["standby"]["replayed_at_takeover"]["a>b"], rba=st["standby"]["replayed_at_takeover"]["b>a"],
                  gab=st["failover_gap"]["a>b"], gba=st["failover_gap"]["b>a"],
                  sab=st["standby_not_forwarded"]["a>b"], sba=st["standby_not_forwarded"]["b>a"],
@@ -708,6 +880,10 @@ class BridgeService(service.Service):
                  dab=st["drops"]["a>b"], dba=st["drops"]["b>a"], sf=st["secret_filtered"],
                  es=st["echoes_suppressed"],
                  ca="yes" if st["connected"]["a"] else "no", cb="yes" if st["connected"]["b"] else "no")
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 # -- twistd options
@@ -760,6 +936,9 @@ class Options(usage.Options):
         ["a-user", None, None, "When run as root: connect to bus A as this user (name or uid); "
                                "default: the owner of the socket's directory."],
         ["b-user", None, None, "The same for bus B."],
+        ["session-linger", None, f"{DEFAULT_LINGER:g}", "Seconds the servers keep counting what our "
+                                                        "patterns match after we die, for our restarted "
+                                                        "successor (server/session; 0: no session)."],
         ["standby-window", None, str(MAX_MESSAGES), "Standing by, remember at most this many messages "
                                                     "the active path has not yet delivered (forwarded "
                                                     "if we take over; see docs/deploy.md)."],
@@ -820,12 +999,15 @@ class Options(usage.Options):
             self["standby-window"] = parse_size(self["standby-window"])
         except ValueError as e:
             raise usage.UsageError(str(e)) from None
-        for name in ("stats-interval", "max-delay"):
+        for name in ("stats-interval", "max-delay", "session-linger"):
             try:
                 value = float(self[name])
             except ValueError:
                 raise usage.UsageError(f"--{name}: not a number: {self[name]!r}") from None
-            if not value > 0:
+            if name == "session-linger":
+                if not 0 <= value < float("inf"):
+                    raise usage.UsageError(f"--{name}: must be 0 or more seconds")
+            elif not value > 0:
                 raise usage.UsageError(f"--{name}: must be positive")
             self[name] = value
 
@@ -853,4 +1035,5 @@ def makeService(options) -> BridgeService:
                          stats_interval=options["stats-interval"], max_delay=options["max-delay"],
                          users={"a": options["a-user"], "b": options["b-user"]},
                          spanning_tree=not options["no-spanning-tree"],
-                         trusted_uids=options["trust-uids"], standby_window=options["standby-window"])
+                         trusted_uids=options["trust-uids"], standby_window=options["standby-window"],
+                         session_linger=options["session-linger"])

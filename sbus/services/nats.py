@@ -68,6 +68,18 @@ counted by reason in `stats()`; a stats line is logged every
 ``--stats-interval`` seconds if it changed, and at stop; the service also
 answers ``sbus/services/stats`` requests on the bus (`sbus.services.svcstats`).
 
+Restarts (docs/deploy.md "Restarts"). What a killed sbus-nats missed is counted
+as ``lost["restart"]`` by someone alive. Bus -> NATS: the service holds the
+bus session ``sbus-nats/<--name>`` (``CMSG server/session``), which the
+server keeps counting for ``--session-linger`` seconds after a crash; the
+successor subscribes, claims it and adds the count. NATS -> bus: exported
+messages carry ``Sbus-Seq: <instance>.<n>``; importers acknowledge, per
+exporter instance and at most every ACK_INTERVAL, the first and last number
+they handled on ``_SBUS.ack.<instance>``; an exporter that hears a new
+instance of an importer (same bus id and name) counts the numbers between the
+predecessor's last acknowledgement and the successor's first. One sbus-nats
+per name per bus: a second one exits.
+
 Authentication. A NATS server anyone can reach is a way into the bus: whoever
 connects to it reads what is exported and publishes what is imported, as the
 bus's owner. So the service refuses to start without an authentication of its
@@ -79,9 +91,11 @@ port, the rule ``sbus-link`` applies to plain TCP).
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import os
+import re
 import ssl
 import sys
 from urllib.parse import urlsplit
@@ -100,12 +114,33 @@ from sbus.core.natsmap import (MappingError, check_prefix, key_to_subject, patte
                                subjects_overlap)
 from sbus.core.patterns import matches
 from sbus.options import MISSING_BUS_HELP
-from sbus.services.shutdown import exit_zero_on_sigterm
+from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
 
+#: Exit status when another sbus-nats of the same --name runs on the bus (a configuration error,
+#: sysexits' EX_CONFIG: contrib/systemd's unit does not restart on it).
+EXIT_NAME_TAKEN = 78
 log = Logger(namespace="sbus.nats")
 
 ORIGIN_HEADER = "Sbus-Origin"
+#: ``<exporter instance>.<n>``: n counts what this exporter instance published on NATS (1, 2, ...).
+SEQ_HEADER = "Sbus-Seq"
+#: Importers acknowledge per exporter instance on ``_SBUS.ack.<instance>`` (no key maps to a
+#: subject beginning with ``_SBUS``: natsmap escapes ``_``).
+CONTROL_PREFIX = "_SBUS."
+ACK_SUBJECT = CONTROL_PREFIX + "ack."
+#: Seconds between an importer's acknowledgements (only when something new arrived).
+ACK_INTERVAL = 0.02
+#: Exporter instances an importer tracks, importer identities an exporter tracks.
+MAX_EXPORTERS = 1024
+MAX_PEERS = 1000
+#: An exporter instance nothing arrived from for this long is forgotten by importers.
+EXPORTER_IDLE = 300.0
+MAX_ACK = 1024
+#: Messages read from the bus before the session is claimed wait for the answer (a round trip).
+MAX_HELD = 10000
+NAME_RE = re.compile(r"[A-Za-z0-9._:@-]{1,100}\Z")
+_INSTANCE_RE = re.compile(r"[0-9a-f]{16}\Z")
 #: Control keys of one bus's services (the spanning tree's announcements, stats requests):
 #: never exported nor imported, like a bridge or link never forwards them.
 RESERVED = (b"sbus/topology/", b"sbus/services/")
@@ -164,6 +199,15 @@ def check_authenticated(servers, options) -> None:
         "or --allow-unauthenticated")
 
 
+def default_name(prefix: str, exports, imports) -> str:
+    """The --name of an sbus-nats not given one: the same for the same subject prefix and
+    patterns (a restarted process claims its predecessor's session), different otherwise
+    (two sbus-nats with other patterns may share a bus)."""
+    h = hashlib.sha256(repr((prefix, sorted(set(map(bytes, exports))),
+                             sorted(set(map(bytes, imports))))).encode()).hexdigest()
+    return f"{prefix or '-'}-{h[:12]}"
+
+
 def _drive(coro, failed):
     """Run coroutine `coro` now, without a Task when it does not suspend (nats-py's publish
     only suspends when its buffer is over its limit); `failed(exc)` gets its exception."""
@@ -210,7 +254,8 @@ class NatsService(service.Service):
                  import_buffer: int = 64 << 20,
                  stats_interval: float = 60.0, reconnect_wait: float = 1.0,
                  max_packet: int = MAX_PACKET, static_imports: bool = False,
-                 max_subscriptions: int = 1000, reactor=None):
+                 max_subscriptions: int = 1000, name: str | None = None,
+                 session_linger: float = 30.0, reactor=None):
         self.bus = bus
         self.servers = list(servers)
         self.exports = [_b(p) for p in exports]
@@ -247,7 +292,6 @@ class NatsService(service.Service):
         #: Random per process; replaced by the bus's `server/id` when the server answers it.
         self.bus_id = os.urandom(16).hex()
         self.bus_id_from_server = False
-        self._headers = {ORIGIN_HEADER: self.bus_id}
         self.nc = None
         self.client = None
         self.exported = 0
@@ -269,6 +313,27 @@ class NatsService(service.Service):
         self._last_stats = None
         self._nats_task = None
         self._stopping = False
+        #: What identifies this sbus-nats on its bus (the bus session's name, the importer
+        #: identity its acknowledgements carry), and this process among its restarts.
+        self.name = name or default_name(self.prefix, self.exports, self.imports)
+        self.session_name = b"sbus-nats/" + self.name.encode()
+        self.session_linger = session_linger
+        self.session = {"name": self.session_name.decode(), "state": None, "missed": 0, "gap": 0.0}
+        #: Messages read from the bus while the session claim is unanswered (None: not waiting).
+        self._held: list | None = []
+        self.instance = os.urandom(8).hex()
+        self._seq = 0
+        #: Losses this process learnt of (a predecessor's gap, a peer's gap), by reason.
+        self.gaps: dict[str, int] = {}
+        #: Importer side: exporter instance -> [first seq, last seq (str), last acked, when].
+        self._seen: dict[str, list] = {}
+        #: Exporter side: (bus id, name) of an importer -> [instance, last acked, counted to, when].
+        self._peers: dict[tuple, list] = {}
+        self.acks = {"sent": 0, "received": 0, "refused": 0, "clamped": 0}
+        self.seq_refused = 0
+        self.importer_restarts = 0
+        self._ack_loop = None
+        self._sweep_at = 0.0
 
     @property
     def reactor(self):
@@ -325,7 +390,8 @@ class NatsService(service.Service):
         # lossless toward NATS: when we stop reading, the server holds the publishers
         self.client.flood(hard="block")
         self.client.start()
-        log.info("exporting {e}; importing {i}; subject prefix {p!r}; {how}",
+        log.info("{name}: exporting {e}; importing {i}; subject prefix {p!r}; {how}; "
+                 "instance {inst}", name=self.name, inst=self.instance,
                  e=", ".join(repr(p) for p in self.exports) or "nothing",
                  i=", ".join(f"{p!r} as {subj}{'' if exact else ' (filtered)'}"
                              for p, subj, exact in self.import_subjects) or "nothing", p=self.prefix,
@@ -338,6 +404,10 @@ class NatsService(service.Service):
         self._loop = LoopingCall(self._report, False)
         self._loop.clock = self.reactor
         self._loop.start(self.stats_interval, now=False)
+        if self.imports:
+            self._ack_loop = LoopingCall(self._send_acks)
+            self._ack_loop.clock = self.reactor
+            self._ack_loop.start(ACK_INTERVAL, now=False)
         exit_zero_on_sigterm(self.reactor)
 
     def stopService(self):
@@ -346,6 +416,9 @@ class NatsService(service.Service):
         self._stopping = True
         if self._loop is not None and self._loop.running:
             self._loop.stop()
+        if self._ack_loop is not None and self._ack_loop.running:
+            self._ack_loop.stop()
+            self._send_acks(final=True)   # what arrived until now: a successor's gap starts here
         if self._drain_call is not None and self._drain_call.active():
             self._drain_call.cancel()
         ds = [self.client.stop()] if self.client is not None else []
@@ -368,6 +441,7 @@ class NatsService(service.Service):
         self.bus_connects += 1
         if self._paused:
             proto.transport.pauseProducing()
+        self._claim_session(proto)
         if self.import_subjects and not self.static_imports:
             # a fresh listing; until it is complete the subscriptions of before stay
             self._listing = set()
@@ -385,7 +459,6 @@ class NatsService(service.Service):
             else:
                 log.warn("bus: the server did not answer server/id; origin id {id} is this "
                          "process's own", id=self.bus_id)
-            self._headers = {ORIGIN_HEADER: self.bus_id}
             # The listing ends before the answer to anything asked after it: no end, no feed.
             self._no_interest_feed(proto)
             log.info("bus: {what} to {addr} as {who}; bus id {id}",
@@ -394,6 +467,74 @@ class NatsService(service.Service):
                      who=(proto.credentials or b"").decode("utf-8", "replace"), id=self.bus_id)
 
         proto.sync().addCallbacks(synced, lambda f: None)
+
+    # -- the bus session: what was published for export while this sbus-nats was away
+
+    def _claim_session(self, proto) -> None:
+        """Claim this service's lingering session on the bus (docs/protocol.md
+        `server/session`): its export patterns are already subscribed (the client sends them
+        first), so the count the server gives is what nobody exported between the
+        predecessor's end and now. Until the answer, messages read from the bus wait."""
+        if self._held is None:
+            self._held = []
+        answered: list = []
+        payload = codec.session_request(self.session_name, self.session_linger).split(b"\0", 1)[1]
+        d = proto.server_request(codec.SESSION, payload)
+        d.addCallbacks(lambda p: answered.append(1) or self._session_answer(proto, p or b""),
+                       lambda f: None)
+
+        def synced(_):
+            if not answered and proto is self.client.protocol:
+                self._once("no-session", "bus: the server does not answer server/session: what "
+                           "is published on the bus while this sbus-nats is not running is not "
+                           "counted anywhere")
+                self.session["state"] = "unsupported"
+                self._release_held()
+
+        proto.sync().addCallbacks(synced, lambda f: None)
+
+    def _session_answer(self, proto, payload: bytes) -> None:
+        if self.client is None or proto is not self.client.protocol:
+            return
+        try:
+            reply = codec.parse_session_reply(payload)
+        except ProtocolError as e:
+            log.warn("bus: {err}", err=e)
+            reply = codec.SessionReply(self.session_name, "malformed", 0, 0.0, 0.0)
+        state = reply.state
+        self.session["state"] = state
+        if state in ("new", "resumed"):
+            missed = max(0, min(reply.missed, 1 << 62))
+            gap = max(0.0, reply.gap)
+            self.session.update(missed=self.session["missed"] + missed, gap=gap, linger=reply.linger)
+            if state == "resumed":
+                # a predecessor's gap on the first connection; later, our own bus connection's
+                reason = "restart" if self.bus_connects == 1 else "bus_down"
+                if missed:
+                    self.gaps[reason] = self.gaps.get(reason, 0) + missed
+                log.warn("bus: resumed session {name} after a gap of {gap:.3f} s: {n} message(s) "
+                         "published for export meanwhile were not exported; counted as lost ({why})",
+                         name=self.session["name"], gap=gap, n=missed, why=reason)
+            else:
+                log.info("bus: session {name} claimed (new: nothing lingered); lingers {l:.3f} s "
+                         "after this process ends", name=self.session["name"], l=reply.linger)
+            self._release_held()
+        elif state == "busy":
+            log.error("bus: another sbus-nats named {name} is running on this bus (server/session "
+                      "busy); one per name per bus: give the other one a different --name; exiting",
+                      name=self.name)
+            self._held = []
+            stop_with_status(self.reactor, EXIT_NAME_TAKEN)
+        else:
+            log.warn("bus: the server refused session {name} ({state}; its log says why): what is "
+                     "published while this sbus-nats is not running is not counted",
+                     name=self.session["name"], state=state)
+            self._release_held()
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, None
+        for proto, key, payload in held or ():
+            self._export(proto, key, payload)
 
     # -- local interest
 
@@ -556,6 +697,16 @@ class NatsService(service.Service):
         if key == STATS_REQUEST:
             self._answer_stats(proto, payload)
             return
+        held = self._held
+        if held is not None:
+            if len(held) < MAX_HELD:
+                held.append((proto, key, payload))
+            else:
+                self._drop("session_wait")
+            return
+        self._export(proto, key, payload)
+
+    def _export(self, proto, key: bytes, payload: bytes) -> None:
         if key.startswith(RESERVED):
             self.reserved += 1
             return
@@ -584,7 +735,10 @@ class NatsService(service.Service):
             self._once("large", "not exporting {key!r}: {n} bytes is more than the NATS server's "
                        "max_payload {m}; counted as too_large", key=key[:60], n=len(payload), m=nc.max_payload)
             return
-        _drive(nc.publish(subject, payload, headers=self._headers), self._publish_failed)
+        self._seq += 1
+        _drive(nc.publish(subject, payload, headers={ORIGIN_HEADER: self.bus_id,
+                                                     SEQ_HEADER: f"{self.instance}.{self._seq}"}),
+               self._publish_failed)
         self.exported += 1
         if nc.pending_data_size > self.max_pending and not self._paused and nc.is_connected:
             self._pause()
@@ -646,6 +800,9 @@ class NatsService(service.Service):
             self.nc = nc
             self.nats_connects += 1
             self._nats_subs = {}
+            if self.exports:
+                # importers' acknowledgements of what we published (nats-py renews it on reconnects)
+                await nc.subscribe(ACK_SUBJECT + self.instance, cb=self._ack_cb)
             await self._reconcile()
             await nc.flush()
             log.info("NATS: connected to {url}; {n} subscription(s); ready",
@@ -697,12 +854,31 @@ class NatsService(service.Service):
                 self.duplicates += 1      # an earlier subscription takes this one
                 return
         hdr = msg.headers
-        if hdr and hdr.get(ORIGIN_HEADER) == self.bus_id:
-            self.own_origin += 1
-            return
+        if hdr:
+            if hdr.get(ORIGIN_HEADER) == self.bus_id:
+                self.own_origin += 1
+                return
+            seq = hdr.get(SEQ_HEADER)
+            if seq is not None:
+                # acknowledged to its exporter by `_send_acks`: whatever happens to it next is
+                # counted here (imported or a drop), so an exporter counts only a restart's gap
+                inst, _, n = seq.partition(".")
+                seen = self._seen.get(inst)
+                if seen is not None:
+                    seen[1] = n
+                elif len(self._seen) < MAX_EXPORTERS:
+                    self._seen[inst] = [n, n, None, 0.0]
+                else:
+                    self.seq_refused += 1
+                    self._once("exporters", "NATS: messages from more than {n} exporter instances; "
+                               "the others are not acknowledged (a restart of this sbus-nats "
+                               "is not counted by them)", n=MAX_EXPORTERS)
         try:
             key = subject_to_key(subject, self.prefix)
         except MappingError as e:
+            if subject.startswith(CONTROL_PREFIX):
+                self.reserved += 1     # another sbus-nats's acknowledgement (prefix '')
+                return
             self._drop("bad_subject")
             self._once("subj:" + subject[:40], "not importing NATS subject {s!r}: {err}",
                        s=subject[:200], err=e)
@@ -738,6 +914,113 @@ class NatsService(service.Service):
         proto.sendPacket(packet)
         self.imported += 1
 
+    # -- restarts: importers acknowledge, exporters count an importer's gap
+
+    def _send_acks(self, final: bool = False) -> None:
+        """Tell each exporter instance up to which of its sequence numbers this importer has
+        handled (imported or counted as dropped): one message per exporter per ACK_INTERVAL,
+        only when something new arrived. Nothing is acknowledged while messages wait in this
+        process for the bus (kill -9 would lose them uncounted): an ack may lag, never lead."""
+        if not self._seen:
+            return
+        nc = self.nc
+        if nc is None or not nc.is_connected:
+            return
+        proto = self.client.protocol if self.client else None
+        if (not final and proto is not None and proto.transport is not None
+                and proto.transport.queuedBytes() > 0):
+            return
+        now = self.reactor.seconds()
+        for inst, seen in list(self._seen.items()):
+            first, last, acked, when = seen
+            if last == acked:
+                if now - when > EXPORTER_IDLE:
+                    del self._seen[inst]     # that exporter instance is gone
+                continue
+            try:
+                if not _INSTANCE_RE.match(inst):
+                    raise ValueError("instance")
+                f, n = int(first), int(last)
+                if not 0 < f <= n < 1 << 62:
+                    raise ValueError("sequence")
+            except ValueError:
+                del self._seen[inst]
+                self.seq_refused += 1
+                self._once("bad-seq", "NATS: ignoring a malformed {h} header {v!r} (not from an "
+                           "sbus-nats, or forged): not acknowledged", h=SEQ_HEADER,
+                           v=f"{inst}.{last}"[:80])
+                continue
+            body = json.dumps({"bus": self.bus_id, "name": self.name, "inst": self.instance,
+                               "first": f, "last": n}, separators=(",", ":")).encode()
+            _drive(nc.publish(ACK_SUBJECT + inst, body), self._ack_failed)
+            seen[2], seen[3] = last, now
+            self.acks["sent"] += 1
+
+    def _ack_failed(self, exc) -> None:
+        self._once("ack:" + type(exc).__name__, "NATS: sending an acknowledgement failed: {err!r}",
+                   err=exc)
+
+    async def _ack_cb(self, msg) -> None:
+        self._ack_received(msg.data)
+
+    def _ack_received(self, data: bytes) -> None:
+        """An importer's acknowledgement of our sequence numbers. A new instance of a known
+        importer (same bus id and name) means it restarted: what we published between its
+        predecessor's last acknowledgement and the first it received is lost to it."""
+        self.acks["received"] += 1
+        try:
+            if len(data) > MAX_ACK:
+                raise ValueError("too long")
+            a = json.loads(data)
+            bus, name, inst, first, last = a["bus"], a["name"], a["inst"], a["first"], a["last"]
+            if not (isinstance(bus, str) and isinstance(name, str) and isinstance(inst, str)
+                    and len(bus) <= 64 and len(name) <= 200 and len(inst) <= 64):
+                raise ValueError("bad names")
+            if not (type(first) is int and type(last) is int and 0 < first <= last):
+                raise ValueError("bad sequence numbers")
+        except (ValueError, KeyError, TypeError) as e:
+            self.acks["refused"] += 1
+            self._once("ack-bad", "NATS: ignoring a malformed acknowledgement ({why}): not from "
+                       "an sbus-nats, or forged", why=e)
+            return
+        if last > self._seq:
+            self.acks["clamped"] += 1
+            self._once("ack-clamp", "NATS: an acknowledgement from {name!r} of bus {bus!r} names "
+                       "sequence number {n}, beyond the {m} this sbus-nats published: clamped "
+                       "(forged, or another NATS client's)", name=name[:60], bus=bus[:64],
+                       n=last, m=self._seq)
+            last = self._seq
+            first = min(first, last)
+        now = self.reactor.seconds()
+        key = (bus, name)
+        peer = self._peers.get(key)
+        if peer is None:
+            if len(self._peers) >= MAX_PEERS:
+                self._peers.pop(next(iter(self._peers)))
+                self._once("peers", "NATS: more than {n} importers acknowledge; forgetting the "
+                           "oldest (its next restart is not counted)", n=MAX_PEERS)
+            self._peers[key] = [inst, last, 0, now]
+            return
+        if peer[0] == inst:
+            peer[1] = max(peer[1], last)
+            peer[3] = now
+            return
+        # a new instance: the seqs after both its predecessor's last ack and what an earlier
+        # restart counted, up to the first it received, did not reach that bus
+        base = max(peer[1], peer[2])
+        gap = first - 1 - base
+        self.importer_restarts += 1
+        if gap > 0:
+            self.gaps["restart"] = self.gaps.get("restart", 0) + gap
+        if self.importer_restarts <= 100 or self.importer_restarts % 100 == 0:
+            log.warn("NATS: importer {name!r} of bus {bus} restarted: {n} message(s) published "
+                     "after its predecessor's last acknowledgement ({t:.3f} s before) did not "
+                     "reach it; counted as lost (restart){more}", name=name[:60], bus=bus[:64],
+                     n=max(gap, 0), t=now - peer[3],
+                     more="" if self.importer_restarts <= 100 else
+                     f" ({self.importer_restarts} importer restarts; logging every 100th)")
+        peer[:] = [inst, last, max(peer[2], first - 1), now]
+
     # -- statistics
 
     def stats(self) -> dict:
@@ -746,7 +1029,7 @@ class NatsService(service.Service):
             "exported": self.exported,
             "imported": self.imported,
             "drops": dict(sorted(self.drops.items())),
-            "lost": lost(self.drops),
+            "lost": lost(self.drops, self.gaps),
             "secret_filtered": self.secret_filtered,
             "secret_refused": self.secret_refused,
             "own_origin_dropped": self.own_origin,
@@ -757,6 +1040,10 @@ class NatsService(service.Service):
             "filtered": self.filtered,
             "reserved_skipped": self.reserved,
             "paused": self.pauses,
+            "restarts": {"session": dict(self.session), "instance": self.instance,
+                         "published_seq": self._seq, "importers": len(self._peers),
+                         "importer_restarts": self.importer_restarts, "acks": dict(self.acks),
+                         "exporters": len(self._seen), "seq_refused": self.seq_refused},
             "bus": {"connected": bool(self.client and self.client.connected),
                     "reconnects": max(0, self.bus_connects - 1), "id": self.bus_id},
             "nats": {"connected": bool(nc is not None and nc.is_connected),
@@ -837,6 +1124,14 @@ class Options(usage.Options):
                                             "one; beyond, subscribe to the --import patterns "
                                             "themselves."],
         ["stats-interval", None, "60", "Seconds between stats lines in the log (only if changed)."],
+        ["name", None, None, "What identifies this sbus-nats on its bus (letters, digits, "
+                             "'._:@-'; default: derived from --subject-prefix and the patterns): "
+                             "its bus session, the identity its peers count its restarts by. One "
+                             "per name per bus: a second one exits."],
+        ["session-linger", None, "30", "Seconds the bus keeps counting, after this process ends, "
+                                       "what it would have exported (its successor adds that to "
+                                       "lost.restart); 0: nothing lingers. The server caps it "
+                                       "(--max-session-linger)."],
     ]
     optFlags = [
         ["allow-plain", None, "Allow an unencrypted connection to a NATS server that is not loopback."],
@@ -905,6 +1200,9 @@ class Options(usage.Options):
         self["reconnect-wait"] = positive_float("reconnect-wait", self["reconnect-wait"])
         self["max-subscriptions"] = positive_int("max-subscriptions", self["max-subscriptions"])
         self["stats-interval"] = positive_float("stats-interval", self["stats-interval"])
+        self["session-linger"] = positive_float("session-linger", self["session-linger"], zero_ok=True)
+        if self["name"] is not None and not NAME_RE.match(self["name"]):
+            raise usage.UsageError(f"--name {self['name'][:60]!r}: 1-100 letters, digits or '._:@-'")
         _ensure_asyncio_reactor()
 
 
@@ -936,4 +1234,5 @@ def makeService(options) -> NatsService:
                        stats_interval=options["stats-interval"],
                        reconnect_wait=options["reconnect-wait"],
                        static_imports=bool(options["static-imports"]),
-                       max_subscriptions=options["max-subscriptions"])
+                       max_subscriptions=options["max-subscriptions"], name=options["name"],
+                       session_linger=options["session-linger"])

@@ -58,6 +58,14 @@ itself one client of the master:
   the relay apply). Upward: when more than ``--queue-bytes`` wait to go to
   the master, the local publishers feeding it are paused until it drains.
 
+* **Restarted: the gap counted.** The relay holds a ``server/session`` on its master named
+  after the socket it serves. When it dies, its clients' patterns linger on the master and
+  count what the master had for them; the restarted relay claims the session
+  `SESSION_SETTLE` seconds after it first serves (its clients have subscribed again) and
+  counts what it missed, less what reached it or it published up meanwhile
+  (`sbus.services.session.SessionClaim`), as ``lost.restart`` with one log line giving the
+  gap; after a reconnection the claim is at once and a loss is ``lost.reconnect``.
+
 Statistics: ``CMSG server/stats`` on the relay shows an ``"upstream"``
 object (see `Relay.stats`); the relay also answers ``sbus/services/stats``
 requests published on its own bus (`sbus.services.svcstats`) with it, and
@@ -67,6 +75,7 @@ logs it in one line when it stops.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import stat
@@ -89,6 +98,7 @@ from sbus.options import MISSING_BUS_HELP
 from sbus.server import tap
 from sbus.server.address import parse_address
 from sbus.server.config import ServerConfig
+from sbus.services.session import DEFAULT_LINGER, SessionClaim, session_name
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
 
 log = Logger(namespace="sbus.relay")
@@ -124,6 +134,9 @@ class Options(tap.BusOptions):
                                  + MISSING_BUS_HELP],
         ["initial-delay", None, "0.1", "First reconnection delay to the master, seconds."],
         ["max-delay", None, "10", "Longest reconnection delay to the master, seconds."],
+        ["session-linger", None, f"{DEFAULT_LINGER:g}", "Seconds the master keeps counting what our "
+                                                        "subscriptions match after we die, for our "
+                                                        "restarted successor (server/session; 0: none)."],
     ]
 
     def postOptions(self) -> None:
@@ -134,6 +147,13 @@ class Options(tap.BusOptions):
             client_address.parse(self["upstream"])
         except client_address.AddressError as e:
             raise usage.UsageError(f"--upstream: {e}") from None
+        try:
+            linger = float(self["session-linger"])
+        except ValueError:
+            raise usage.UsageError(f"--session-linger: not a number: {self['session-linger']!r}") from None
+        if not 0 <= linger < float("inf"):
+            raise usage.UsageError("--session-linger: must be 0 or more seconds")
+        self["session-linger"] = linger
         for name in ("initial-delay", "max-delay"):
             try:
                 value = float(self[name])
@@ -172,6 +192,8 @@ class UpstreamProtocol(SbusProtocol):
     """The relay's connection to its master."""
 
     relay: "Relay | None" = None
+    #: Our claim of the relay's session on the master (`sbus.services.session`).
+    claim: SessionClaim | None = None
     #: Who holds this connection's reading paused (the broker's feeder protocol).
     pauses: Pauses | None = None
 
@@ -212,6 +234,10 @@ WAKE_INTERVAL = 0.05
 #: ... for this long; then the back-off resumes, doubling from WAKE_INTERVAL.
 WAKE_WINDOW = 5.0
 _PROC_FD = "/proc/self/fd"
+#: A restarted relay claims its session this long after it first serves: its clients (relays
+#: below woken by inotify, clients backing off from 0.1 s) have subscribed again by then, and
+#: what the master sent them meanwhile is subtracted from what the session counted.
+SESSION_SETTLE = 2.0
 
 
 def _refusal(st: os.stat_result) -> str | None:
@@ -411,7 +437,8 @@ class Relay(service.Service):
     """A bus (`BusService`) opened once the master has given us our prefix, plus the link to the master."""
 
     def __init__(self, upstream: str, address: str, config: ServerConfig, mode: int = 0o700,
-                 reuse: bool = False, initialDelay: float = 0.1, maxDelay: float = 10.0, reactor=None):
+                 reuse: bool = False, initialDelay: float = 0.1, maxDelay: float = 10.0, reactor=None,
+                 session_linger: float = DEFAULT_LINGER):
         self.upstream = upstream
         self.address = address
         self.config = config
@@ -458,6 +485,15 @@ class Relay(service.Service):
         #: `_notUp()` when last connected: what did not go up since is this gap's.
         self._not_up_mark = 0
         self.responder = StatsResponder("sbus-relay", self._name, self.stats)
+        #: ``server/session`` on the master: seconds it lingers (0: none), what gaps lost and why
+        #: (``restart``: our predecessor's; ``reconnect``: our own connection's), the last gap.
+        self.session_linger = session_linger
+        self.session_name = session_name(f"sbus-relay {hashlib.sha256(os.fsencode(self._role())).hexdigest()[:20]} "
+                                         f"serving {address}")
+        self.gap_lost = Counter()
+        self.last_session_gap: float | None = None
+        self._held_before = False
+        self._session_state: str | None = None
         self.watch: MasterSocketWatch | None = None
         #: Why the master's socket is not watched (None: watched), as last logged.
         self.watch_missing: str | None = "not started"
@@ -528,6 +564,15 @@ class Relay(service.Service):
 
         self.client.tryNow(announce)
 
+    def _role(self) -> str:
+        """What identifies this relay to its master across restarts: the socket it serves."""
+        try:
+            addr = client_address.resolve(self.address)
+        except client_address.AddressError:
+            return str(self.address)
+        value = os.path.abspath(addr.value) if addr.kind == "path" else addr.value
+        return f"{addr.kind}:{os.fsdecode(value) if isinstance(value, bytes) else value}"
+
     def _name(self) -> str:
         return self.bus.printed_address if self.bus is not None and self.bus.printed_address else self.address
 
@@ -538,8 +583,11 @@ class Relay(service.Service):
         st = self.stats()
         log.info("sbus-relay stopped: forwarded up={up} down={down}; connects={c} reconnects={r} "
                  "(at once on the master's socket appearing: {w}); not sent upward: master_down={md} "
-                 "in_flight={inf}; drop reasons {why}",
+                 "in_flight={inf}; not received from the master during a gap: restart={rs} reconnect={rc} "
+                 "(last gap {gap} s); drop reasons {why}",
                  up=st["forwarded_up"], down=st["forwarded_down"], c=st["connects"], r=st["reconnects"],
+                 rs=self.gap_lost["restart"], rc=self.gap_lost["reconnect"],
+                 gap="-" if self.last_session_gap is None else f"{self.last_session_gap:.3f}",
                  w=st["wakeups"], md=self.drops["master_down"], inf=self.drops["in_flight"],
                  why=json.dumps(st["drops"], separators=(",", ":")))
         ds = []
@@ -610,6 +658,12 @@ class Relay(service.Service):
         self._up_since = self.reactor.seconds()
         self.disconnect_reason = None
         proto.stats().addCallbacks(self._masterStats, lambda f: None)
+        if self.session_linger > 0:
+            proto.claim = SessionClaim(proto, self.session_name, self.session_linger)
+            if self.connects == 1:  # our first: let our clients subscribe again first
+                self.reactor.callLater(SESSION_SETTLE, self._claim, proto)
+            else:
+                self._claim(proto)
         if self.connects > 1:
             # Our bus and the master's are one segment again: the spanning tree re-checks both sides.
             self._topologyChange(f"relay pid {os.getpid()} rejoined its master")
@@ -700,6 +754,7 @@ class Relay(service.Service):
         self.factory.flushDirty()
         if self.up is not None:
             self.up.sendPacket(packet)
+            self._sentUp(self.up, CHANGE_KEY)
 
     def _upPattern(self, pattern: bytes) -> bytes:
         return pattern
@@ -773,6 +828,7 @@ class Relay(service.Service):
             self.drops["in_flight"] += 1
             return
         self.forwarded_up += 1
+        self._sentUp(up, key)
         if transport.queuedBytes() > self.up_limit and client.pauses is not None:
             self.blocked.add(client.pauses)
 
@@ -817,7 +873,9 @@ class Relay(service.Service):
                             if up is None and self.disconnects else 0.0},
             "watching": self.watch_missing is None,
             "drops": dict(self.drops),
-            "lost": lost(self.drops),
+            "session": self._sessionStats(),
+            "restart": self.gap_lost["restart"],
+            "lost": lost(self.drops, self.gap_lost),
             "stats_requests": {"answered": self.responder.answered, "refused": self.responder.refused},
             "queued_up_bytes": up.transport.queuedBytes() if up is not None else 0,
             "blocked_publishers": len(self.blocked),
@@ -849,7 +907,65 @@ class Relay(service.Service):
 
     def fromMaster(self, proto: UpstreamProtocol, key: bytes, packet: bytes) -> None:
         self.forwarded_down += 1
+        session = proto.claim
+        if session is not None and session.counting:
+            session.saw(key)
         self.factory.deliverLocally(packet, key, proto)
+
+    # -- the session on the master: what a predecessor's gap lost
+
+    def _claim(self, proto: UpstreamProtocol) -> None:
+        if proto is not self.up or proto.claim is None or not proto.connected:
+            return
+        proto.claim.claim().addCallback(self._claimed, proto)
+
+    def _sentUp(self, proto: UpstreamProtocol, key: bytes) -> None:
+        """We published `key` on the master: our predecessor's lingering session counts it if its
+        patterns (those our clients hold again) match it, and it never comes back to us (echo
+        off): not a loss either."""
+        session = proto.claim
+        if session is not None and session.counting and self.factory.router.match(key):
+            session.sent(key)
+
+    def _claimed(self, reply, proto: UpstreamProtocol) -> None:
+        if reply is None:
+            return  # gone, or a master that does not know server/session (it never answers)
+        name = reply.name.decode("utf-8", "replace")
+        if reply.state in ("busy", "refused"):
+            # busy: another live connection of our uid holds our name (a second relay of this
+            # socket cannot serve; a stale copy of us being closed): not retried, said once.
+            if self._session_state != reply.state:
+                log.warn("sbus-relay: the master answered {state} to our session {name!r}: a gap of ours "
+                         "is not counted there", state=reply.state, name=name)
+            self._session_state = reply.state
+            return
+        self._session_state = reply.state
+        reason = "reconnect" if self._held_before else "restart"
+        self._held_before = True
+        if reply.state == "new":
+            log.info("sbus-relay: holding session {name!r} on the master (lingers {linger:.3f} s after "
+                     "we go)", name=name, linger=reply.linger)
+            return
+        lost_now = proto.claim.lost
+        self.gap_lost[reason] += lost_now
+        self.last_session_gap = proto.claim.uncovered
+        log.info("sbus-relay: resumed session {name!r} on the master after a gap of {gap:.3f} s "
+                 "({away:.3f} s of it before we were connected): {missed} message(s) for our "
+                 "subscriptions meanwhile, {seen} of them reached us, {lost} lost ({reason})",
+                 away=proto.claim.uncovered, name=name, gap=reply.gap, missed=reply.missed,
+                 seen=proto.claim.seen, lost=lost_now, reason=reason)
+
+    def _sessionStats(self) -> dict | None:
+        if self.session_linger <= 0:
+            return None
+        up = self.up
+        session = up.claim if up is not None else None
+        reply = session.reply if session is not None else None
+        return {"name": self.session_name.decode("utf-8", "replace"),
+                "state": reply.state if reply is not None else None,
+                "missed": reply.missed if reply is not None else 0,
+                "seen": session.seen if session is not None else 0,
+                "last_gap_seconds": self.last_session_gap}
 
     def upstreamDrained(self, proto) -> None:
         if proto is self.up:
@@ -887,4 +1003,5 @@ def makeService(options: Options) -> Relay:
         reuse=bool(options["reuse"]),
         initialDelay=options["initial-delay"],
         maxDelay=options["max-delay"],
+        session_linger=options["session-linger"],
     )

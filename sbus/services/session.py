@@ -1,0 +1,101 @@
+"""A service's claim of a lingering ``server/session`` (issue 23): what a dead predecessor missed.
+
+The server keeps a closed connection's patterns for a while as a named session and counts
+what matched them (``CMSG server/session\\0NAME\\0LINGER``, docs/protocol.md). A service that
+claims the same NAME after a restart is told that count (MISSED) and how long the gap
+lasted (GAP). `SessionClaim` is one connection's claim, shared by the bridge and the relay:
+
+* `saw()` is called for each message the connection received and passed on (or counted
+  elsewhere) before the claim was answered, and `sent()` for each the service published
+  there itself, before the claim was sent, that its own patterns match (echo is off: it
+  never sees those, but the lingering session, another connection, counts them). Those matched the lingering session's patterns too (when
+  the patterns are the same: the same role), so they are in MISSED as well: the loss is
+  ``MISSED - seen``, never below 0. A connection that was subscribed before the
+  predecessor's connection closed has seen everything MISSED counts, so its loss is 0: a
+  sibling taking over a role it watched counts nothing. This also makes the moment of the
+  claim free: a late claim over-counts nothing.
+* `claim()` sends the request and fires with the parsed reply; `lost` is set then.
+
+Secret keys (``!/cred/``) are never counted by the server, so `saw()` ignores them.
+"""
+
+from __future__ import annotations
+
+import time
+
+from twisted.internet import defer
+
+from sbus.client.twisted import parse_whoami
+from sbus.core.codec import SessionReply, session_name  # noqa: F401  (the services' one import)
+from sbus.core.credentials import SECRET_ROOT
+
+#: Seconds a service asks its session to linger after its connection closes (the server clamps
+#: it to its ``--max-session-linger``, 60 s by default).
+DEFAULT_LINGER = 60.0
+
+
+class SessionClaim:
+    """One connection's claim of session `name`: counts what it saw before the answer."""
+
+    def __init__(self, proto, name: bytes, linger: float = DEFAULT_LINGER):
+        self.proto = proto
+        self.name = name
+        self.linger = linger
+        parsed = parse_whoami(proto.credentials or b"")
+        self._secret = (parsed[0] if parsed is not None else b"") + SECRET_ROOT
+        #: Messages received and passed on (or counted elsewhere) until the claim was answered.
+        self.seen = 0
+        self.pending = False
+        self.reply: SessionReply | None = None
+        #: What the predecessor's gap lost: MISSED less what this connection saw (0 if not resumed).
+        self.lost = 0
+        #: Of the gap, the seconds before this connection was made (subscribed): nobody's.
+        self.uncovered = 0.0
+        self._made = time.monotonic()
+        self.attempts = 0
+
+    @property
+    def holds(self) -> bool:
+        return self.reply is not None and self.reply.state in ("new", "resumed")
+
+    @property
+    def counting(self) -> bool:
+        return not self.holds
+
+    def saw(self, key: bytes) -> None:
+        """A message received (delivered before the claim's answer: the session counted it)."""
+        if not self.holds and not key.startswith(self._secret) and not key.startswith(SECRET_ROOT):
+            self.seen += 1
+
+    def sent(self, key: bytes) -> None:
+        """A message we published that our patterns match: the session counted it if the server
+        read it before the claim, which it does only if we sent it before the claim."""
+        if not self.pending:
+            self.saw(key)
+
+    def claim(self) -> defer.Deferred:
+        """Send the claim (unless one is under way or held); fires with the `SessionReply`,
+        or None (the connection went away, or an answer we do not understand)."""
+        if self.pending or self.holds or not self.proto.connected:
+            return defer.succeed(None)
+        self.pending = True
+        self.attempts += 1
+        try:
+            d = self.proto.session(self.name, self.linger)
+        except Exception:
+            self.pending = False
+            return defer.succeed(None)
+
+        def answered(reply: SessionReply):
+            self.pending = False
+            self.reply = reply
+            if reply.state == "resumed":
+                self.lost = max(0, reply.missed - self.seen)
+                self.uncovered = max(0.0, reply.gap - (time.monotonic() - self._made))
+            return reply
+
+        def failed(_):
+            self.pending = False
+            return None
+
+        return d.addCallbacks(answered, failed)
