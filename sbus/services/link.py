@@ -15,7 +15,8 @@ replaces the older one; run one link process per remote host).
 sbus packet: ``MSG key\\0payload`` (a message), ``CMSG link/hello\\0<json>``
 (``{"version": 1, "whoami": ..., "max_packet": ...}``, sent on connection
 and again when the local whoami changes; ``"ack": true`` and ``"patterns"`` say the
-peer speaks the frames below) and ``CMSG link/ping`` (keepalive). Between current peers
+peer speaks the frames below; ``"carried_before"``: whether the link carried traffic when
+the sender's previous peer connection went down, see "Restarts") and ``CMSG link/ping`` (keepalive). Between current peers
 also: ``CMSG link/state\0{"forwarding": bool}`` (the sender's spanning-tree state, at link
 up and each change), ``CMSG link/seen\0KEY\0PAYLOAD`` (a message of the sender's bus it does
 not carry because it stands by: watched, never published), ``CMSG link/ack\0N`` (the first
@@ -98,7 +99,18 @@ receiving half first makes a round trip through its bus and, with
 ``link/sync``, through the peer's; then it publishes what still waits, in
 order, and carries from then on. The window watches only while our bus
 answered a round trip since it connected, the peer is a current one and
-our ``--pattern`` set covers the peer's (we must see another path's copies). Both sides reconnect with back-off
+our ``--pattern`` set covers the peer's (we must see another path's copies).
+
+**Restarts** (issue 23). What a half's bus published while that half was dead, only the bus
+saw: each half holds a session on its bus (``CMSG server/session\0NAME\0LINGER`` after its
+subscriptions, docs/protocol.md "Sessions"; ``--session``, by default ``sbus-link
+listen=ENDPOINT`` or ``connect=ENDPOINT`` without certificate and key files; ``--session-linger``,
+60 s). A successor that gets ``resumed`` adds MISSED to ``lost.restart`` (``bus_down`` when it
+is our own earlier connection, not a previous process) and logs one line with the gap; if its
+peer's hello says the link stood by when the old process died (another path carried those
+messages), the count moves to ``session.restart_standing_by``, not lost.
+
+Both sides reconnect with back-off
 (the ``--connect`` side reconnects to the peer). A stats line is logged
 every ``--stats-interval`` seconds.
 """
@@ -106,6 +118,7 @@ every ``--stats-interval`` seconds.
 from __future__ import annotations
 
 import ipaddress
+import math
 import json
 import os
 import socket
@@ -144,6 +157,9 @@ log = Logger(namespace="sbus.link")
 VERSION = 1
 #: Seconds a connection has to prove it holds the shared key.
 AUTH_TIMEOUT = 10.0
+#: Bytes read from a peer connection at once (Twisted's default is 64 KiB; the same number is
+#: the output queued for the peer before we stop reading our bus).
+READ_SIZE = 1 << 20
 #: Largest frame before the peer proved the key (auth and proof frames are ~100 bytes).
 PREAUTH_MAX_LENGTH = 1024
 HELLO = b"link/hello"
@@ -163,6 +179,8 @@ SEEN = b"link/seen"
 #: ``link/ack\0N``: the first N messages the peer sent on this connection are handled here
 #: (published on our bus, which answered a round trip after them, or counted as dropped).
 ACK = b"link/ack"
+#: Default --session-linger, seconds (the server clamps it to its --max-session-linger).
+SESSION_LINGER = 60.0
 #: Seconds the takeover waits for the peer's answer to ``link/sync``.
 SYNC_TIMEOUT = 10.0
 #: The window's side names: our bus, and what the peer sent us from its bus.
@@ -206,12 +224,9 @@ def _is_loopback(host: str) -> bool:
 
 def _kind(description: str) -> tuple[str, list, dict]:
     try:
-        args, kw = endpoints._parse(description)
-    except Exception as e:  # pragma: no cover - _parse is lenient
-        raise EndpointError(f"cannot parse endpoint {description!r}: {e}") from None
-    if not args or not args[0]:
-        raise EndpointError(f"endpoint {description!r} has no type (tcp:, ssl:, unix:, ...)")
-    return args[0].lower(), args[1:], kw
+        return bus_access.endpoint_kind(description)
+    except ValueError as e:
+        raise EndpointError(str(e)) from None
 
 
 def require_tls() -> None:
@@ -378,6 +393,21 @@ def _split_pem(data: bytes) -> list[bytes]:
     return [part + end for part in data.split(end) if b"-----BEGIN CERTIFICATE-----" in part]
 
 
+# ---------------------------------------------------------------- the bus session
+
+
+def default_session(listen: str | None, connect: str | None) -> bytes:
+    """``sbus-link listen=ENDPOINT`` or ``sbus-link connect=ENDPOINT``: the same for each process
+    that replaces this one, different for two links on one bus (they listen on, or connect to,
+    different ports). Files of certificates and keys are left out (`codec.session_name`: a
+    name over the server's limit ends with a hash of the whole)."""
+    role, where = ("listen", listen) if listen else ("connect", connect)
+    kind, args, kw = _kind(where)
+    kept = list(args) + [f"{k}={v}" for k, v in kw.items() if k not in ("privateKey", "certKey", "caCertsDir",
+                                                            "extraCertChain", "dhParameters")]
+    return codec.session_name(f"sbus-link {role}={':'.join([kind, *kept])}")
+
+
 # ---------------------------------------------------------------- options
 
 
@@ -404,6 +434,11 @@ class Options(usage.Options):
         ["stats-interval", None, "60", "Log a statistics line this often, seconds (0: only at exit)."],
         ["key-file", "k", None, "Shared key (a file only its owner may read, the same on both ends): "
                                 "both ends prove they hold it at every connection. Needed for plain TCP."],
+        ["session", None, None, "Name of this half's session on its bus (default: sbus-link, the role "
+                                "and the endpoint): a restarted process claims it and counts what "
+                                "its bus published while it was dead (lost.restart)."],
+        ["session-linger", None, str(SESSION_LINGER), "Seconds the bus keeps counting for a dead "
+                                                      "process's successor (0: nothing is counted)."],
         ["standby-window", None, str(MAX_MESSAGES), "Standing by, remember at most this many messages "
                                                     "the active path has not yet delivered (forwarded "
                                                     "if we take over; see docs/deploy.md)."],
@@ -451,8 +486,15 @@ class Options(usage.Options):
             raise usage.UsageError("--max-packet: must be > 16 and <= 16 MiB")
         for name in ("initial-delay", "max-delay"):
             self[name] = positive_float(name, self[name])
-        for name in ("keepalive", "stats-interval"):
+        for name in ("keepalive", "stats-interval", "session-linger"):
             self[name] = positive_float(name, self[name], zero_ok=True)
+        if not math.isfinite(self["session-linger"]):
+            raise usage.UsageError(f"--session-linger: not a finite number: {self['session-linger']}")
+        if self["session"] is not None:
+            try:
+                self["session"] = codec.check_session_name(os.fsencode(self["session"]))
+            except ValueError as e:
+                raise usage.UsageError(f"--session: {e}") from None
         try:
             self["standby-window"] = parse_size(self["standby-window"])
         except ValueError as e:
@@ -508,11 +550,21 @@ class PeerProtocol(Int32StringReceiver, TimeoutMixin):
         #: The peer's export patterns (its hello), None: not said.
         self.remote_patterns: list[bytes] | None = None
         self.watch_noted = False
+        #: The peer's hello: did the link carry when the peer's previous connection (to the
+        #: process before us) went down? None: not said.
+        self.carried_before: bool | None = None
         #: Our `link/sync` requests awaiting the peer's answer: number -> (Deferred, timer).
         self.syncs: dict[int, tuple] = {}
         self.next_sync = 0
 
     def connectionMade(self):
+        # Read what the kernel holds in big bites: when the peer resets the connection (killed
+        # with our frames unread), the reactor drops it at our next write, and what we had not
+        # read yet is lost though it had arrived (64 KiB bites lost 882-2,436 of 3,000 in
+        # tests/test_link_failover.py; past READ_SIZE unread at the reset it still is).
+        stream = self.transport.transport if ISSLTransport.providedBy(self.transport) else self.transport
+        if getattr(stream, "bufferSize", None) is not None:
+            stream.bufferSize = READ_SIZE
         peer = self.transport.getPeer()
         self.name = f"{getattr(peer, 'host', peer)}:{getattr(peer, 'port', '')}".rstrip(":")
         if self.link.keepalive:
@@ -623,6 +675,9 @@ class _BusClient(ReconnectingClient):
         if self.failureIsNews:
             self.link.busUnreachable(self.lastFailure)
 
+    def sessionClaimed(self, reply):
+        self.link.sessionClaimed(reply)
+
 
 # ---------------------------------------------------------------- the link
 
@@ -632,7 +687,8 @@ class Link(service.MultiService):
                  patterns=(b"",), max_packet: int = MAX_PACKET, initialDelay: float = 0.2,
                  maxDelay: float = 30.0, keepalive: float = 30.0, statsInterval: float = 60.0,
                  reactor=None, key_file: str | None = None, spanning_tree: bool = True,
-                 trusted_uids=(), standby_window: int = MAX_MESSAGES):
+                 trusted_uids=(), standby_window: int = MAX_MESSAGES, session: bytes | None = None,
+                 session_linger: float = SESSION_LINGER):
         super().__init__()
         #: Who may reach the bus: a unix peer must be one of them (`sbus.services.access`).
         self.access = bus_access.BusAccess(bus)
@@ -686,6 +742,17 @@ class Link(service.MultiService):
         #: What a takeover could not forward (the peer or bus went away during its round trip).
         self.takeover_lost = 0
         self._warned = set()
+        #: Our session on the bus (``server/session``): a successor of this process claims it
+        #: and counts what the bus published while we were dead (`sessionClaimed`).
+        self.session_name = session if session is not None else default_session(listen, connect)
+        self.session_linger = session_linger
+        self.session: dict = {"name": _show(self.session_name), "state": None, "linger": None}
+        #: What the bus published while the process before us was dead, if the peer then said
+        #: the link stood by (another path carried it): not lost.
+        self.restart_standing_by = 0
+        #: Did the link carry traffic when the last peer connection went down (None: no peer
+        #: yet, or not known)? Told to the next peer in the hello (``carried_before``).
+        self.carried_before: bool | None = None
         where = (listen or connect or "").split(":privateKey=")[0].split(":caCertsDir=")[0][:80]
         self.tree = Tree(reactor, default_name("sbus-link", f"bus={bus} {'listen' if listen else 'connect'}="
                                                             f"{where}"),
@@ -702,6 +769,7 @@ class Link(service.MultiService):
         self.bus = _BusClient(self, reactor, bus, localFactory, initialDelay=initialDelay,
                               maxDelay=maxDelay, max_packet=max_packet)
         self.bus.echo(False)
+        self.bus.holdSession(self.session_name, session_linger)  # claimed after the subscriptions
         # Lossless: when we stop reading the bus (the peer is slow), the bus holds the publishers.
         self.bus.flood(hard="block")
         self.bus.subscribe(TOPOLOGY)
@@ -775,6 +843,7 @@ class Link(service.MultiService):
                 "window": self.window.stats(),
             },
             "failover_gap": self._failoverGap(),
+            "session": dict(self.session, restart_standing_by=self.restart_standing_by),
             "spanning_tree": self.tree.stats(),
         }
 
@@ -833,6 +902,50 @@ class Link(service.MultiService):
             for conn in self.conns:
                 if conn.auth is None or conn.auth.done:  # mid-handshake: its hello follows the proof
                     conn.sendFrame(self._hello())
+
+    def sessionClaimed(self, reply: codec.SessionReply) -> None:
+        """The bus's answer to our session claim (`ReconnectingClient.holdSession`, sent on each
+        bus connection after the subscriptions). ``resumed``: the process before us (or our own
+        previous connection to the bus) died, and the bus counted MISSED messages of ours since,
+        GAP seconds ago: lost."""
+        name, state, missed, gap, linger = reply
+        if missed < 0 or not (math.isfinite(gap) and math.isfinite(linger)):
+            log.warn("sbus-link: the bus answered our session claim with {r!r}; ignored", r=reply)
+            return
+        first = self.bus_connects == 1
+        self.session.update(state=state, linger=linger)
+        if state == "resumed":
+            reason = "restart" if first else "bus_down"
+            self.drops[reason] += missed
+            self.session.update(missed=self.session.get("missed", 0) + missed, gap=round(gap, 3),
+                                reason=reason)
+            who = "the previous sbus-link process" if first else "our previous bus connection"
+            log.warn("sbus-link: resumed session {name}: {n} message(s) published on our bus while "
+                     "{who} was down are lost ({reason}), gap {gap:.3f} s", name=_show(name), n=missed,
+                     who=who, reason=reason, gap=gap)
+            if first and self.peer is not None:
+                self._standingByBefore(self.peer)
+        elif state == "new":
+            log.info("sbus-link: holding session {name} on the bus (lingers {linger:g} s after a crash)",
+                     name=_show(name), linger=linger)
+        elif state == "busy":
+            log.warn("sbus-link: another process of our uid holds session {name} on the bus (two links "
+                     "with the same endpoint? give each its own --session); a restart of this process "
+                     "is not counted", name=_show(name))
+        else:
+            log.warn("sbus-link: the bus refused our session {name} ({state}; its log says why); a "
+                     "restart of this process is not counted", name=_show(name), state=state[:40])
+
+    def _standingByBefore(self, peer: PeerProtocol) -> None:
+        """The peer said the link stood by when its connection to the process before us went
+        down: another path carried what our bus published meanwhile, it is not lost."""
+        missed = self.session.get("missed", 0) if self.session.get("reason") == "restart" else 0
+        if peer.carried_before is not False or not missed or self.restart_standing_by:
+            return
+        self.drops.pop("restart", None)
+        self.restart_standing_by = missed
+        log.info("sbus-link: the link stood by when the process before us died: the {n} message(s) "
+                 "of its gap went another way (not lost)", n=missed)
 
     def _listenNow(self):
         """Open the --listen port (the first time the bus answers); a port that cannot be
@@ -996,6 +1109,8 @@ class Link(service.MultiService):
         body = {"version": VERSION, "whoami": _show(self.whoami) if self.whoami else None,
                 "max_packet": self.max_packet, "ack": True,
                 "patterns": [p.decode("utf-8", "surrogateescape") for p in self.patterns]}
+        if self.carried_before is not None:
+            body["carried_before"] = self.carried_before
         return b"CMSG " + HELLO + b"\0" + json.dumps(body).encode()
 
     def peerConnected(self, peer: PeerProtocol):
@@ -1069,6 +1184,7 @@ class Link(service.MultiService):
             d.errback(ConnectionError("the link went down"))
         peer.syncs.clear()
         if peer is self.peer:
+            self.carried_before = bool(self.tree.forwarding and peer.remote_forwarding)
             self.peer = None
             self.window.reset()
             self._receiving = STANDBY
@@ -1198,6 +1314,9 @@ class Link(service.MultiService):
         patterns = hello.get("patterns")
         if isinstance(patterns, list) and all(isinstance(p, str) for p in patterns):
             peer.remote_patterns = [p.encode("utf-8", "surrogateescape") for p in patterns]
+        if isinstance(hello.get("carried_before"), bool):
+            peer.carried_before = hello["carried_before"]
+            self._standingByBefore(peer)
         if not peer.ready:
             self._activate(peer)
         elif whoami is not None:
@@ -1380,6 +1499,7 @@ def makeService(options: Options) -> Link:
             key_file=options["key-file"],
             spanning_tree=not options["no-spanning-tree"],
             trusted_uids=options["trust-uids"], standby_window=options["standby-window"],
+            session=options["session"], session_linger=options["session-linger"],
         )
     except EndpointError as e:
         raise usage.UsageError(str(e)) from None

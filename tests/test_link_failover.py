@@ -1,0 +1,438 @@
+"""Link failover through real processes, over every transport a link runs on (issue 23).
+
+The kill-and-count scenarios of sbus-link, each run over TCP with the shared key, over TLS with
+client certificates and over a unix stream socket (`transport`): a publisher sends numbered
+messages at a steady rate (`test_failover.run_flow`), a link process is killed with
+``kill -9`` mid-flow (placed by an event: the far subscriber got message K), and the far
+subscriber's count plus what the links counted as lost must equal what was sent.
+
+A restarted half claims a ``server/session`` on its bus (docs/deploy.md): what its bus
+published while it was dead is counted by its successor as ``lost["restart"]``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import re
+import signal
+import socket
+import ssl
+import struct
+import subprocess
+import termios
+import uuid
+
+import pytest
+
+from helpers import SERVICE_TIMEOUT, child_env, connect, msg, recv, send, sub, sync, wait_until
+from test_lossless import HARD_BLOCK
+from test_failover import DONE_TIMEOUT, LINK_TAKEOVER, WATCHING, run_flow, service_stats
+from test_link import FramedPeer, pki  # noqa: F401  (fixture)
+from test_topology_services import TWISTD, settled, services  # noqa: F401  (fixture)
+
+TRANSPORTS = ["key", "tls", "unix"]
+RESUMED = re.compile(r"resumed session .*?: (\d+) message\(s\).*gap ([0-9.]+) s")
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now (a restarted listening half must find it again)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TransportLink:
+    """The two processes of one link over `transport` ("key": loopback TCP with a shared key,
+    "tls": TLS with client certificates, "unix": a unix stream socket): `listen` on bus a,
+    `connect` on bus b. `restart(half)` starts a half again with the same arguments (the
+    listening one on the same port or path)."""
+
+    def __init__(self, services, tmp_path, transport: str, a: str, b: str, pki=None, *extra,
+                 start=("listen", "connect")):
+        self.services, self.transport = services, transport
+        common = ["--initial-delay", "0.05", "--max-delay", "0.5", "--stats-interval", "1", *extra]
+        if transport == "key":
+            key = tmp_path / "link.key"
+            if not key.exists():
+                key.write_text(uuid.uuid4().hex * 2)
+                key.chmod(0o600)
+            common += ["--key-file", str(key)]
+            port = free_port()
+            listen, connect = f"tcp:{port}:interface=127.0.0.1", f"tcp:host=127.0.0.1:port={port}"
+        elif transport == "tls":
+            (server_cert, server_key), (client_cert, client_key) = pki["server"], pki["client"]
+            port = free_port()
+            listen = (f"ssl:{port}:interface=127.0.0.1:privateKey={server_key}:certKey={server_cert}"
+                      f":caCertsDir={pki['cadir']}")
+            connect = (f"ssl:host=127.0.0.1:port={port}:caCertsDir={pki['cadir']}:hostname=localhost"
+                       f":certKey={client_cert}:privateKey={client_key}")
+        else:
+            path = tmp_path / f"link-{uuid.uuid4().hex[:6]}.sock"
+            listen = connect = f"unix:{path}"
+        self.port, self.path = (None, str(path)) if transport == "unix" else (port, None)
+        self.argv = {"listen": ["--bus", a, "--listen", listen, *common],
+                     "connect": ["--bus", b, "--connect", connect, *common]}
+        self.listen = self.connect = None
+        for half in start:
+            self.restart(half)
+
+    @property
+    def halves(self):
+        return [self.listen, self.connect]
+
+    def start(self, half: str):
+        return self.services("sbus-link", *self.argv[half])
+
+    def restart(self, half: str):
+        new = self.start(half)
+        setattr(self, half, new)
+        if half == "listen":
+            new.wait_log("listening on")
+        return new
+
+    def forwarding(self) -> bool:
+        return all(h.state() == "forwarding" for h in self.halves)
+
+
+def lost_on(*addresses) -> dict[str, int]:
+    """The links' `lost` counters on these buses, summed by reason."""
+    total: dict[str, int] = {}
+    for address in addresses:
+        for st in service_stats(address, "sbus-link"):
+            for reason, count in st["stats"]["lost"].items():
+                total[reason] = total.get(reason, 0) + count
+    return total
+
+
+def in_order(name, received, n) -> None:
+    assert all(x < y for x, y in zip(received, received[1:])), f"{name}: duplicated or out of order"
+
+
+def restart_after(link: TransportLink, half: str, pub, messages: int = 400):
+    """kill -9 the `half` of `link`, let `messages` more be published (0.2 s at the flow's
+    rate), and start it again: the new process."""
+    getattr(link, half).proc.kill()
+    dead_at = pub.sent
+    wait_until(lambda: pub.sent >= dead_at + messages, f"{messages} more published", DONE_TIMEOUT)
+    return link.restart(half)
+
+
+def lossy_flow(pub_address: str, far_address: str, victim) -> tuple[int, int]:
+    """`run_flow` where `victim` may lose messages: (sent, received), nothing twice, in order."""
+    got = {}
+
+    def check(name, received, n):
+        in_order(name, received, n)
+        got.update(n=n, received=len(received))
+
+    run_flow(pub_address, {"far": far_address}, victim, 1000, check=check)
+    return got["n"], got["received"]
+
+
+@pytest.mark.parametrize("half", ["listen", "connect"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_parallel_links_kill_a_half_of_the_forwarding_one_loses_nothing(start_bus, services, tmp_path,
+                                                                        pki, transport, half):  # noqa: F811
+    """kill -9 of either process of the forwarding link, with a publisher on each bus: the
+    standing-by half of the other link forwards what the dead path had not delivered, both
+    ways, and nothing twice."""
+    a, b = start_bus(), start_bus()
+    links = [TransportLink(services, tmp_path, transport, a.address, b.address, pki) for _ in range(2)]
+    settled([h for link in links for h in link.halves], forwarding=3)
+    for h in links[0].halves + links[1].halves:
+        h.wait_log(WATCHING)
+    active = next(link for link in links if link.forwarding())
+    standby = next(link for link in links if link is not active)
+    run_flow(a.address, {"b": b.address}, getattr(active, half), 1000, after=6000,
+             also=(b.address, {"a": a.address}))
+    takeovers = [[int(x) for x in found] for h in standby.halves for found in LINK_TAKEOVER.findall(h.log())]
+    print(f"{transport}: the standby link's takeovers (published, gap): {takeovers}")
+    assert takeovers and all(gap == 0 for _, gap in takeovers), takeovers
+    st = [s["stats"] for s in service_stats(a.address, "sbus-link") + service_stats(b.address, "sbus-link")]
+    assert sum(s["standby"]["replayed_at_takeover"]["from_remote"] for s in st) == sum(n for n, _ in takeovers)
+    assert all("failover_gap" not in s["lost"] for s in st), [s["lost"] for s in st]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_single_link_kill_of_the_connecting_side_counts_what_it_held(start_bus, services, tmp_path, pki,
+                                                                     transport):  # noqa: F811
+    """The connecting side is stopped (its peer keeps sending until the connection's buffers are
+    full) and killed: what the listening side sent that was never published is counted as lost
+    (``in_flight``, from the peer's acknowledgements), and what it read afterwards as
+    ``peer_down``: sent = received + lost (within 1 %)."""
+    a, b = start_bus(), start_bus()
+    link = TransportLink(services, tmp_path, transport, a.address, b.address, pki)
+    settled(link.halves, forwarding=2)
+    kill_at, n = 1000, 8000
+
+    def stop_fill_kill(pub):
+        link.connect.proc.send_signal(signal.SIGSTOP)
+        wait_until(lambda: pub.sent >= kill_at + 2000, "2,000 more published", DONE_TIMEOUT)
+        link.connect.proc.kill()
+
+    got, counted = {}, {}
+
+    def read_all():
+        (st,) = service_stats(a.address, "sbus-link")
+        counted.update(st["stats"]["lost"])
+        return st["stats"]["to_remote"] + st["stats"]["drops"].get("peer_down", 0) >= n
+
+    def check(name, received, total):
+        wait_until(read_all, "the listening side read all", DONE_TIMEOUT)
+        in_order(name, received, total)
+        got[name] = len(received)
+
+    run_flow(a.address, {"b": b.address}, stop_fill_kill, kill_at, after=n - kill_at, check=check,
+             wait_all=False)
+    print(f"{transport}: sent {n}, received {got['b']}, counted lost {counted}")
+    assert abs(n - got["b"] - sum(counted.values())) <= n // 100, \
+        f"sent {n} != received {got['b']} + lost {counted} (+-1%)"
+
+
+RESTARTS = [("key", "connect"), ("key", "listen"), ("tls", "connect"), ("tls", "listen"), ("unix", "connect")]
+
+
+@pytest.mark.parametrize("transport,half", RESTARTS)
+def test_single_link_half_killed_and_restarted_counts_what_its_bus_published_meanwhile(
+        start_bus, services, tmp_path, pki, transport, half):  # noqa: F811
+    """The issue's row: kill -9 of one half of a single link, its own bus keeps publishing, a new
+    process is started 400 messages (0.2 s) later. What the dead half's bus published while it
+    was dead is counted by the successor (its bus session: ``lost["restart"]``, with the gap in
+    one log line); what the other half had sent and the dead one never published is
+    ``in_flight``, what it read with no peer ``peer_down``: sent = received + lost (within 1 %),
+    nothing twice, in order."""
+    a, b = start_bus(), start_bus()
+    link = TransportLink(services, tmp_path, transport, a.address, b.address, pki)
+    settled(link.halves, forwarding=2)
+    own, far = (b, a) if half == "connect" else (a, b)
+    new = {}
+
+    def kill_restart(pub):
+        new["half"] = restart_after(link, half, pub)
+        settled(link.halves, forwarding=2, timeout=DONE_TIMEOUT)
+
+    n, received = lossy_flow(own.address, far.address, kill_restart)
+    lost = lost_on(a.address, b.address)
+    print(f"{transport}/{half}: sent {n}, received {received}, counted lost {lost}")
+    assert abs(n - received - sum(lost.values())) <= n // 100, \
+        f"sent {n} != received {received} + lost {lost} (+-1%)"
+    found = RESUMED.search(new["half"].wait_log(RESUMED))   # one line says it, with the gap
+    assert lost.get("restart", 0) == int(found.group(1)) > 0, (lost, found.group(0))
+    assert float(found.group(2)) > 0
+
+
+# ---------------------------------------------------------------- attacks
+
+
+def tls_context(pki, cert="client") -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=f"{pki['cadir']}/ca.pem")
+    ctx.load_cert_chain(*pki[cert])
+    return ctx
+
+
+def reset(sock: socket.socket) -> None:
+    """Close as a killed process's kernel does with data unread: a TCP reset."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def peer_socket(link: TransportLink, pki, tmp_path) -> socket.socket:
+    """A hand-made link peer connected to `link`'s listening half, past its transport's
+    authentication (TLS handshake, shared key, or nothing more for unix)."""
+    if link.transport == "unix":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(link.path)
+        return sock
+    if link.transport == "key":
+        return FramedPeer(link.port, str(tmp_path / "link.key")).sock
+    sock = tls_context(pki).wrap_socket(socket.create_connection(("127.0.0.1", link.port), timeout=DONE_TIMEOUT),
+                                        server_hostname="localhost")
+    return sock
+
+
+def unsent(sock: socket.socket) -> int:
+    """Bytes in the socket's send queue the other end has not acknowledged (SIOCOUTQ)."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+
+
+def frame(packet: bytes) -> bytes:
+    return struct.pack(">I", len(packet)) + packet
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_peer_that_closes_with_data_unread_has_all_it_sent_published(start_bus, services, tmp_path, pki,
+                                                                       transport):  # noqa: F811
+    """A peer streams messages and is reset (killed) with the link's frames unread, while the link
+    is still behind (stopped, then continued): every message that reached this host is published,
+    once. The code before lost what it had not read yet at its next write to the dead peer (the
+    reactor drops the connection on the write error, unread data with it)."""
+    bus = start_bus()
+    link = TransportLink(services, tmp_path, transport, bus.address, bus.address, pki, "--no-spanning-tree",
+                         start=("listen",))
+    watcher = connect(bus.address, big=True)
+    send(watcher, HARD_BLOCK, sub(b"u/"))
+    sync(watcher)
+    peer = peer_socket(link, pki, tmp_path)
+    hello = {"version": 1, "whoami": None, "max_packet": 65536, "ack": True, "patterns": ["u/"]}
+    peer.sendall(frame(b"CMSG link/hello\0" + json.dumps(hello).encode()))
+    link.listen.wait_log("link up")
+
+    def stream(first: int, n: int) -> list[int]:
+        peer.sendall(b"".join(frame(msg(b"u/%d" % i, b"x" * 100)) for i in range(first, first + n)))
+        return list(range(first, first + n))
+
+    def published(n: int) -> list[int]:
+        got = []
+        try:
+            while len(got) < n:
+                p = recv(watcher, SERVICE_TIMEOUT)
+                if p.startswith(b"MSG u/"):
+                    got.append(int(p[6:p.index(b"\0")]))
+        except TimeoutError:
+            pass
+        return got
+
+    sent = stream(0, 30000)      # the link's receive window grows to take what follows at once
+    assert published(len(sent)) == sent
+    link.listen.proc.send_signal(signal.SIGSTOP)
+    if transport == "unix":      # queued at the receiver at once: no more than its socket takes
+        sent = stream(30000, 1200)
+    else:
+        sent = stream(30000, 3000)
+        # all of it reached the link's kernel (what a reset discards from our own send queue
+        # never arrives: the sender's to count)
+        wait_until(lambda: unsent(peer) == 0, "the peer's send queue empty", DONE_TIMEOUT)
+    reset(peer)
+    link.listen.proc.send_signal(signal.SIGCONT)
+    got = published(len(sent))
+    assert got == sent, f"{transport}: {len(got)} of {len(sent)} published after the reset"
+    link.listen.wait_log(re.compile(r"link to .* down"))
+    assert sync(watcher) == []
+
+
+def half_handshake(port: int, pki) -> None:
+    """A TLS client killed mid-handshake: its ClientHello sent, the server's first flight read,
+    then a reset (the kernel of a killed process, with data unread)."""
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = tls_context(pki).wrap_bio(incoming, outgoing, server_hostname="localhost")
+    sock = socket.create_connection(("127.0.0.1", port), timeout=DONE_TIMEOUT)
+    with pytest.raises(ssl.SSLWantReadError):
+        tls.do_handshake()
+    sock.sendall(outgoing.read())
+    assert sock.recv(65536)[:1] == b"\x16", "no TLS handshake record from the server"
+    reset(sock)
+
+
+def test_tls_handshakes_cut_by_a_kill_on_either_side_then_the_link_carries(start_bus, services, tmp_path,
+                                                                            pki):  # noqa: F811
+    """kill -9 in the middle of a TLS handshake, on either side: the connecting half, whose
+    server vanished after reading its ClientHello, retries; the listening half, whose client
+    vanished after reading its answer, forgets it (one line each, nothing counted); then the
+    link comes up and carries every message once, in order."""
+    a, b = start_bus(), start_bus()
+    link = TransportLink(services, tmp_path, "tls", a.address, b.address, pki, start=())
+    with socket.create_server(("127.0.0.1", link.port)) as stand_in:
+        stand_in.settimeout(DONE_TIMEOUT)
+        link.restart("connect")
+        conn, _ = stand_in.accept()
+        conn.settimeout(DONE_TIMEOUT)
+        assert conn.recv(5)[:1] == b"\x16", "no ClientHello"
+        reset(conn)
+    link.connect.wait_log("closed before the link was up")
+    link.restart("listen")
+    half_handshake(link.port, pki)
+    link.listen.wait_log("closed before the link was up")
+    settled(link.halves, forwarding=2, timeout=DONE_TIMEOUT)
+    run_flow(a.address, {"b": b.address}, lambda pub: None, 500, after=1500, also=(b.address, {"a": a.address}))
+    for h in link.halves:
+        assert "Traceback" not in h.log() and "Unhandled" not in h.log(), h.log()[-2000:]
+    assert lost_on(a.address, b.address) == {}
+
+
+def last_stats(service) -> dict:
+    """The last statistics line a link process logged (its stop line, once it stopped)."""
+    return json.loads(service.log().rsplit("sbus-link stats: ", 1)[1].splitlines()[0])
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_two_kills_in_a_row_each_gap_is_counted(start_bus, services, tmp_path, pki, transport):  # noqa: F811
+    """The connecting half killed, restarted 0.2 s later, and its successor killed as soon as it
+    carries (and logged its resume and a stats line), restarted 0.2 s later again: each successor
+    counts its own gap, the second one the second gap only. sent = received + counted (the live
+    processes' stats, the dead successor's last stats line) within 1 %."""
+    a, b = start_bus(), start_bus()
+    link = TransportLink(services, tmp_path, transport, a.address, b.address, pki)
+    settled(link.halves, forwarding=2)
+    successors = []
+
+    def kill_twice(pub):
+        for _ in range(2):
+            new = restart_after(link, "connect", pub)
+            settled(link.halves, forwarding=2, timeout=DONE_TIMEOUT)
+            new.wait_log(RESUMED)
+            new.wait_log("sbus-link stats: ", count=new.log().count("sbus-link stats: ") + 1)
+            successors.append(new)
+
+    n, received = lossy_flow(b.address, a.address, kill_twice)
+    lost = lost_on(a.address, b.address)
+    for reason, count in last_stats(successors[0])["lost"].items():
+        lost[reason] = lost.get(reason, 0) + count
+    gaps = [int(RESUMED.search(s.log()).group(1)) for s in successors]
+    print(f"{transport}: sent {n}, received {received}, counted lost {lost}; gaps {gaps}")
+    assert all(g >= 400 for g in gaps), gaps
+    assert lost["restart"] == sum(gaps), (lost, gaps)
+    assert abs(n - received - sum(lost.values())) <= n // 100, \
+        f"sent {n} != received {received} + lost {lost} (+-1%)"
+
+
+def test_a_restarted_half_of_a_standing_by_link_counts_its_gap_as_carried_not_lost(start_bus, services,
+                                                                                   tmp_path):  # noqa: F811
+    """Two parallel links; the standing-by one's connecting half is killed and restarted while
+    its bus publishes: the active link delivers everything, and the successor, told by its peer
+    that the link stood by when the old process died, does not count the gap as lost."""
+    a, b = start_bus(), start_bus()
+    links = [TransportLink(services, tmp_path, "key", a.address, b.address) for _ in range(2)]
+    settled([h for link in links for h in link.halves], forwarding=3)
+    standby = next(link for link in links if not link.forwarding())
+    new = {}
+
+    def kill_restart(pub):
+        new["half"] = restart_after(standby, "connect", pub)
+        new["half"].wait_log("went another way (not lost)", timeout=DONE_TIMEOUT)
+
+    run_flow(b.address, {"a": a.address}, kill_restart, 1000)
+    found = RESUMED.search(new["half"].log())
+    (st,) = [s["stats"] for s in service_stats(b.address, "sbus-link")
+             if s["stats"]["session"]["restart_standing_by"]]
+    assert st["session"]["restart_standing_by"] == int(found.group(1)) >= 400, (st["session"], found.group(0))
+    assert "restart" not in lost_on(a.address, b.address)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--session", ""], "--session: a session name is 1 to 200 bytes, not 0"),
+    (["--session", "x" * 201], "--session: a session name is 1 to 200 bytes, not 201"),
+    (["--session-linger", "-1"], "--session-linger: must be positive"),
+    (["--session-linger", "inf"], "--session-linger: not a finite number"),
+    (["--session-linger", "soon"], "--session-linger: not a number"),
+])
+def test_session_usage_errors_are_one_line(tmp_path, args, needle):
+    res = subprocess.run([*TWISTD, "sbus-link", "--bus", "x", "--listen", "unix:l.socket", *args],
+                         capture_output=True, timeout=SERVICE_TIMEOUT, cwd=tmp_path, env=child_env())
+    out = (res.stderr + res.stdout).decode()
+    assert res.returncode != 0 and needle in out and "Traceback" not in out, out[-500:]
+
+
+def test_two_links_given_one_session_name_the_second_says_so_and_carries(start_bus, services,
+                                                                         tmp_path):  # noqa: F811
+    """An operator's mistake: two links on one bus with the same --session. The second is told
+    `busy`: one line naming the name and the fix; it runs without a session, and carries."""
+    a, b = start_bus(), start_bus()
+    first = TransportLink(services, tmp_path, "unix", a.address, b.address, None, "--session", "same")
+    first.listen.wait_log("holding session same on the bus")
+    second = TransportLink(services, tmp_path, "unix", a.address, b.address, None, "--session", "same",
+                           start=("listen",))
+    second.listen.wait_log("another process of our uid holds session same on the bus")
+    second.restart("connect")
+    settled(first.halves + second.halves, forwarding=3)
+    run_flow(a.address, {"b": b.address}, lambda pub: None, 300, after=700)
