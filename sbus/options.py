@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from twisted.application.service import ServiceMaker
 from twisted.python import usage
 
@@ -29,6 +31,18 @@ def positive_float(name: str, value: str, zero_ok: bool = False) -> float:
     if not n > 0 and not (zero_ok and n == 0):
         raise usage.UsageError(f"--{name}: must be positive, got {value}")
     return n
+
+
+def session_name_option(value: str | None) -> bytes | None:
+    """``--session NAME`` of a service (docs/protocol.md "Sessions"): None stays None."""
+    if value is None:
+        return None
+    from sbus.core.codec import check_session_name
+
+    try:
+        return check_session_name(os.fsencode(value))
+    except ValueError as e:
+        raise usage.UsageError(f"--session: {e}") from None
 
 
 # --- twistd plugins: start-up failures are one line ---------------------------------------

@@ -153,6 +153,8 @@ def test_usage_errors_are_one_line(tmp_path):
         ("--out", str(f)): "is not a directory",
         ("--out", str(tmp_path / "r"), "--roll-age", "soon"): "--roll-age: not a duration: 'soon'",
         ("--out", str(tmp_path / "r"), "--queue-bytes", "-1"): "--queue-bytes: not a size",
+        ("--out", str(tmp_path / "r"), "--session", "x" * 201): "--session: a session name is 1 to 200 bytes",
+        ("--out", str(tmp_path / "r"), "--session-linger", "-5"): "--session-linger: not a duration",
     }
     for args, error in cases.items():
         p = subprocess.run([twistd, "-n", "--pidfile=", "sbus-record", *args], cwd=ROOT,

@@ -134,7 +134,7 @@ from twisted.protocols.basic import Int32StringReceiver
 from twisted.protocols.policies import TimeoutMixin
 from twisted.python import usage
 
-from sbus.options import MISSING_BUS_HELP, positive_float
+from sbus.options import MISSING_BUS_HELP, positive_float, session_name_option
 from twisted.python.filepath import FilePath
 from zope.interface import implementer
 
@@ -490,11 +490,7 @@ class Options(usage.Options):
             self[name] = positive_float(name, self[name], zero_ok=True)
         if not math.isfinite(self["session-linger"]):
             raise usage.UsageError(f"--session-linger: not a finite number: {self['session-linger']}")
-        if self["session"] is not None:
-            try:
-                self["session"] = codec.check_session_name(os.fsencode(self["session"]))
-            except ValueError as e:
-                raise usage.UsageError(f"--session: {e}") from None
+        self["session"] = session_name_option(self["session"])
         try:
             self["standby-window"] = parse_size(self["standby-window"])
         except ValueError as e:

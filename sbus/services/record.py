@@ -61,7 +61,7 @@ from twisted.python import usage
 from sbus.core import codec
 from sbus.core.credentials import SECRET_ROOT
 from sbus.core.patterns import matches
-from sbus.options import MISSING_BUS_HELP
+from sbus.options import MISSING_BUS_HELP, session_name_option
 from sbus.pipeline.schema import (
     DEFAULT_ROLL_AGE,
     DEFAULT_ROLL_BYTES,
@@ -714,11 +714,7 @@ class Options(usage.Options):
                     raise usage.UsageError(f"--{name}: {e}") from None
                 if self[name] <= 0:
                     raise usage.UsageError(f"--{name}: must be positive")
-        if self["session"] is not None:
-            try:
-                self["session"] = codec.check_session_name(os.fsencode(self["session"]))
-            except ValueError as e:
-                raise usage.UsageError(f"--session: {e}") from None
+        self["session"] = session_name_option(self["session"])
         try:
             self["session-linger"] = parse_duration(self["session-linger"])
         except ValueError as e:
