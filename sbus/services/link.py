@@ -125,7 +125,7 @@ import socket
 from collections import Counter
 
 from twisted.application import service
-from twisted.application.internet import ClientService, StreamServerEndpointService, backoffPolicy
+from twisted.application.internet import ClientService, backoffPolicy
 from twisted.internet import defer, endpoints, protocol
 from twisted.internet.interfaces import IHandshakeListener, IPushProducer, ISSLTransport
 from twisted.internet.task import LoopingCall
@@ -656,6 +656,36 @@ class _Pauser:
         pass
 
 
+class _Listener(service.Service):
+    """The --listen port as a service: opened when it starts, closed when it stops (Twisted's
+    `StreamServerEndpointService` without reaching into it for the port or for a synchronous
+    error: a port that cannot be opened goes to `failed`)."""
+
+    def __init__(self, endpoint, factory, failed):
+        self.endpoint = endpoint
+        self.factory = factory
+        self.failed = failed
+        self.port = None
+
+    def startService(self):
+        super().startService()
+        self.endpoint.listen(self.factory).addCallbacks(self._listening, self.failed)
+
+    def _listening(self, port) -> None:
+        self.port = port
+        if not self.running:  # stopped before the port was open
+            port.stopListening()
+            return
+        log.info("sbus-link: listening on {host}", host=port.getHost())
+
+    def stopService(self):
+        super().stopService()
+        port, self.port = self.port, None
+        if port is not None:
+            return port.stopListening()
+        return None
+
+
 class _BusClient(ReconnectingClient):
     def __init__(self, link, *args, **kw):
         super().__init__(*args, **kw)
@@ -782,8 +812,7 @@ class Link(service.MultiService):
                 self.endpoint = server_endpoint(reactor, listen)
             # Started once the bus has answered (`_listenNow`): a peer that connects
             # before we have a bus would get nothing, and a port open without a bus looks served.
-            self.server = StreamServerEndpointService(self.endpoint, factory)
-            self.server._raiseSynchronously = True
+            self.server = _Listener(self.endpoint, factory, self._cannotListen)
         else:
             self.endpoint = endpoints.clientFromString(reactor, connect)
             self.server = ClientService(self.endpoint, factory,
@@ -946,15 +975,11 @@ class Link(service.MultiService):
     def _listenNow(self):
         """Open the --listen port (the first time the bus answers); a port that cannot be
         opened is fatal: one log line, exit status 1."""
-        try:
-            self.server.setServiceParent(self)
-        except Exception as e:  # noqa: BLE001 - CannotListenError and the like: one line
-            log.critical("sbus-link: cannot listen on {where}: {why}; exiting", where=self.listen, why=e)
-            stop_with_status(self.reactor, 1)
-            return
-        d = self.server._waitingForPort
-        if d is not None:
-            d.addCallback(lambda port: log.info("sbus-link: listening on {host}", host=port.getHost()))
+        self.server.setServiceParent(self)  # (started at once: we are running)
+
+    def _cannotListen(self, failure) -> None:
+        log.critical("sbus-link: cannot listen on {where}: {why}; exiting", where=self.listen, why=failure.value)
+        stop_with_status(self.reactor, 1)
 
     def _busReady(self, proto) -> None:
         if proto is self.local:
