@@ -8,12 +8,9 @@ of an editable install (a regular install copies them into site-packages/twisted
 """
 
 import glob
-import os
 
 from setuptools import Extension, setup
 from setuptools.command.editable_wheel import editable_wheel
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class EditableWheel(editable_wheel):
@@ -69,8 +66,9 @@ setup(
         "nats": ["nats-py>=2.6"],
     },
     # `man sbus`, `man sbusd` once installed (share/man under the venv or prefix)
-    data_files=[("share/man/man1", sorted(glob.glob("docs/man/*.1", root_dir=_HERE))),
-                ("share/man/man8", sorted(glob.glob("docs/man/*.8", root_dir=_HERE)))],
+    # (paths relative to the project directory, where setuptools runs this file)
+    data_files=[("share/man/man1", sorted(glob.glob("docs/man/*.1"))),
+                ("share/man/man8", sorted(glob.glob("docs/man/*.8")))],
     cmdclass={"editable_wheel": EditableWheel},
     entry_points={
         "console_scripts": [
