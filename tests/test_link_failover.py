@@ -439,4 +439,7 @@ def test_two_links_given_one_session_name_the_second_says_so_and_carries(start_b
     second.listen.wait_log("another process of our uid holds session same on the bus")
     second.restart("connect")
     settled(first.halves + second.halves, forwarding=3)
-    run_flow(a.address, {"b": b.address}, lambda pub: None, 300, after=700)
+    assert run_flow(a.address, {"b": b.address}, lambda pub: None, 300, after=700) == [{"b": 1000}]
+    busy = [ln for ln in second.listen.log().splitlines() if "holds session same" in ln]
+    assert len(busy) == 1 and "--session" in busy[0], busy  # one line, naming the fix
+    assert "holds session same" not in first.listen.log(), "the first one lost its session"
