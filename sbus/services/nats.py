@@ -478,10 +478,17 @@ class NatsService(service.Service):
         if self._held is None:
             self._held = []
         answered: list = []
-        payload = codec.session_request(self.session_name, self.session_linger).split(b"\0", 1)[1]
-        d = proto.server_request(codec.SESSION, payload)
-        d.addCallbacks(lambda p: answered.append(1) or self._session_answer(proto, p or b""),
-                       lambda f: None)
+
+        def answer(reply) -> None:
+            answered.append(1)
+            self._session_answer(proto, reply)
+
+        def malformed(failure) -> None:
+            if failure.check(ProtocolError):
+                log.warn("bus: {err}", err=failure.value)
+                answer(codec.SessionReply(self.session_name, "malformed", 0, 0.0, 0.0))
+
+        proto.session(self.session_name, self.session_linger).addCallbacks(answer, malformed)
 
         def synced(_):
             if not answered and proto is self.client.protocol:
@@ -493,14 +500,9 @@ class NatsService(service.Service):
 
         proto.sync().addCallbacks(synced, lambda f: None)
 
-    def _session_answer(self, proto, payload: bytes) -> None:
+    def _session_answer(self, proto, reply: "codec.SessionReply") -> None:
         if self.client is None or proto is not self.client.protocol:
             return
-        try:
-            reply = codec.parse_session_reply(payload)
-        except ProtocolError as e:
-            log.warn("bus: {err}", err=e)
-            reply = codec.SessionReply(self.session_name, "malformed", 0, 0.0, 0.0)
         state = reply.state
         self.session["state"] = state
         if state in ("new", "resumed"):

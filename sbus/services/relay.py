@@ -98,16 +98,12 @@ from sbus.options import MISSING_BUS_HELP
 from sbus.server import tap
 from sbus.server.address import parse_address
 from sbus.server.config import ServerConfig
+from sbus.server.config import pattern_cost as _cost  # what the master charges for a pattern
 from sbus.services.session import DEFAULT_LINGER, SessionClaim, session_name
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
 
 log = Logger(namespace="sbus.relay")
 
-
-def _cost(pattern: bytes) -> int:
-    """What the master charges for a pattern (as `BrokerProtocol.subscribe` computes it)."""
-    from sbus.server.config import SEGMENT_COST
-    return len(pattern) + SEGMENT_COST * (pattern.count(b"/") + pattern.count(b"*") + 1)
 
 _ECHO_OFF = b"CMSG echo/off"
 #: Sent by a relay to each local client whose name changed (its own name on the master changed).
