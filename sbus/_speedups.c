@@ -1,8 +1,11 @@
-/* sbus._speedups: batch receive and batch send for SOCK_SEQPACKET sockets.
+/* sbus._speedups: batch receive and batch send for SOCK_SEQPACKET sockets, and the
+ * one per-packet rule of the server's hot path that profiles as its largest Python cost.
  *
  * Python's socket module has neither recvmmsg(2) nor sendmmsg(2). This optional
- * extension adds the two calls the server's transport needs (sbus/seqpacket.py),
- * and nothing else: no protocol logic lives here. When it cannot be built, or
+ * extension adds the two calls the server's transport needs (sbus/seqpacket.py), and
+ * `run_extent`, the test that lets the broker queue a publisher's run of messages to
+ * the same recipients without a Python call per message. Each has its rule in plain
+ * Python beside it (the pure path). When the extension cannot be built, or
  * SBUS_PURE_PYTHON=1 is set, the transport uses socket.recv_into/send instead.
  *
  *   recv_batch(fd, count, size) -> list
@@ -20,6 +23,14 @@
  *       went. Stops at the first packet the socket does not take: EAGAIN is not an
  *       error (the count says how far it got); another error raises OSError only
  *       if nothing was sent by this call (the next call reports it otherwise).
+ *
+ *   run_extent(packets, start, cached, clients, room_bytes, room_packets) -> (end, nbytes)
+ *       How far packets[start:] continue a publisher's run (the broker's
+ *       `packetsReceived`): each one a bytes "MSG KEY\0..." with no '!' in KEY
+ *       whose recipients, `cached(KEY)`, are `clients` itself, while the run stays
+ *       within `room_bytes` bytes and `room_packets` packets. Returns the index of
+ *       the first packet that does not, and the bytes of those before it. The
+ *       rule in plain Python, which this must equal, is sbus.core.runs.run_extent.
  *
  * The reactor is single-threaded and these calls never block, so the GIL is
  * kept: the module's buffers are used under it.
@@ -191,17 +202,79 @@ send_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 	return PyLong_FromSsize_t(sent);
 }
 
+static PyObject *
+run_extent(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+	PyObject *packets, *cached, *clients, *p, *key, *got;
+	Py_ssize_t start, n, j, room_bytes, room_packets, total = 0, len, klen, prevlen = -1;
+	const char *s, *nul, *prev = NULL;
+
+	if (nargs != 6 || !PyList_CheckExact(args[0])) {
+		PyErr_SetString(PyExc_TypeError,
+		                "run_extent(packets: list, start, cached, clients, room_bytes, room_packets)");
+		return NULL;
+	}
+	packets = args[0];
+	cached = args[2];
+	clients = args[3];
+	start = PyLong_AsSsize_t(args[1]);
+	room_bytes = PyLong_AsSsize_t(args[4]);
+	room_packets = PyLong_AsSsize_t(args[5]);
+	if ((start == -1 || room_bytes == -1 || room_packets == -1) && PyErr_Occurred())
+		return NULL;
+	n = PyList_GET_SIZE(packets);
+	if (start < 0)
+		start = 0;
+	for (j = start; j < n && j - start < room_packets; j++) {
+		p = PyList_GET_ITEM(packets, j);
+		if (!PyBytes_CheckExact(p))
+			break;
+		s = PyBytes_AS_STRING(p);
+		len = PyBytes_GET_SIZE(p);
+		if (len < 5 || memcmp(s, "MSG ", 4))
+			break;
+		nul = memchr(s + 4, 0, (size_t)(len - 4));
+		if (!nul)
+			break;
+		klen = nul - (s + 4);
+		if (memchr(s + 4, '!', (size_t)klen))
+			break;
+		if (total + len > room_bytes)
+			break;
+		/* The same key as the packet before: the same answer (nothing can change the cache
+		 * during this call: its keys are bytes, whose hash and comparison run no Python). */
+		if (klen != prevlen || memcmp(prev, s + 4, (size_t)klen)) {
+			key = PyBytes_FromStringAndSize(s + 4, klen);
+			if (!key)
+				return NULL;
+			got = PyObject_CallOneArg(cached, key);
+			Py_DECREF(key);
+			if (!got)
+				return NULL;
+			Py_DECREF(got); /* only its identity is compared; `clients` holds a reference */
+			if (got != clients)
+				break;
+			prev = s + 4;
+			prevlen = klen;
+		}
+		total += len;
+	}
+	return Py_BuildValue("nn", j, total);
+}
+
 static PyMethodDef methods[] = {
 	{"recv_batch", (PyCFunction)(void (*)(void))recv_batch, METH_FASTCALL,
 	 "recv_batch(fd, count, size) -> list of bytes (int: size of a truncated packet)"},
 	{"send_batch", (PyCFunction)(void (*)(void))send_batch, METH_FASTCALL,
 	 "send_batch(fd, packets, start=0) -> number of packets sent"},
+	{"run_extent", (PyCFunction)(void (*)(void))run_extent, METH_FASTCALL,
+	 "run_extent(packets, start, cached, clients, room_bytes, room_packets) -> (end, nbytes)"},
 	{NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
 	PyModuleDef_HEAD_INIT, "sbus._speedups",
-	"Batch receive and send (recvmmsg/sendmmsg) for the SEQPACKET transport.", -1, methods,
+	"Batch receive and send (recvmmsg/sendmmsg) for the SEQPACKET transport, and run_extent.", -1, methods,
 };
 
 PyMODINIT_FUNC

@@ -74,6 +74,11 @@ class IQueueingProtocol(IPacketProtocol):
     def sendRefused():
         """The socket refused packets the queue had not judged (`Outbox.refused`)."""
 
+    def packetsReceived(packets, start):
+        """Optional, for a transport that reads batches: take as many of `packets[start:]` (one
+        wakeup's packets, bytes each) as it handles at once, as `packetReceived` would one by
+        one; return the index of the first it did not take."""
+
 
 class IRouter(Interface):
     """Subscriptions and matching, as the broker and relays use them."""

@@ -730,11 +730,12 @@ class BatchSeqPacketTransport(SeqPacketTransport):
     `drain_cap` packets a call, when it drains front to back.
     """
 
-    __slots__ = ("_stash",)
+    __slots__ = ("_stash", "_many")
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self._stash = None
+        self._many = hasattr(self.protocol, "packetsReceived")
 
     # -- reading
 
@@ -762,9 +763,13 @@ class BatchSeqPacketTransport(SeqPacketTransport):
     def _route(self, packets: list):
         protocol = self.protocol
         deliver = protocol.packetReceived
+        # A protocol that takes several at once (`packetsReceived`) is offered the rest after each.
+        many = protocol.packetsReceived if self._many else None
         why = None
         i = 0
-        for packet in packets:
+        n = len(packets)
+        while i < n:
+            packet = packets[i]
             i += 1
             if packet.__class__ is int:
                 protocol.packetTooLarge(packet)
@@ -774,8 +779,10 @@ class BatchSeqPacketTransport(SeqPacketTransport):
                 break
             else:
                 deliver(packet)
+                if many is not None and i < n and self._reading:
+                    i = many(packets, i)
             if not self._reading:
-                if i < len(packets) and self.connected and not self.disconnecting:
+                if i < n and self.connected and not self.disconnecting:
                     self._stash = packets[i:]  # paused: the rest waits, as unread packets do
                 break
         if self._batchDone:

@@ -29,6 +29,7 @@ from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key, check
 from sbus.core.interest import InterestTable
 from sbus.core.pausing import HoldBudget, Holds, Pauses
 from sbus.core.router import Router
+from sbus.core.runs import extent as run_extent
 from sbus.core.sessions import REFUSED, Lingering, SessionRefused, SessionTable, parse_request
 from sbus.core.sessions import reply as session_reply
 from sbus.interfaces import IQueueingProtocol
@@ -281,6 +282,22 @@ class BrokerProtocol(protocol.Protocol):
                 self.unsubscribe(key)
             self.spent(perf_counter() - t0)
         return None
+
+    def packetsReceived(self, packets: list, start: int) -> int:
+        """Take, at once, as many of `packets[start:]` as continue this batch's open run (see
+        `sbus.core.runs`): what `packetReceived` would do with each, one message appended to
+        the run; return the index of the first one not taken (`start`: none)."""
+        run = self._run
+        if run is None or not run.packets or self.factory.upstream is not None:
+            return start
+        end, nbytes = run_extent(packets, start, self._cached, run.clients,
+                                 run.room_bytes - run.nbytes, run.room_packets - len(run.packets))
+        if end > start:
+            run.packets += packets[start:end]
+            run.nbytes += nbytes
+            self.packets_in += end - start
+            self.bytes_in += nbytes
+        return end
 
     def spent(self, seconds: float) -> None:
         """Charge reactor time this client's request took (routing a key the cache did not know,
