@@ -37,7 +37,7 @@ from twisted.logger import Logger
 from twisted.python import failure
 from zope.interface import implementer
 
-from sbus import speedups
+from sbus import pollloop, speedups
 from sbus.address import peer_credentials, size_buffers
 from sbus.core.credentials import Credentials
 from sbus.core.flood import Outbox
@@ -509,7 +509,8 @@ class SeqPacketPort:
     """
 
     def __init__(self, sock: socket.socket, factory, reactor=None, *, max_packet: int | None = None,
-                 drain_cap: int | None = None, queue_bytes: int | None = None, queue_packets: int | None = None):
+                 drain_cap: int | None = None, queue_bytes: int | None = None, queue_packets: int | None = None,
+                 busy_poll: float | None = None):
         if reactor is None:
             from twisted.internet import reactor
         self.socket = sock
@@ -528,14 +529,16 @@ class SeqPacketPort:
                 ("queue_packets", queue_packets, DEFAULT_QUEUE_PACKETS),
             )
         }
+        #: Seconds the reactor may poll before sleeping (`sbus.pollloop`); the factory's config's.
+        self._busyPoll = busy_poll if busy_poll is not None else getattr(cfg, "busy_poll", 0.0)
 
     def startListening(self):
         sock = self.socket
         sock.setblocking(False)
         if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
             sock.listen(socket.SOMAXCONN)
-        if ServerTransport is not SeqPacketTransport:
-            lean_dispatch(self.reactor)
+        pollloop.install(self.reactor, busy_poll=self._busyPoll,
+                         fast=ServerTransport if ServerTransport is not SeqPacketTransport else None)
         self.factory.doStart()
         self.connected = True
         self.reactor.addReader(self)
@@ -672,51 +675,6 @@ if BATCH_IO:
     _recv_batch = _speedups.recv_batch
     _send_batch = _speedups.send_batch
 
-
-
-def lean_dispatch(reactor) -> None:
-    """The one seam where the accelerator touches the reactor: let Twisted's own, unmodified
-    EPollReactor hand events of batch transports straight to its `_doReadOrWrite`.
-
-    Twisted wraps every event in `log.callWithLogger` (a `logPrefix` call, two dict copies and a
-    context push and pop), which profiles as the largest Python cost of a wakeup that reads one
-    packet (a round trip). Our transports log through `twisted.logger` (namespaces, not the
-    legacy context), and `_doReadOrWrite` itself catches and logs whatever `doRead`/`doWrite`
-    raise, so for them the wrapper adds nothing. Other descriptors keep it. Called by the
-    server's port when it starts listening with batch I/O; does nothing for any other reactor,
-    or a second time. SBUS_PURE_PYTHON=1 leaves the reactor alone.
-    """
-    try:
-        from twisted.internet.epollreactor import EPollReactor
-    except ImportError:  # pragma: no cover - not Linux
-        return
-    if type(reactor) is not EPollReactor or "doIteration" in vars(reactor):
-        return
-    from twisted.python import log as legacy_log
-
-    poller = reactor._poller
-    selectables = reactor._selectables
-    drdw = reactor._doReadOrWrite
-    with_logger = legacy_log.callWithLogger
-    fast = BatchSeqPacketTransport
-
-    def doPoll(timeout):
-        if timeout is None:
-            timeout = -1
-        try:
-            events = poller.poll(timeout, len(selectables))
-        except InterruptedError:
-            return
-        for fd, event in events:
-            selectable = selectables.get(fd)
-            if selectable is None:
-                continue
-            if selectable.__class__ is fast:
-                drdw(selectable, fd, event)
-            else:
-                with_logger(selectable, drdw, selectable, fd, event)
-
-    reactor.doPoll = reactor.doIteration = doPoll
 
 
 class BatchSeqPacketTransport(SeqPacketTransport):

@@ -26,6 +26,9 @@ DEFAULT_MAX_QUEUE_BYTES = 256 << 20
 #: The hold budget of the `block` modes: how much longer a client may hold publishers paused than it
 #: lets them run before it is disconnected (`stalled`).
 DEFAULT_STALL_TIMEOUT = 30.0
+#: Busy polling (`sbus.pollloop`): after a wait that ended within this many seconds, the server
+#: polls this long before it sleeps (a round trip's next request is met awake); 0 turns it off.
+DEFAULT_BUSY_POLL = 50e-6
 #: So that one client or one user cannot take the whole bus's memory or descriptors.
 DEFAULT_MAX_SUBSCRIPTIONS = 100_000
 DEFAULT_MAX_UID_SUBSCRIPTIONS = 1_000_000
@@ -36,6 +39,17 @@ DEFAULT_MAX_SUBSCRIPTION_BYTES = 32 << 20
 DEFAULT_MAX_UID_SUBSCRIPTION_BYTES = 128 << 20
 DEFAULT_MAX_PATTERN_SEGMENTS = 256
 SEGMENT_COST = 128
+
+
+def busy_poll_us(text: str) -> float:
+    """`--busy-poll USEC` (microseconds, as Linux's SO_BUSY_POLL) -> seconds; ValueError naming it."""
+    try:
+        usec = int(text)
+    except ValueError:
+        usec = -1
+    if not 0 <= usec <= 1_000_000:
+        raise ValueError(f"--busy-poll: not a number of microseconds from 0 to 1000000: {text!r}")
+    return usec / 1e6
 
 
 def pattern_cost(pattern: bytes) -> int:
@@ -68,6 +82,8 @@ class ServerConfig:
     max_pattern_segments: int = DEFAULT_MAX_PATTERN_SEGMENTS
     #: How long a closed connection's named session may keep its patterns (`server/session`).
     max_session_linger: float = DEFAULT_MAX_LINGER
+    #: Seconds the reactor polls before it sleeps, right after a wait this short (`sbus.pollloop`).
+    busy_poll: float = DEFAULT_BUSY_POLL
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):

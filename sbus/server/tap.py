@@ -19,6 +19,7 @@ from sbus.options import StartupError, positive_float, positive_int
 from sbus.server.address import AddressError, parse_address
 from sbus.server.sbusd import resolve_user
 from sbus.server.config import (
+    DEFAULT_BUSY_POLL,
     DEFAULT_MAX_PATTERN_SEGMENTS,
     DEFAULT_MAX_SUBSCRIPTION_BYTES,
     DEFAULT_MAX_SUBSCRIPTIONS,
@@ -31,6 +32,7 @@ from sbus.server.config import (
     DEFAULT_QUEUE_PACKETS,
     DEFAULT_STALL_TIMEOUT,
     ServerConfig,
+    busy_poll_us,
     allowed_uid_set,
 )
 from sbus.core.codec import MAX_PACKET
@@ -103,6 +105,9 @@ class BusOptions(usage.Options):
         ["max-session-linger", None, str(DEFAULT_MAX_LINGER),
          "Seconds a closed connection's named session (server/session) may keep its patterns, "
          "counting what they match for its successor; 0: sessions never linger."],
+        ["busy-poll", None, str(round(DEFAULT_BUSY_POLL * 1e6)),
+         "Microseconds to poll for events before sleeping, right after a wait that short "
+         "(round trips met awake; up to a core busy while events keep coming that fast); 0: never."],
     ]
 
     def __init__(self):
@@ -152,6 +157,10 @@ class BusOptions(usage.Options):
             raise usage.UsageError(f"--max-session-linger: not a number of seconds >= 0: "
                                    f"{self['max-session-linger']!r}")
         self["max-session-linger"] = linger
+        try:
+            self["busy-poll"] = busy_poll_us(self["busy-poll"])
+        except ValueError as e:
+            raise usage.UsageError(str(e)) from None
 
 
 class Options(BusOptions):
@@ -173,7 +182,7 @@ class Options(BusOptions):
 
 def config_from_options(options: BusOptions) -> ServerConfig:
     users = options["users"]
-    settings = {name.replace("-", "_"): options[name] for name in ("max-packet", "stall-timeout", "max-session-linger", *_LIMITS)}
+    settings = {name.replace("-", "_"): options[name] for name in ("max-packet", "stall-timeout", "max-session-linger", "busy-poll", *_LIMITS)}
     settings["cred_prefix"] = options.get("cred-prefix", b"")
     return ServerConfig(allowed_uids=allowed_uid_set(users or None), **settings)
 
