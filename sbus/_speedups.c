@@ -205,8 +205,8 @@ send_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 run_extent(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-	PyObject *packets, *cached, *clients, *p, *key, *got;
-	Py_ssize_t start, n, j, room_bytes, room_packets, total = 0, len, klen, prevlen = -1;
+	PyObject *packets, *cached, *clients, *p, *key, *got, *prevp = NULL, *res;
+	Py_ssize_t start, j, room_bytes, room_packets, total = 0, len, klen, prevlen = -1;
 	const char *s, *nul, *prev = NULL;
 
 	if (nargs != 6 || !PyList_CheckExact(args[0])) {
@@ -222,10 +222,11 @@ run_extent(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 	room_packets = PyLong_AsSsize_t(args[5]);
 	if ((start == -1 || room_bytes == -1 || room_packets == -1) && PyErr_Occurred())
 		return NULL;
-	n = PyList_GET_SIZE(packets);
 	if (start < 0)
 		start = 0;
-	for (j = start; j < n && j - start < room_packets; j++) {
+	/* The list's size is read each time round: `cached` is the router's dict.get, but it is a
+	 * callable, and one that ran Python could change the list. */
+	for (j = start; j < PyList_GET_SIZE(packets) && j - start < room_packets; j++) {
 		p = PyList_GET_ITEM(packets, j);
 		if (!PyBytes_CheckExact(p))
 			break;
@@ -241,25 +242,31 @@ run_extent(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 			break;
 		if (total + len > room_bytes)
 			break;
-		/* The same key as the packet before: the same answer (nothing can change the cache
-		 * during this call: its keys are bytes, whose hash and comparison run no Python). */
+		/* The same key as the packet before: the same answer, without asking again (the
+		 * packet it was read from is held, so the bytes compared stay valid). */
 		if (klen != prevlen || memcmp(prev, s + 4, (size_t)klen)) {
+			Py_INCREF(p);
 			key = PyBytes_FromStringAndSize(s + 4, klen);
-			if (!key)
+			got = key ? PyObject_CallOneArg(cached, key) : NULL;
+			Py_XDECREF(key);
+			if (!got) {
+				Py_DECREF(p);
+				Py_XDECREF(prevp);
 				return NULL;
-			got = PyObject_CallOneArg(cached, key);
-			Py_DECREF(key);
-			if (!got)
-				return NULL;
+			}
 			Py_DECREF(got); /* only its identity is compared; `clients` holds a reference */
+			Py_XDECREF(prevp);
+			prevp = p;
 			if (got != clients)
 				break;
-			prev = s + 4;
+			prev = PyBytes_AS_STRING(p) + 4;
 			prevlen = klen;
 		}
 		total += len;
 	}
-	return Py_BuildValue("nn", j, total);
+	res = Py_BuildValue("nn", j, total);
+	Py_XDECREF(prevp);
+	return res;
 }
 
 static PyMethodDef methods[] = {

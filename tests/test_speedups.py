@@ -202,6 +202,14 @@ def test_run_extent_stops_where_the_run_ends():
     assert speedups.run_extent(pk[:2] + [b"MSG !/a\0x"] + pk, 0, cache, run, 1000, 100) == (2, 14)
     with pytest.raises(TypeError):
         speedups.run_extent(tuple(pk), 0, cache, run, 1000, 100)
+    # A callable that empties the list under it (the router's is a dict's get, which cannot):
+    # the packet being read stays valid and the scan stops, no crash.
+    emptied = list(pk)
+
+    def clearing(key):
+        emptied.clear()
+        return run
+    assert speedups.run_extent(emptied, 0, clearing, run, 1000, 100) == (1, 7)
 
 
 # -- the switch
