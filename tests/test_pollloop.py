@@ -18,15 +18,39 @@ from sbus.pollloop import Spinner
 
 def test_the_spinner_polls_only_right_after_a_short_wait():
     s = Spinner(50e-6)
-    assert s.budget(None) == 0.0  # nothing waited yet: sleep
+    assert s.budget(None, 0.0) == 0.0  # nothing waited yet: sleep
     s.last = 10e-6
-    assert s.budget(None) == 50e-6
-    assert s.budget(1.0) == 50e-6
-    assert s.budget(20e-6) == 20e-6  # a timed call sooner than the window
-    assert s.budget(-1.0) == 0.0
+    assert s.budget(None, 0.0) == 50e-6
+    assert s.budget(1.0, 0.0) == 50e-6
+    assert s.budget(20e-6, 0.0) == 20e-6  # a timed call sooner than the window
+    assert s.budget(-1.0, 0.0) == 0.0
     s.last = 60e-6  # the last wait outlasted the window: sleep
-    assert s.budget(None) == 0.0
-    assert Spinner(0.0).budget(None) == 0.0
+    assert s.budget(None, 0.0) == 0.0
+    assert Spinner(0.0).budget(None, 0.0) == 0.0
+
+
+def test_the_spinner_does_not_poll_while_the_cpus_are_crowded_and_asks_at_most_every_tenth():
+    answers = [True, False]
+    asked = []
+
+    def probe():
+        asked.append(1)
+        return answers[len(asked) - 1]
+    s = Spinner(50e-6, probe)
+    s.last = 10e-6
+    assert s.budget(None, 100.0) == 0.0  # crowded: sleep
+    assert s.budget(None, 100.05) == 0.0  # not asked again within 0.1 s
+    assert len(asked) == 1
+    assert s.budget(None, 100.2) == 50e-6  # asked again: not crowded any more
+    assert len(asked) == 2
+    s.last = 1.0
+    s.budget(None, 200.0)  # no polling due: the probe is not asked at all
+    assert len(asked) == 2
+
+
+def test_the_crowded_probe_reads_the_kernels_runnable_count():
+    assert pollloop.crowded_probe(10_000)() is False  # never 10,000 runnable here
+    assert pollloop.crowded_probe(0)() is True  # the reader itself runs: "others" >= 0
 
 
 def test_install_takes_only_twisteds_epoll_reactor_once():
