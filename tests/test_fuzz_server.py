@@ -298,6 +298,19 @@ class BusMachine(RuleBasedStateMachine):
         self._publish(c, ROOT + b"/".join(fields) + b"/" + tail, payload)
 
     @precondition(lambda self: self._live())
+    @rule(i=st.integers(0, 99), j=st.integers(0, 99), empty=st.booleans(),
+          tail=st.sampled_from([b"a", b"a/", b"*/"]), payload=st.binary(max_size=4))
+    def own_secret(self, i, j, empty, tail, payload):
+        """Hold one's own secret space (in its own or its empty-field form), then someone publishes
+        into it: most secret draws above are refused, so without this a run could deliver no
+        secret at all (and the check below would have tested nothing)."""
+        c, publisher = self._pick(i), self._pick(j)
+        fields = b"//" if empty else b"/".join(b"%d" % n for n in c.cred)
+        self._subscribe(c, ROOT + fields + b"/" + tail)
+        if c.alive and publisher.alive:
+            self._publish(publisher, ROOT + b"/".join(b"%d" % n for n in c.cred) + b"/a/x", payload)
+
+    @precondition(lambda self: self._live())
     @rule(i=st.integers(0, 99), data=st.data())
     def publish_held(self, i, data):
         """Publish on a key some client's pattern matches (so deliveries are common)."""
