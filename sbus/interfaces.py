@@ -77,7 +77,8 @@ class IQueueingProtocol(IPacketProtocol):
     def packetsReceived(packets, start):
         """Optional, for a transport that reads batches: take as many of `packets[start:]` (one
         wakeup's packets, bytes each) as it handles at once, as `packetReceived` would one by
-        one; return the index of the first it did not take."""
+        one; return the index of the first it did not take. Offered only after `packetReceived`
+        returned True (which no other caller looks at)."""
 
 
 class IRouter(Interface):

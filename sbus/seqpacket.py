@@ -721,7 +721,8 @@ class BatchSeqPacketTransport(SeqPacketTransport):
     def _route(self, packets: list):
         protocol = self.protocol
         deliver = protocol.packetReceived
-        # A protocol that takes several at once (`packetsReceived`) is offered the rest after each.
+        # A protocol that takes several at once (`packetsReceived`) is offered the rest after a
+        # packet for which `packetReceived` returned True (the broker: a run is open).
         many = protocol.packetsReceived if self._many else None
         why = None
         i = 0
@@ -735,10 +736,8 @@ class BatchSeqPacketTransport(SeqPacketTransport):
                 # A zero-length packet reads exactly like end of file: the peer closed.
                 why = main.CONNECTION_DONE
                 break
-            else:
-                deliver(packet)
-                if many is not None and i < n and self._reading:
-                    i = many(packets, i)
+            elif deliver(packet) is True and many is not None and i < n and self._reading:
+                i = many(packets, i)  # it said it takes more at once: offer it the rest
             if not self._reading:
                 if i < n and self.connected and not self.disconnecting:
                     self._stash = packets[i:]  # paused: the rest waits, as unread packets do

@@ -242,13 +242,15 @@ class BrokerProtocol(protocol.Protocol):
                         upstream = self.factory.upstream
                         if upstream is not None:
                             upstream.localPublish(packet, key, self)
-                        return None
+                            return None
+                        return True  # a run is open: the rest of the batch may be taken at once
                     self.flushRun()
                 if clients is not None and clients is self._lastClients and self._startRun(clients, packet):
                     upstream = self.factory.upstream
                     if upstream is not None:
                         upstream.localPublish(packet, key, self)
-                    return None
+                        return None
+                    return True
             if clients is None:
                 t0 = perf_counter()
                 clients = self.factory.router.miss(key)
@@ -286,9 +288,10 @@ class BrokerProtocol(protocol.Protocol):
     def packetsReceived(self, packets: list, start: int) -> int:
         """Take, at once, as many of `packets[start:]` as continue this batch's open run (see
         `sbus.core.runs`): what `packetReceived` would do with each, one message appended to
-        the run; return the index of the first one not taken (`start`: none)."""
+        the run; return the index of the first one not taken (`start`: none). Offered only
+        after `packetReceived` returned True (a run is open, and no upstream wants each one)."""
         run = self._run
-        if run is None or not run.packets or self.factory.upstream is not None:
+        if run is None or not run.packets:
             return start
         end, nbytes = run_extent(packets, start, self._cached, run.clients,
                                  run.room_bytes - run.nbytes, run.room_packets - len(run.packets))
