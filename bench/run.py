@@ -281,6 +281,8 @@ class Bench:
                 cmd = ["env", "SBUS_PURE_PYTHON=1"] + cmd  # env execs: the pid is the server's
         elif impl == "ref":
             cmd = [self.args.reference, "-f", "-a", sock]
+        elif self.args.floor_python:
+            cmd = [self.args.python, str(Path(__file__).with_name("pyfloor.py")), sock]
         else:
             cmd = [self.forwarder, "-b", sock] if self.args.floor_batched else [self.forwarder, sock]
         log = OUT / "logs" / f"{scenario}-{impl}-r{rnd}.log"
@@ -354,7 +356,7 @@ class Bench:
         cpu_key = f"cpu_{key}"
         # Against the batched forwarder (--floor-batched), issue 25's goal: within 1.2x of it.
         cpu_target = None if not target else (
-            {"kind": "ratio_max", "value": 1.2} if self.args.floor_batched
+            {"kind": "ratio_max", "value": 1.2} if self.args.floor_batched and not self.args.floor_python
             else {"kind": "ref_max", "value": 1.0})
         self.scenario(cpu_key, label=f"server CPU per delivery, {label.split(' (')[0]}",
                       unit="µs", target=cpu_target, params={"of": key})
@@ -592,7 +594,7 @@ def table_rows(results: dict[str, dict]) -> list[list[str]]:
 
 LEGEND = ("ours, pure, reference, floor: medians over n rounds (fresh server each run, alternating "
           "ours/pure/reference/floor); pure: our server with SBUS_PURE_PYTHON=1 (--pure); reference: the C sbusd of maandree/sbus (--reference); floor: "
-          "bench/forwarder.c (with --floor-batched its -b mode: recvmmsg and sendmmsg batches); ratios: of medians (time rows: lower is better), for the noise rows "
+          "bench/forwarder.c (with --floor-batched its -b mode: recvmmsg and sendmmsg batches; with --floor-python, bench/pyfloor.py, the least Python server); ratios: of medians (time rows: lower is better), for the noise rows "
           "ours/floor is the median per-round ratio to our own 0-pattern run; server CPU: utime + "
           "stime of the server process over the publishing phase / messages delivered; spread: "
           "(max - min) / median of ours. The floor does not run the noise rows (its linear "
@@ -725,6 +727,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--floor-batched", action="store_true",
                    help="the floor batches like our server: one recvmmsg per readable client, one "
                         "sendmmsg per subscriber (bench/forwarder.c -b; issue 25's limit)")
+    p.add_argument("--floor-python", action="store_true",
+                   help="the floor is bench/pyfloor.py instead: the least a Python server does per "
+                        "message (epoll, our recvmmsg/sendmmsg, a dict; no Twisted), to show what "
+                        "the interpreter alone costs beside the reference")
     p.add_argument("--silent", action="store_true", help="no progress lines on stderr")
     a = p.parse_args(argv)
     if a.reference and not os.access(a.reference, os.X_OK):
