@@ -121,3 +121,12 @@ class IBus(Interface):
 
     factory = Attribute("The broker factory serving the bus's clients.")
     printed_address = Attribute("The address clients connect to, as sbusd prints it.")
+
+
+class ILeanReactor(Interface):
+    """A reactor that can wait and dispatch the way a server's hot path wants (`sbus.reactor`):
+    the server's port asks; on any other reactor it runs the same, without these."""
+
+    def serve(lean, busy_poll):
+        """Dispatch descriptors of class `lean` (or None: leave as is) without the legacy log
+        context, and poll up to `busy_poll` seconds before sleeping (the largest asked stays)."""

@@ -1,33 +1,23 @@
-"""The one seam where the server touches Twisted's reactor loop: how its epoll reactor waits
-for events and hands them out.
+"""Busy polling: when the server's reactor (`sbus.reactor`) polls before it sleeps.
 
-* **Lean dispatch.** Twisted wraps every event in `log.callWithLogger` (a `logPrefix` call, two
-  dict copies and a context push and pop), which profiles as the largest Python cost of a wakeup
-  that reads one packet (a round trip). Our batch transports log through `twisted.logger`
-  (namespaces, not the legacy context), and `_doReadOrWrite` itself catches and logs whatever
-  `doRead`/`doWrite` raise, so for them the wrapper adds nothing; other descriptors keep it.
-* **Busy polling** (`--busy-poll`, like Linux's `SO_BUSY_POLL` for network sockets, and the
-  spinning Go's scheduler does before it parks). Going to sleep in `epoll_wait` and being woken
-  costs more than a round trip's work here (docs/performance.md: a sleeping server's wakeup is
-  most of a round trip's time and CPU). So right after a wait that ended within the window, the
-  loop polls (`epoll_wait` with timeout 0) for up to the window before it sleeps: a reply, the
-  next request of a request/reply exchange, the next burst, is met awake. A wait that did not
-  end within the window turns polling off until a wait does again (`Spinner`), so a quiet bus,
-  or one with messages further apart than the window, sleeps exactly as before; so does a
-  server whose CPUs are all wanted by other tasks (there a wakeup is cheap, and polling would
-  take a CPU they need). The cost: while events keep coming within the window of each other
-  the server uses up to one core.
+Like Linux's `SO_BUSY_POLL` for network sockets (Unix sockets have none), and the spinning Go's
+scheduler does before it parks. Going to sleep in `epoll_wait` and being woken costs more than a
+round trip's work here (docs/performance.md: a sleeping server's wakeup is most of a round trip's
+time and CPU). So right after a wait that ended within the window, the loop polls (`epoll_wait`
+with timeout 0) for up to the window before it sleeps: a reply, the next request of a
+request/reply exchange, the next burst, is met awake. A wait that did not end within the window
+turns polling off until a wait does again (`Spinner`), so a quiet bus, or one with messages
+further apart than the window, sleeps exactly as before; so does a server whose CPUs are all
+wanted by other tasks (there a wakeup is cheap, and polling would take a CPU they need). The
+cost: while events keep coming within the window of each other the server uses up to one core.
 
-Twisted's own EPollReactor is kept, unmodified: only its `doPoll`/`doIteration` (the wait) is
-replaced on the instance, once, by `install`. Other reactors are left alone.
+This module is the policy alone (no I/O but the probe's read of /proc/loadavg); the reactor
+applies it.
 """
 
 from __future__ import annotations
 
-import os
-from time import monotonic
-
-__all__ = ["Spinner", "crowded_probe", "install"]
+__all__ = ["Spinner", "crowded_probe"]
 
 
 #: How often (seconds) a polling server asks whether the CPUs are crowded (`Spinner.crowded`).
@@ -77,62 +67,3 @@ def crowded_probe(cpus: int):
             return False
         return running - 1 >= cpus
     return crowded
-
-
-def install(reactor, *, fast: type | None = None, busy_poll: float = 0.0) -> Spinner | None:
-    """Replace the wait of Twisted's EPollReactor `reactor`: descriptors of class `fast` are
-    dispatched without the legacy log context; `busy_poll` seconds of polling (see `Spinner`).
-    Returns the Spinner, or None when nothing was done (another reactor, nothing asked, or
-    installed already: the first caller's settings stay)."""
-    try:
-        from twisted.internet.epollreactor import EPollReactor
-    except ImportError:  # pragma: no cover - not Linux
-        return None
-    if type(reactor) is not EPollReactor or "doIteration" in vars(reactor):
-        return None
-    if fast is None and busy_poll <= 0:
-        return None
-    from twisted.python import log as legacy_log
-
-    poller = reactor._poller
-    selectables = reactor._selectables
-    drdw = reactor._doReadOrWrite
-    with_logger = legacy_log.callWithLogger
-    spinner = Spinner(busy_poll, crowded_probe(len(os.sched_getaffinity(0))))
-    budget = spinner.budget
-    poll = poller.poll
-
-    def doPoll(timeout):
-        size = len(selectables)
-        start = monotonic()
-        spin = budget(timeout, start) if timeout != 0 else 0.0
-        try:
-            events = None
-            if spin:
-                until = start + spin
-                while True:
-                    events = poll(0, size)
-                    if events or monotonic() >= until:
-                        break
-            if not events:
-                if timeout is None:
-                    left = -1
-                else:
-                    left = timeout - (monotonic() - start) if spin else timeout
-                    if left < 0:
-                        left = 0
-                events = poll(left, size)
-        except InterruptedError:
-            return
-        spinner.last = monotonic() - start
-        for fd, event in events:
-            selectable = selectables.get(fd)
-            if selectable is None:
-                continue
-            if selectable.__class__ is fast:
-                drdw(selectable, fd, event)
-            else:
-                with_logger(selectable, drdw, selectable, fd, event)
-
-    reactor.doPoll = reactor.doIteration = doPoll
-    return spinner

@@ -37,12 +37,12 @@ from twisted.logger import Logger
 from twisted.python import failure
 from zope.interface import implementer
 
-from sbus import pollloop, speedups
+from sbus import speedups
 from sbus.address import peer_credentials, size_buffers
 from sbus.core.credentials import Credentials
 from sbus.core.flood import Outbox
 from sbus.core.limits import DEFAULT_DRAIN_CAP, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_PACKETS, MAX_PACKET
-from sbus.interfaces import IPacketTransport
+from sbus.interfaces import ILeanReactor, IPacketTransport
 
 log = Logger()
 
@@ -529,7 +529,7 @@ class SeqPacketPort:
                 ("queue_packets", queue_packets, DEFAULT_QUEUE_PACKETS),
             )
         }
-        #: Seconds the reactor may poll before sleeping (`sbus.pollloop`); the factory's config's.
+        #: Seconds the reactor may poll before sleeping (`sbus.reactor`); the factory's config's.
         self._busyPoll = busy_poll if busy_poll is not None else getattr(cfg, "busy_poll", 0.0)
 
     def startListening(self):
@@ -537,8 +537,9 @@ class SeqPacketPort:
         sock.setblocking(False)
         if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
             sock.listen(socket.SOMAXCONN)
-        pollloop.install(self.reactor, busy_poll=self._busyPoll,
-                         fast=ServerTransport if ServerTransport is not SeqPacketTransport else None)
+        if ILeanReactor.providedBy(self.reactor):  # sbus.reactor: lean dispatch, busy polling
+            self.reactor.serve(ServerTransport if ServerTransport is not SeqPacketTransport else None,
+                               self._busyPoll)
         self.factory.doStart()
         self.connected = True
         self.reactor.addReader(self)

@@ -1,15 +1,12 @@
-"""Busy polling and lean dispatch (`sbus.pollloop`): the policy alone, then Twisted's own
-EPollReactor with the wait replaced (driven one iteration at a time, never `run`), then a real
-server that must go back to sleep when its traffic stops."""
+"""Busy polling (`sbus.pollloop`): the policy alone, then a real server that must go back to
+sleep when its traffic stops (the reactor that applies it: tests/test_reactor.py)."""
 
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import pytest
-from twisted.internet import epollreactor, selectreactor
 
 from helpers import WHOAMI, connect, msg, recv, send, sub, sync, unique
 from sbus import pollloop
@@ -51,68 +48,6 @@ def test_the_spinner_does_not_poll_while_the_cpus_are_crowded_and_asks_at_most_e
 def test_the_crowded_probe_reads_the_kernels_runnable_count():
     assert pollloop.crowded_probe(10_000)() is False  # never 10,000 runnable here
     assert pollloop.crowded_probe(0)() is True  # the reader itself runs: "others" >= 0
-
-
-def test_install_takes_only_twisteds_epoll_reactor_once():
-    r = epollreactor.EPollReactor()
-    assert pollloop.install(r) is None  # nothing asked
-    spinner = pollloop.install(r, busy_poll=1e-3)
-    assert isinstance(spinner, Spinner) and spinner.window == 1e-3
-    assert pollloop.install(r, busy_poll=2e-3) is None  # the first settings stay
-    assert pollloop.install(selectreactor.SelectReactor(), busy_poll=1e-3) is None
-
-
-class _Reader:
-    """A read descriptor on one end of a socketpair (what the reactor hands events to)."""
-
-    def __init__(self, sock):
-        self.sock = sock
-        self.got = []
-
-    def fileno(self):
-        return self.sock.fileno()
-
-    def logPrefix(self):
-        return "test"
-
-    def doRead(self):
-        self.got.append(self.sock.recv(100))
-
-    def connectionLost(self, reason):
-        pass
-
-
-def _iteration(reactor, timeout):
-    """One wait of the reactor: (wall seconds, CPU seconds of this process)."""
-    w, c = time.monotonic(), time.process_time()
-    reactor.doIteration(timeout)
-    return time.monotonic() - w, time.process_time() - c
-
-
-def test_a_poll_hands_events_over_and_a_quiet_one_sleeps_after_the_window():
-    r = epollreactor.EPollReactor()
-    spinner = pollloop.install(r, busy_poll=0.01)
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    reader = _Reader(b)
-    r.addReader(reader)
-    a.send(b"one")
-    _iteration(r, None)
-    assert reader.got == [b"one"]
-    assert spinner.last < 0.01  # it was waiting already: the next wait polls first
-    # Nothing comes: it polls 10 ms, then sleeps the rest of the timeout (not spinning through it).
-    wall, cpu = _iteration(r, 0.2)
-    assert wall >= 0.19
-    assert cpu < 0.1, f"spent {cpu:.3f} s of CPU in a 0.2 s wait with a 0.01 s window"
-    assert spinner.last >= 0.19
-    # The wait outlasted the window: now it sleeps at once.
-    wall, cpu = _iteration(r, 0.1)
-    assert wall >= 0.09 and cpu < 0.05
-    a.send(b"two")
-    _iteration(r, 1.0)
-    assert reader.got == [b"one", b"two"]
-    r.removeReader(reader)
-    a.close()
-    b.close()
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -138,9 +138,12 @@ def test_every_interface_is_declared_and_verified(mem_bus):
     verifyObject(interfaces.IUpstream, relay)
     from sbus.server.service import BusService
     verifyObject(interfaces.IBus, BusService("/nonexistent", ServerConfig()))
+    from sbus.reactor import SbusReactor
+    verifyClass(interfaces.ILeanReactor, SbusReactor)
     declared = {name for name in dir(interfaces)
                 if isinstance(getattr(interfaces, name), type(interfaces.IRouter)) and name.startswith("I")}
-    checked = {"IPacketTransport", "IPacketProtocol", "IQueueingProtocol", "IRouter", "IUpstream", "IBus"}
+    checked = {"IPacketTransport", "IPacketProtocol", "IQueueingProtocol", "IRouter", "IUpstream", "IBus",
+               "ILeanReactor"}
     assert declared <= checked | {"Interface"}, f"interfaces without a verifyObject test: {declared - checked}"
 
 

@@ -17,7 +17,7 @@ from twisted.internet import defer
 from twisted.logger import Logger
 
 from sbus.server.address import Listener, open_listener
-from sbus.interfaces import IBus
+from sbus.interfaces import IBus, ILeanReactor
 from sbus.server.config import ServerConfig
 from zope.interface import implementer
 
@@ -107,6 +107,9 @@ class BusService(service.Service):
             self.listener.cleanup()
             self.listener.sock.close()
             raise
+        if self.config.busy_poll > 0 and not ILeanReactor.providedBy(self.port.reactor):
+            self.log.info("busy polling is off: it needs the sbus reactor (--reactor=sbus), "
+                          "not {reactor}", reactor=type(self.port.reactor).__name__)
         uids = self.config.allowed_uids
         self.log.info(
             "sbus listening on {where}{who}",

@@ -188,7 +188,10 @@ def config_from_options(options: BusOptions) -> ServerConfig:
 
 
 def makeService(options: Options):
+    from sbus.reactor import install_unless_chosen
     from sbus.server.service import BusService
+
+    install_unless_chosen()  # the server's own reactor, unless `twistd --reactor` chose one
 
     bus = BusService(
         options["socket"],
