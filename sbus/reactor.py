@@ -172,14 +172,15 @@ class SbusReactor(PosixReactorBase):
             return
         spinner.last = monotonic() - start
         lean = self._lean
+        readOrWrite = self._readOrWrite
         for fd, event in events:
             selectable = byFd.get(fd)
             if selectable is None:
                 continue
             if selectable.__class__ is lean:
-                self._readOrWrite(selectable, fd, event)
+                readOrWrite(selectable, fd, event)
             else:
-                log.callWithLogger(selectable, self._readOrWrite, selectable, fd, event)
+                log.callWithLogger(selectable, readOrWrite, selectable, fd, event)
         if self._files:
             for selectable, flags in list(self._files.items()):
                 if selectable in self._files:  # not removed by one served before it
