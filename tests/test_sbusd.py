@@ -82,6 +82,8 @@ def test_foreground_ready_and_serves(bus):
     assert bus.proc.poll() is None
     reply = served(bus.address)
     assert reply.split(b"\0", 1)[1].startswith(b"!/cred/")
+    wait_until(lambda: "sbus listening on" in bus.log(), "the listening line")
+    assert "busy polling is off" not in bus.log()  # it runs on its own reactor (sbus.reactor)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP, signal.SIGTERM])

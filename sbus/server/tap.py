@@ -161,6 +161,11 @@ class BusOptions(usage.Options):
             self["busy-poll"] = busy_poll_us(self["busy-poll"])
         except ValueError as e:
             raise usage.UsageError(str(e)) from None
+        # The server's own reactor (sbus.reactor), unless `--reactor` chose one: installed now,
+        # as twistd's --reactor does, since `twist` installs its default right after parsing.
+        from sbus.reactor import install_unless_chosen
+
+        install_unless_chosen()
 
 
 class Options(BusOptions):
@@ -188,10 +193,7 @@ def config_from_options(options: BusOptions) -> ServerConfig:
 
 
 def makeService(options: Options):
-    from sbus.reactor import install_unless_chosen
     from sbus.server.service import BusService
-
-    install_unless_chosen()  # the server's own reactor, unless `twistd --reactor` chose one
 
     bus = BusService(
         options["socket"],

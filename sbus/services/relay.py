@@ -981,10 +981,7 @@ def _wider_than_master(mode: int, upstream: str) -> str | None:
 
 def makeService(options: Options) -> Relay:
     from sbus.options import StartupError
-    from sbus.reactor import install_unless_chosen
     from sbus.server.address import AddressError, check_bindable
-
-    install_unless_chosen()  # the server's own reactor, unless `twistd --reactor` chose one
 
     try:  # the relay binds once its master answers: fail now for what is already known
         check_bindable(options["socket"], bool(options["reuse"]))
