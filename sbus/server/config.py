@@ -26,8 +26,9 @@ DEFAULT_MAX_QUEUE_BYTES = 256 << 20
 #: The hold budget of the `block` modes: how much longer a client may hold publishers paused than it
 #: lets them run before it is disconnected (`stalled`).
 DEFAULT_STALL_TIMEOUT = 30.0
-#: Busy polling (`sbus.pollloop`, applied by `sbus.reactor`): after a wait that ended within this many seconds, the server
-#: polls this long before it sleeps (a round trip's next request is met awake); 0 turns it off.
+#: Busy polling (`sbus.pollloop`, applied by `sbus.reactor`): after a wait that ended within this
+#: many seconds, the server polls this long before it sleeps (a round trip's next request is met
+#: awake); 0 turns it off.
 DEFAULT_BUSY_POLL = 50e-6
 #: So that one client or one user cannot take the whole bus's memory or descriptors.
 DEFAULT_MAX_SUBSCRIPTIONS = 100_000
@@ -82,7 +83,8 @@ class ServerConfig:
     max_pattern_segments: int = DEFAULT_MAX_PATTERN_SEGMENTS
     #: How long a closed connection's named session may keep its patterns (`server/session`).
     max_session_linger: float = DEFAULT_MAX_LINGER
-    #: Seconds the reactor polls before it sleeps, right after a wait this short (`sbus.pollloop`, applied by `sbus.reactor`).
+    #: Seconds the reactor polls before it sleeps, right after a wait this short (`sbus.pollloop`,
+    #: applied by `sbus.reactor`).
     busy_poll: float = DEFAULT_BUSY_POLL
     extra: dict = field(default_factory=dict)
 
