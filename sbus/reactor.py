@@ -22,8 +22,8 @@ files, which epoll refuses (EPERM), are treated as always ready and served at le
 
 It becomes the global reactor through `install()`: `sbusd` does that, ``twistd --reactor sbus``
 does (the reactor plugin), and so do the ``sbus`` and ``sbus-relay`` plugins, when their options
-are parsed, if no reactor was chosen (`install_unless_chosen`). On any other reactor the server works the same, without
-lean dispatch and polling.
+are parsed, if no reactor was chosen (`install_unless_chosen`). On any other reactor the server
+works the same, without lean dispatch and polling.
 """
 
 from __future__ import annotations

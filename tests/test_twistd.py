@@ -200,7 +200,8 @@ def test_the_bus_runs_on_its_own_reactor_unless_another_is_chosen(server, tmp_pa
     s = server([*runner, *(["--reactor", chosen] if chosen else []), "sbus", "--socket", path])
     assert s.whoami(path).startswith(WHOAMI + b"\0!/cred/")
     if runner is TWISTD:  # only twistd names the reactor; both say when polling is off
-        want = "twisted.internet.epollreactor.EPollReactor" if chosen == "epoll" else "sbus.reactor.SbusReactor"
+        want = ("twisted.internet.epollreactor.EPollReactor" if chosen == "epoll"
+                else "sbus.reactor.SbusReactor")
         assert f"reactor class: {want}." in s.log(), s.log()
     assert ("busy polling is off" in s.log()) == (chosen == "epoll"), s.log()
 
