@@ -13,9 +13,9 @@ Life of a file:
    ``O_NOFOLLOW``: a symlink planted in ``DIR`` or ``_tmp/`` is never
    followed, nothing existing is overwritten;
 2. every batch of rows the writer takes (`extend`) goes to the journal at
-   once, as one IPC record batch written straight to the kernel (no buffer
-   in this process), and is kept in memory until ``row_group_bytes`` are
-   buffered, which become one Parquet row group;
+   once, as one IPC record batch flushed to the kernel before `extend`
+   returns, and is kept in memory until ``row_group_bytes`` are buffered,
+   which become one Parquet row group;
 3. when the file reaches ``roll_bytes`` on disk (plus what is buffered) or
    ``roll_age`` seconds after its first row, the rest is written, the
    Parquet file is closed, fsynced, renamed to ``DIR/rec-FIRST-LAST.parquet``,
@@ -38,6 +38,13 @@ with a *gap row* (below). ``_tmp/`` is emptied when a writer starts.
 
 Directories the writer creates are 0700, files 0600 (whatever the umask):
 a recording can hold anything the bus carried, secret keys included.
+
+**Why buffered files.** pyarrow writes to a Python file object and ignores
+the count its ``write`` returns. A raw (unbuffered) file on a disk that is
+filling takes part of a write and returns the part taken; pyarrow would go
+on as if all of it were written, and publish a file with a hole in its
+footer. A `io.BufferedWriter` writes the rest or raises, so a full disk is
+always an error the recorder sees (and counts), never a broken file.
 
 Rows are ``(recv_time_us, seq, key, payload)`` for messages (`extend`), and
 *drop rows* (`add_drop`) that mark where messages were lost: column
@@ -316,10 +323,11 @@ class RecordingWriter:
         first, last = table.column("seq")[0].as_py(), table.column("seq")[-1].as_py()
         part = f"rec-{first:016d}{RECOVERING_SUFFIX}"
         fd = create_private(part, self._tmp_fd)
-        with open(fd, "wb", buffering=0, closefd=True) as f:
+        with open(fd, "wb", closefd=True) as f:  # buffered: see "Why buffered files"
             nbytes = table.nbytes
             rows = max(1, int(table.num_rows * self.row_group_bytes / max(nbytes, 1)))
             pq.write_table(table, f, row_group_size=rows, compression=self.compression)
+            f.flush()
             if self.fsync:
                 os.fsync(f.fileno())
         name = file_name(first, last)
@@ -411,7 +419,8 @@ class RecordingWriter:
             schema=arrow_schema())
         if self._journal is None:
             self._open_files()
-        self._journal.write_batch(batch)  # straight to the kernel: survives kill -9
+        self._journal.write_batch(batch)
+        self._journal_file.flush()  # in the kernel: survives kill -9
         self._batches.append(batch)
         self._last_seq = seqs[-1]
         self._buf_rows += n
@@ -434,11 +443,11 @@ class RecordingWriter:
     def _open_files(self) -> None:
         base = f"rec-{self._first_seq:016d}"
         self._journal_name = base + JOURNAL_SUFFIX
-        self._journal_file = open(create_private(self._journal_name, self._tmp_fd), "wb", buffering=0,
-                                  closefd=True)
+        # buffered, flushed per batch: see "Why buffered files"
+        self._journal_file = open(create_private(self._journal_name, self._tmp_fd), "wb", closefd=True)
         self._journal = pa.ipc.new_stream(self._journal_file, arrow_schema())
         self._tmp_path = os.path.join(self.tmp, base + PART_SUFFIX)
-        self._file = open(create_private(base + PART_SUFFIX, self._tmp_fd), "wb", buffering=0, closefd=True)
+        self._file = open(create_private(base + PART_SUFFIX, self._tmp_fd), "wb", closefd=True)
         self._writer = pq.ParquetWriter(self._file, arrow_schema(), compression=self.compression)
 
     def _write_row_group(self) -> None:
@@ -452,7 +461,7 @@ class RecordingWriter:
         self._file_drop_rows += self._buf_drop_rows
         self._file_dropped += self._buf_dropped
         self._reset_buffer()
-        self._file_size = os.fstat(self._file.fileno()).st_size
+        self._file_size = self._file.tell()  # what is written, in the kernel or still buffered
 
     def publish(self) -> str | None:
         """Write what is buffered, close, fsync and rename the current file; its path."""
@@ -464,6 +473,7 @@ class RecordingWriter:
         self._write_row_group()
         self._writer.close()
         f = self._file
+        f.flush()
         if self.fsync:
             os.fsync(f.fileno())
         size = os.fstat(f.fileno()).st_size
