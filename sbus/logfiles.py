@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import stat
 import sys
 
@@ -79,14 +80,9 @@ def _fresh_copy(path: str, mode: int) -> int | None:
         return None
     try:
         old = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
-        try:
-            while True:
-                chunk = os.read(old, 1 << 20)
-                if not chunk:
-                    break
-                os.write(fd, chunk)
-        finally:
-            os.close(old)
+        # buffered: a short write (a filling disk) is finished or raises, never a copy cut short
+        with open(old, "rb") as src, open(fd, "wb", closefd=False) as dst:
+            shutil.copyfileobj(src, dst)
         os.fchmod(fd, mode)
         os.rename(tmp, path)
     except OSError:

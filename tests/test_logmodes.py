@@ -220,3 +220,24 @@ def test_sbusd_log_file_takes_the_bus_mode(tmp_path, flags, mode):
         assert stat.S_IMODE(os.stat(log).st_mode) == mode
     finally:
         p.stop()
+
+
+def test_a_log_file_that_cannot_be_copied_whole_keeps_its_bytes(tmp_path):
+    """A readable log file is replaced by a private copy; a disk that fills mid-copy (here: a
+    file size limit, which also takes part of a write before it fails) must not leave a copy cut
+    short in its place: the old file stays whole and is narrowed in place instead."""
+    log = tmp_path / "bus.log"
+    log.write_bytes(b"an old line\n" * 10_000)  # 120 KB
+    log.chmod(0o644)
+    script = (
+        "import resource, signal, sys\n"
+        "from sbus.logfiles import prepare\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, resource.RLIM_INFINITY))\n"
+        "print(prepare(sys.argv[1], 0o600)[1] is None)\n")
+    r = subprocess.run([sys.executable, "-c", script, str(log)], capture_output=True, text=True, timeout=60,
+                       env=child_env())
+    assert r.returncode == 0, r.stderr[-1000:]
+    assert log.read_bytes() == b"an old line\n" * 10_000
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600 and r.stdout.strip() == "True"
+    assert os.listdir(tmp_path) == ["bus.log"]  # no copy left behind
