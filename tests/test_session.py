@@ -23,14 +23,14 @@ REPLY = b"CMSG server/session\0"
 INTEREST = b"CMSG server/interest\0"
 
 
-def claim(sock, name: bytes, linger: float = 30) -> codec.SessionReply:
-    """Ask for session `name`; skip whatever comes before the reply."""
-    send(sock, codec.session_request(name, linger))
+def claim(sock, name: bytes, linger: float = 30, confirm: bool = False, raw: bool = False):
+    """Ask for session `name`; skip whatever comes before the reply (`raw`: its payload)."""
+    send(sock, codec.session_request(name, linger, confirm))
     while True:
         p = recv(sock)
         assert p, "the server closed the connection"
         if p.startswith(REPLY):
-            return codec.parse_session_reply(p[len(REPLY):])
+            return p[len(REPLY):] if raw else codec.parse_session_reply(p[len(REPLY):])
 
 
 def leave_lingering(address: str, pattern: bytes, name: bytes) -> "socket.socket":
@@ -56,7 +56,7 @@ def test_the_table_names_sessions_per_uid_and_hands_a_stand_in_to_one_successor(
     assert table.claim("a", 7, b"svc", 5) == (NEW, None)  # asking again changes nothing
     with pytest.raises(SessionRefused):
         table.claim("a", 7, b"other", 5)
-    assert table.leave("a", 7) == (b"svc", 5)
+    assert table.leave("a", 7) == (b"svc", 5, 0)
     ghost = Lingering(7, b"svc", 0.0, 5)
     table.linger(ghost)
     ghost.deliver(b"MSG t\0")
@@ -66,16 +66,40 @@ def test_the_table_names_sessions_per_uid_and_hands_a_stand_in_to_one_successor(
     assert table.stats() == {"held": 2, "lingering": 0, "resumed": 1, "expired": 0, "missed": 0}
 
 
+def test_an_unconfirmed_count_stays_with_the_session_until_confirmed():
+    """A claimer that asked to confirm and closes before confirming hands its count to the next
+    stand-in (carried), so a successor killed before it recorded the count loses nothing; once
+    confirmed, it is forgotten. A claim that did not ask keeps the old rule: told once."""
+    table = SessionTable()
+    ghost = Lingering(7, b"svc", 0.0, 5, missed=40)
+    table.linger(ghost)
+    assert table.claim("b", 7, b"svc", 5, confirm=True) == (RESUMED, ghost)
+    assert table.leave("b", 7) == (b"svc", 5, 40), "the count told to b was not kept"
+    again = Lingering(7, b"svc", 1.0, 5, missed=3, carried=40)
+    assert (again.missed, again.carried) == (43, 40)
+    table.linger(again)
+    assert table.claim("c", 7, b"svc", 5, confirm=True)[1] is again
+    assert table.confirm("c", b"other") is None, "a name c does not hold was confirmed"
+    assert table.confirm("c", b"svc") == 43 and table.confirm("c", b"svc") == 0
+    assert table.leave("c", 7) == (b"svc", 5, 0), "a confirmed count was carried"
+    table.linger(Lingering(7, b"svc", 2.0, 5, missed=9))
+    assert table.claim("d", 7, b"svc", 5)[0] == RESUMED  # no confirm asked: told once
+    assert table.leave("d", 7) == (b"svc", 5, 0)
+    assert table.confirm("d", b"svc") is None, "a closed connection still held its name"
+
+
 @pytest.mark.parametrize("payload", [b"", b"\x0010", b"n", b"n\0", b"n\0-1", b"n\0nan", b"n\0inf",
-                                     b"n\0ten", b"x" * 201 + b"\x0010", b"n\x001\x002"])
+                                     b"n\0ten", b"x" * 201 + b"\x0010", b"n\x001\x002",
+                                     b"n\x001\x00confirmed", b"n\x001\x00confirm\x00"])
 def test_bad_requests_are_refused_with_a_reason(payload):
     with pytest.raises(SessionRefused):
         parse_request(payload, 60.0)
 
 
 def test_linger_is_clamped_to_the_servers_limit():
-    assert parse_request(b"n\x001e9", 60.0) == (b"n", 60.0)
-    assert parse_request(b"n\x000.25", 60.0) == (b"n", 0.25)
+    assert parse_request(b"n\x001e9", 60.0) == (b"n", 60.0, False)
+    assert parse_request(b"n\x000.25", 60.0) == (b"n", 0.25, False)
+    assert parse_request(b"n\x000.25\x00confirm", 60.0) == (b"n", 0.25, True)
 
 
 # -- a real server
@@ -103,6 +127,47 @@ def test_a_killed_holder_leaves_a_count_its_successor_is_told(both_paths):
     assert sync(successor) == [b"MSG t/x\0after"], "the successor does not get what comes after its claim"
     st = stats(pub)["sessions"]
     assert (st["lingering"], st["resumed"], st["held"]) == (0, 1, 1), st
+
+
+def test_a_successor_killed_before_it_confirmed_leaves_its_count_to_the_next(both_paths):
+    """Attack: the successor that was told the count dies before it could record it (the
+    window CI once hit with sbus-nats). A claim that asked to confirm keeps the count with the
+    session until the confirmation, so the next successor is told it again, marked carried;
+    after a confirmation, and for a claim in the old form, it is told once."""
+    bus = both_paths()
+    pub = leave_lingering(bus.address, b"t/", b"svc")
+    send(pub, *[msg(b"t/x", b"%d" % i) for i in range(50)])
+    sync(pub)
+
+    def successor(confirm=True):
+        s = connect(bus.address)
+        send(s, sub(b"t/"))
+        return s, claim(s, b"svc", confirm=confirm)
+
+    def gone(s):
+        s.close()
+        wait_stats(pub, lambda st: st["sessions"]["lingering"] == 1)
+
+    first, r = successor()
+    assert (r.state, r.missed, r.carried) == ("resumed", 50, 0), r
+    gone(first)  # killed before it confirmed
+    send(pub, *[msg(b"t/x", b"more") for _ in range(3)])
+    sync(pub)
+    second, r = successor()
+    assert (r.state, r.missed, r.carried) == ("resumed", 53, 50), r
+    send(second, codec.session_confirm(b"svc"))
+    gone(second)
+    third, r = successor(confirm=False)
+    assert (r.state, r.missed) == ("resumed", 0), f"a confirmed count was told again: {r}"
+    gone(third)
+    fourth = connect(bus.address)
+    send(fourth, sub(b"t/"))
+    fields = claim(fourth, b"svc", raw=True).split(b"\0")
+    assert len(fields) == 5 and fields[:3] == [b"svc", b"resumed", b"0"], \
+        f"a claim in the old form got other than the old reply: {fields}"
+    send(fourth, codec.session_confirm(b"not-mine"))
+    assert sync(fourth) == [], "a confirmation was answered"
+    bus.wait_log("server/session-confirm from")  # one line: it holds no session not-mine
 
 
 def test_a_lingering_session_keeps_its_patterns_held_until_it_expires(both_paths):

@@ -218,15 +218,20 @@ class SbusProtocol(Protocol):
         """Deferred[dict]: the server's statistics."""
         return self.server_request(codec.STATS).addCallback(lambda p: json.loads(p or b"{}"))
 
-    def session(self, name: bytes, linger: float) -> defer.Deferred:
+    def session(self, name: bytes, linger: float, confirm: bool = False) -> defer.Deferred:
         """Deferred[`codec.SessionReply`]: hold the named session (docs/protocol.md "Sessions"),
-        or claim the one a dead predecessor left and learn what it missed. Subscribe first."""
+        or claim the one a dead predecessor left and learn what it missed. Subscribe first.
+        `confirm`: the server keeps the count until `confirmSession` (call it once recorded)."""
         codec.check_session_name(name)
-        packet = codec.session_request(name, linger)
+        packet = codec.session_request(name, linger, confirm)
         self.sendPacket(packet)
         d = defer.Deferred()
         self._requests.setdefault(codec.SESSION, deque()).append(d)
         return d.addCallback(codec.parse_session_reply)
+
+    def confirmSession(self, name: bytes) -> None:
+        """The count the claim of session `name` was told is recorded: the server may forget it."""
+        self.sendPacket(codec.session_confirm(name))
 
     def echo(self, on: bool = True) -> None:
         self.sendPacket(echo_packet(on))
@@ -541,8 +546,8 @@ class ReconnectingClient:
         self._subs: list[tuple[bytes, object]] = []
         self._echo: bool | None = None
         self._flood: dict[str, object] = {}
-        #: `holdSession`: (name, linger), claimed again on every connection.
-        self._session: tuple[bytes, float] | None = None
+        #: `holdSession`: (name, linger, confirm), claimed again on every connection.
+        self._session: tuple[bytes, float, bool] | None = None
         self._delay = initialDelay
         self._call = None
         self._connecting = False
@@ -555,12 +560,19 @@ class ReconnectingClient:
 
     # -- life cycle
 
-    def holdSession(self, name: bytes, linger: float) -> None:
+    def holdSession(self, name: bytes, linger: float, confirm: bool = False) -> None:
         """Hold the named session on every connection (docs/protocol.md "Sessions"): while this
         client is away (reconnecting, or dead and restarted) the bus counts what its patterns
-        match for `linger` seconds, and the next connection is told (`sessionClaimed`)."""
+        match for `linger` seconds, and the next connection is told (`sessionClaimed`).
+        `confirm`: the bus keeps that count until `confirmSession` (once it is recorded)."""
         codec.check_session_name(name)
-        self._session = (name, float(linger))
+        self._session = (name, float(linger), bool(confirm))
+
+    def confirmSession(self) -> None:
+        """The count `sessionClaimed` was told is recorded: the bus may forget it."""
+        proto = self.protocol
+        if self._session is not None and proto is not None and proto.connected:
+            proto.confirmSession(self._session[0])
 
     def start(self) -> "ReconnectingClient":
         if not self._running:
@@ -733,7 +745,9 @@ class ReconnectingClient:
         name = reply.name.decode("utf-8", "replace")
         if reply.state == "resumed":
             log.warn("session {name}: away {gap:.3f} s, the bus counted {n} messages published for "
-                     "us meanwhile (lost)", name=name, gap=reply.gap, n=reply.missed)
+                     "us meanwhile (lost){carried}", name=name, gap=reply.gap, n=reply.missed,
+                     carried=f"; {reply.carried} of them were told before to a connection that closed "
+                     "before confirming" if reply.carried else "")
         elif reply.state in ("busy", "refused"):
             log.warn("session {name}: {state} (another live connection of this user holds it, or "
                      "the bus refused the name); nothing is counted for us while away",

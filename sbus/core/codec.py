@@ -155,6 +155,9 @@ EXTENSIONS = b"server/extensions"
 #: A request (docs/protocol.md "Sessions"): hold a named session that lingers after this
 #: connection closes, or claim the one a predecessor left.
 SESSION = b"server/session"
+#: A session's holder says it has recorded the count its claim was told (docs/protocol.md
+#: "Sessions", "Confirming the count"): until then the server keeps it with the session.
+SESSION_CONFIRM = b"server/session-confirm"
 
 
 def msg_key(packet: bytes) -> bytes:
@@ -190,15 +193,17 @@ def parse_drop_notice(payload: bytes | None) -> DropNotice:
 
 
 class SessionReply(NamedTuple):
-    """`CMSG server/session\0NAME\0STATE\0MISSED\0GAP\0LINGER` (docs/protocol.md "Sessions"):
-    `state` is new, resumed, busy or refused; a resumed session's predecessor missed `missed`
-    messages during a gap of `gap` seconds."""
+    """`CMSG server/session\0NAME\0STATE\0MISSED\0GAP\0LINGER[\0CARRIED]` (docs/protocol.md
+    "Sessions"): `state` is new, resumed, busy or refused; a resumed session's predecessor
+    missed `missed` messages during a gap of `gap` seconds. `carried` (only when the claim
+    asked to confirm): of `missed`, what an earlier claimer was told and never confirmed."""
 
     name: bytes
     state: str
     missed: int
     gap: float
     linger: float
+    carried: int = 0
 
 
 #: The longest session name a server takes.
@@ -224,23 +229,39 @@ def session_name(text: str) -> bytes:
     return name or b"?"
 
 
-def session_request(name: bytes, linger: float) -> bytes:
-    """The CMSG that holds (or claims) session `name`, lingering `linger` seconds after a close."""
+#: The flag a claim ends with to keep its count with the session until it is confirmed.
+CONFIRM_FLAG = b"confirm"
+
+
+def session_request(name: bytes, linger: float, confirm: bool = False) -> bytes:
+    """The CMSG that holds (or claims) session `name`, lingering `linger` seconds after a close;
+    `confirm`: the server keeps the count it tells until `session_confirm(name)`."""
     text = (b"%.3f" % linger).rstrip(b"0").rstrip(b".") or b"0"  # decimal, never an exponent
+    if confirm:
+        return b"CMSG %s\0%s\0%s\0%s" % (SESSION, name, text, CONFIRM_FLAG)
     return b"CMSG %s\0%s\0%s" % (SESSION, name, text)
 
 
-def session_reply(name: bytes, state: bytes, missed: int = 0, gap: float = 0.0, linger: float = 0.0) -> bytes:
-    return b"CMSG %s\0%s\0%s\0%d\0%.3f\0%.3f" % (SESSION, name, state, missed, gap, linger)
+def session_confirm(name: bytes) -> bytes:
+    """The CMSG that tells the server the count of session `name`'s claim is recorded."""
+    return b"CMSG %s\0%s" % (SESSION_CONFIRM, name)
+
+
+def session_reply(name: bytes, state: bytes, missed: int = 0, gap: float = 0.0, linger: float = 0.0,
+                  carried: int | None = None) -> bytes:
+    """The answer to a claim; `carried` is given (a sixth field) only to a claim that confirms."""
+    packet = b"CMSG %s\0%s\0%s\0%d\0%.3f\0%.3f" % (SESSION, name, state, missed, gap, linger)
+    return packet if carried is None else packet + b"\0%d" % carried
 
 
 def parse_session_reply(payload: bytes | None) -> SessionReply:
     parts = (payload or b"").split(b"\0")
     try:
-        if len(parts) != 5:
+        if len(parts) not in (5, 6):
             raise ValueError
-        name, state, missed, gap, linger = parts
-        return SessionReply(name, state.decode("ascii"), int(missed), float(gap), float(linger))
+        name, state, missed, gap, linger = parts[:5]
+        carried = int(parts[5]) if len(parts) == 6 else 0
+        return SessionReply(name, state.decode("ascii"), int(missed), float(gap), float(linger), carried)
     except (ValueError, UnicodeDecodeError):
         raise ProtocolError(f"malformed {SESSION.decode()} payload {bytes(payload or b'')[:60]!r}") from None
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+from sbus.core.codec import CONFIRM_FLAG
 from sbus.core.codec import MAX_SESSION_NAME as MAX_NAME
 from sbus.core.codec import check_session_name
 from sbus.core.codec import session_reply as reply
@@ -33,9 +34,13 @@ class SessionRefused(ValueError):
     """A request the server cannot take: the text says why (one log line)."""
 
 
-def parse_request(payload: bytes, max_linger: float) -> tuple[bytes, float]:
-    """``NAME\\0LINGER`` -> (name, linger clamped to `max_linger`); raises `SessionRefused`."""
+def parse_request(payload: bytes, max_linger: float) -> tuple[bytes, float, bool]:
+    """``NAME\\0LINGER[\\0confirm]`` -> (name, linger clamped to `max_linger`, whether the count
+    is kept until confirmed); raises `SessionRefused`."""
     name, sep, text = payload.partition(b"\0")
+    text, flagged, flag = text.partition(b"\0")
+    if flagged and flag != CONFIRM_FLAG:
+        raise SessionRefused(f"unknown flag {flag[:20]!r} after the linger (only {CONFIRM_FLAG.decode()})")
     try:
         check_session_name(name)
     except ValueError as e:
@@ -48,7 +53,7 @@ def parse_request(payload: bytes, max_linger: float) -> tuple[bytes, float]:
         raise SessionRefused(f"linger {text[:20]!r} is not a number of seconds") from None
     if not math.isfinite(linger) or linger < 0:
         raise SessionRefused(f"linger {text[:20]!r} is not a number of seconds >= 0")
-    return name, min(linger, max_linger)
+    return name, min(linger, max_linger), bool(flagged)
 
 
 class Lingering:
@@ -56,15 +61,18 @@ class Lingering:
     match. It has what the delivery loop asks of a recipient (`deliver`, `echo`, `ownerAlive`),
     so routing treats it like any client and needs no test of its own on the hot path."""
 
-    __slots__ = ("uid", "name", "missed", "left", "linger", "subscriptions", "subscription_bytes", "timer")
+    __slots__ = ("uid", "name", "missed", "carried", "left", "linger", "subscriptions", "subscription_bytes",
+                 "timer")
     echo = True
 
-    def __init__(self, uid: int, name: bytes, left: float, linger: float, missed: int = 0):
+    def __init__(self, uid: int, name: bytes, left: float, linger: float, missed: int = 0, carried: int = 0):
         self.uid = uid
         self.name = name
         #: Messages that matched while nobody held the session (what was still queued, unsent,
-        #: for the connection when it closed included).
-        self.missed = missed
+        #: for the connection when it closed included), plus `carried`.
+        self.missed = missed + carried
+        #: Of `missed`: the count the closed holder was told at its claim and never confirmed.
+        self.carried = carried
         self.left = left
         self.linger = linger
         #: What its patterns cost, still charged to the uid until it ends.
@@ -96,6 +104,7 @@ class SessionTable:
     def __init__(self):
         self._held: dict[tuple[int, bytes], object] = {}  # (uid, name) -> client
         self._names: dict[object, tuple[bytes, float]] = {}  # client -> (name, linger)
+        self._unconfirmed: dict[object, int] = {}  # client -> the count it was told, until it confirms
         self._lingering: dict[tuple[int, bytes], Lingering] = {}
         #: Totals for `server/stats`.
         self.resumed = 0
@@ -105,10 +114,12 @@ class SessionTable:
     def name_of(self, client) -> tuple[bytes, float] | None:
         return self._names.get(client)
 
-    def claim(self, client, uid: int, name: bytes, linger: float) -> tuple[bytes, Lingering | None]:
+    def claim(self, client, uid: int, name: bytes, linger: float,
+              confirm: bool = False) -> tuple[bytes, Lingering | None]:
         """`client` asks to hold `name`: (NEW or RESUMED, the stand-in it takes over, which the
         shell ends), or (BUSY, None) if another live connection holds it. Raises `SessionRefused`
-        if `client` holds another name."""
+        if `client` holds another name. `confirm`: the count the stand-in had stays with the
+        session until `confirm(client)`; a close before that hands it to the next stand-in."""
         mine = self._names.get(client)
         if mine is not None and mine[0] != name:
             raise SessionRefused(f"this connection holds session {mine[0][:40]!r} already")
@@ -121,14 +132,27 @@ class SessionTable:
         if ghost is None:
             return NEW, None
         self.resumed += 1
+        if confirm and ghost.missed:
+            self._unconfirmed[client] = self._unconfirmed.get(client, 0) + ghost.missed
         return RESUMED, ghost
 
-    def leave(self, client, uid: int) -> tuple[bytes, float] | None:
-        """`client` closed: (its name, its linger) if it held one; the name is free again."""
+    def confirm(self, client, name: bytes) -> int | None:
+        """`client` recorded the count of its claim of `name`: the count it drops (0 if none was
+        unconfirmed), or None if `client` does not hold `name`."""
+        entry = self._names.get(client)
+        if entry is None or entry[0] != name:
+            return None
+        return self._unconfirmed.pop(client, 0)
+
+    def leave(self, client, uid: int) -> tuple[bytes, float, int] | None:
+        """`client` closed: (its name, its linger, the count it was told and never confirmed) if
+        it held one; the name is free again."""
         entry = self._names.pop(client, None)
-        if entry is not None:
-            del self._held[(uid, entry[0])]
-        return entry
+        carried = self._unconfirmed.pop(client, 0)
+        if entry is None:
+            return None
+        del self._held[(uid, entry[0])]
+        return entry[0], entry[1], carried
 
     def linger(self, ghost: Lingering) -> None:
         """Keep `ghost` until it is claimed or `expire`d (a name has at most one)."""

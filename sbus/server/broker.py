@@ -44,6 +44,7 @@ _DROPPED = b"CMSG " + codec.DROPPED + b"\0"
 _DISCONNECT = b"CMSG " + codec.DISCONNECT + b"\0"
 _INTEREST = b"CMSG " + codec.INTEREST + b"\0"
 _SESSION = b"CMSG " + codec.SESSION
+_SESSION_CONFIRM = b"CMSG " + codec.SESSION_CONFIRM
 
 # Disconnect reasons, as they appear in statistics.
 PROTOCOL_ERROR = "protocol_error"
@@ -276,6 +277,8 @@ class BrokerProtocol(protocol.Protocol):
                 handler(self)
             elif key == codec.SESSION:
                 self.factory.sessionRequested(self, packet[len(_SESSION) + 1:])
+            elif key == codec.SESSION_CONFIRM:
+                self.factory.sessionConfirmed(self, packet[len(_SESSION_CONFIRM) + 1:])
         else:
             t0 = perf_counter()
             if kind == codec.SUB:
@@ -1148,26 +1151,35 @@ class BrokerFactory(protocol.Factory):
         how many messages matched while nobody held it, and how long that was."""
         uid = client.cred.uid
         try:
-            name, linger = parse_request(payload, self.config.max_session_linger)
-            state, ghost = self.sessions.claim(client, uid, name, linger)
+            name, linger, confirm = parse_request(payload, self.config.max_session_linger)
+            state, ghost = self.sessions.claim(client, uid, name, linger, confirm)
         except SessionRefused as e:
             log.warn("server/session refused for {client}: {why}", client=client.label, why=str(e))
             client.reply(session_reply(payload.partition(b"\0")[0][:200], REFUSED))
             return
-        missed = gap = 0
+        missed = gap = carried = 0
         if ghost is not None:
-            missed, gap = ghost.missed, max(0.0, self.reactor.seconds() - ghost.left)
+            missed, gap, carried = ghost.missed, max(0.0, self.reactor.seconds() - ghost.left), ghost.carried
             self._endLingering(ghost)
-            log.info("session {name} of uid {uid} resumed by {client} after {gap:.3f} s: {n} messages missed",
-                     name=_show(name), uid=uid, client=client.label, gap=gap, n=missed)
-        client.reply(session_reply(name, state, missed, gap, linger))
+            log.info("session {name} of uid {uid} resumed by {client} after {gap:.3f} s: {n} messages missed"
+                     "{also}", name=_show(name), uid=uid, client=client.label, gap=gap, n=missed,
+                     also=f" ({carried} of them told before to a holder that did not confirm)" if carried else "")
+        client.reply(session_reply(name, state, missed, gap, linger, carried if confirm else None))
 
-    def _linger(self, client: BrokerProtocol, name: bytes, linger: float) -> Lingering:
+    def sessionConfirmed(self, client: BrokerProtocol, name: bytes) -> None:
+        """`client` recorded the count its claim of `name` was told: the server forgets it (until
+        then a close hands it on to the next stand-in). No answer."""
+        if self.sessions.confirm(client, name) is None:
+            log.warn("server/session-confirm from {client}: it holds no session {name}",
+                     client=client.label, name=_show(name[:200]))
+
+    def _linger(self, client: BrokerProtocol, name: bytes, linger: float, carried: int) -> Lingering:
         """`client` closed holding session `name`: a stand-in takes over its patterns (not its
         secret ones: a secret reaches only a live process) and counts what they match, charged to
-        the uid as the patterns were, until it is claimed or `linger` seconds are up."""
+        the uid as the patterns were, until it is claimed or `linger` seconds are up. It starts
+        with what was queued, unsent, and the count `client` was told and never confirmed."""
         uid = client.cred.uid
-        ghost = Lingering(uid, name, self.reactor.seconds(), linger, missed=len(client.outbox))
+        ghost = Lingering(uid, name, self.reactor.seconds(), linger, missed=len(client.outbox), carried=carried)
         router = self.router
         router.add_client(ghost, None)
         secret = (SECRET_ROOT, self.config.cred_prefix + SECRET_ROOT)

@@ -138,7 +138,7 @@ from sbus.core.standby import MAX_MESSAGES, Window, parse_size
 from sbus.core.topology import RESERVED as TOPOLOGY
 from sbus.options import MISSING_BUS_HELP
 from sbus.services.safeconnect import OwnerConnector, parse_user
-from sbus.services.session import DEFAULT_LINGER, SessionClaim, session_name
+from sbus.services.session import DEFAULT_LINGER, SessionClaim, carried_note, session_name
 from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
 from sbus.services.spanning import PRIVATE_PATTERN, Tree, default_name, opt_trust_uid, send_urgent
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
@@ -796,9 +796,10 @@ class BridgeService(service.Service):
         self.last_gap[side] = proto.claim.uncovered
         log.info("side {side}: resumed session {name!r} after a gap of {gap:.3f} s ({away:.3f} s of it "
                  "before we subscribed): {missed} message(s) for it meanwhile, {seen} of them reached "
-                 "us, {lost} lost ({reason}, {dir})", away=proto.claim.uncovered,
+                 "us, {lost} lost ({reason}, {dir}){carried}", away=proto.claim.uncovered,
                  side=side, name=name, gap=reply.gap, missed=reply.missed, seen=proto.claim.seen,
-                 lost=lost_now, reason=reason, dir=f"{side}>{OTHER[side]}")
+                 lost=lost_now, reason=reason, dir=f"{side}>{OTHER[side]}", carried=carried_note(reply))
+        proto.claim.confirm()
 
     def _sessionStats(self) -> dict:
         out = {}

@@ -148,6 +148,7 @@ from sbus.core.standby import MAX_MESSAGES, Window, parse_size
 from sbus.services import access as bus_access
 from sbus.services.linkauth import AUTH, PROOF, AuthError, Handshake, load_key
 from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
+from sbus.services.session import carried_note
 from sbus.core.topology import HELLO_KEY, RESERVED as TOPOLOGY
 from sbus.services.spanning import Tree, default_name, opt_trust_uid, send_urgent
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
@@ -795,7 +796,8 @@ class Link(service.MultiService):
         self.bus = _BusClient(self, reactor, bus, localFactory, initialDelay=initialDelay,
                               maxDelay=maxDelay, max_packet=max_packet)
         self.bus.echo(False)
-        self.bus.holdSession(self.session_name, session_linger)  # claimed after the subscriptions
+        # claimed after the subscriptions; the count is confirmed once logged and counted
+        self.bus.holdSession(self.session_name, session_linger, confirm=True)
         # Lossless: when we stop reading the bus (the peer is slow), the bus holds the publishers.
         self.bus.flood(hard="block")
         self.bus.subscribe(TOPOLOGY)
@@ -933,7 +935,7 @@ class Link(service.MultiService):
         bus connection after the subscriptions). ``resumed``: the process before us (or our own
         previous connection to the bus) died, and the bus counted MISSED messages of ours since,
         GAP seconds ago: lost."""
-        name, state, missed, gap, linger = reply
+        name, state, missed, gap, linger = reply.name, reply.state, reply.missed, reply.gap, reply.linger
         if missed < 0 or not (math.isfinite(gap) and math.isfinite(linger)):
             log.warn("sbus-link: the bus answered our session claim with {r!r}; ignored", r=reply)
             return
@@ -946,8 +948,9 @@ class Link(service.MultiService):
                                 reason=reason)
             who = "the previous sbus-link process" if first else "our previous bus connection"
             log.warn("sbus-link: resumed session {name}: {n} message(s) published on our bus while "
-                     "{who} was down are lost ({reason}), gap {gap:.3f} s", name=_show(name), n=missed,
-                     who=who, reason=reason, gap=gap)
+                     "{who} was down are lost ({reason}), gap {gap:.3f} s{carried}", name=_show(name), n=missed,
+                     who=who, reason=reason, gap=gap, carried=carried_note(reply))
+            self.bus.confirmSession()
             if first and self.peer is not None:
                 self._standingByBefore(self.peer)
         elif state == "new":

@@ -115,6 +115,7 @@ from sbus.core.natsmap import (MappingError, check_prefix, key_to_subject, patte
 from sbus.core.patterns import matches
 from sbus.options import MISSING_BUS_HELP
 from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
+from sbus.services.session import carried_note
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
 
 #: Exit status when another sbus-nats of the same --name runs on the bus (a configuration error,
@@ -488,7 +489,7 @@ class NatsService(service.Service):
                 log.warn("bus: {err}", err=failure.value)
                 answer(codec.SessionReply(self.session_name, "malformed", 0, 0.0, 0.0))
 
-        proto.session(self.session_name, self.session_linger).addCallbacks(answer, malformed)
+        proto.session(self.session_name, self.session_linger, confirm=True).addCallbacks(answer, malformed)
 
         def synced(_):
             if not answered and proto is self.client.protocol:
@@ -515,8 +516,9 @@ class NatsService(service.Service):
                 if missed:
                     self.gaps[reason] = self.gaps.get(reason, 0) + missed
                 log.warn("bus: resumed session {name} after a gap of {gap:.3f} s: {n} message(s) "
-                         "published for export meanwhile were not exported; counted as lost ({why})",
-                         name=self.session["name"], gap=gap, n=missed, why=reason)
+                         "published for export meanwhile were not exported; counted as lost ({why}){carried}",
+                         name=self.session["name"], gap=gap, n=missed, why=reason, carried=carried_note(reply))
+                proto.confirmSession(self.session_name)  # logged and counted: the bus may forget it
             else:
                 log.info("bus: session {name} claimed (new: nothing lingered); lingers {l:.3f} s "
                          "after this process ends", name=self.session["name"], l=reply.linger)

@@ -112,6 +112,7 @@ class QueueService(service.Service):
                 ReconnectingClient.sessionClaimed(self, reply)
                 if reply.state == "resumed":
                     svc.restart_lost += reply.missed
+                    self.confirmSession()  # logged and counted: the bus may forget it
 
             def connectionLost(self, reason):
                 svc.intake_ready = False
@@ -142,7 +143,7 @@ class QueueService(service.Service):
             self.intake.flood(hard="block")
         for g in self.core.groups.values():
             self.intake.subscribe(g.pattern)
-        self.intake.holdSession(codec.session_name(f"sbus-queue {self._name()}"), SESSION_LINGER)
+        self.intake.holdSession(codec.session_name(f"sbus-queue {self._name()}"), SESSION_LINGER, confirm=True)
         # the control connection once the intake is subscribed (and see _follow)
         self.intake.start()
         log.info("sbus-queue: groups {g}; at most {limit} waiting per group ({mode} beyond), "

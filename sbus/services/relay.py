@@ -99,7 +99,7 @@ from sbus.server import tap
 from sbus.server.address import parse_address
 from sbus.server.config import ServerConfig
 from sbus.server.config import pattern_cost as _cost  # what the master charges for a pattern
-from sbus.services.session import DEFAULT_LINGER, SessionClaim, session_name
+from sbus.services.session import DEFAULT_LINGER, SessionClaim, carried_note, session_name
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
 
 log = Logger(namespace="sbus.relay")
@@ -947,9 +947,10 @@ class Relay(service.Service):
         self.last_session_gap = proto.claim.uncovered
         log.info("sbus-relay: resumed session {name!r} on the master after a gap of {gap:.3f} s "
                  "({away:.3f} s of it before we were connected): {missed} message(s) for our "
-                 "subscriptions meanwhile, {seen} of them reached us, {lost} lost ({reason})",
+                 "subscriptions meanwhile, {seen} of them reached us, {lost} lost ({reason}){carried}",
                  away=proto.claim.uncovered, name=name, gap=reply.gap, missed=reply.missed,
-                 seen=proto.claim.seen, lost=lost_now, reason=reason)
+                 seen=proto.claim.seen, lost=lost_now, reason=reason, carried=carried_note(reply))
+        proto.claim.confirm()
 
     def _sessionStats(self) -> dict | None:
         if self.session_linger <= 0:

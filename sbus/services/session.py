@@ -14,7 +14,12 @@ lasted (GAP). `SessionClaim` is one connection's claim, shared by the bridge and
   predecessor's connection closed has seen everything MISSED counts, so its loss is 0: a
   sibling taking over a role it watched counts nothing. This also makes the moment of the
   claim free: a late claim over-counts nothing.
-* `claim()` sends the request and fires with the parsed reply; `lost` is set then.
+* `claim()` sends the request and fires with the parsed reply; `lost` is set then. The claim
+  asks the server to keep the count until it is confirmed: once the service has logged and
+  counted it, it calls `confirm()`. A service killed between the answer and its log line
+  leaves the count with the session, and its successor is told it again (``carried``); one
+  killed after its log line and before the confirmation reached the server leaves it too,
+  so the count may be in two log lines (the second says it is carried), never in none.
 
 Secret keys (``!/cred/``) are never counted by the server, so `saw()` ignores them.
 """
@@ -32,6 +37,15 @@ from sbus.core.credentials import SECRET_ROOT
 #: Seconds a service asks its session to linger after its connection closes (the server clamps
 #: it to its ``--max-session-linger``, 60 s by default).
 DEFAULT_LINGER = 60.0
+
+
+def carried_note(reply: SessionReply) -> str:
+    """The end of a service's "resumed" log line: how much of the count an earlier instance was
+    told and killed before confirming (its own log line, if it wrote one, has them too)."""
+    if reply.carried <= 0:
+        return ""
+    return (f"; {reply.carried} of them were told to a predecessor that was killed before confirming "
+            "(its log may count them too)")
 
 
 class SessionClaim:
@@ -81,7 +95,7 @@ class SessionClaim:
         self.pending = True
         self.attempts += 1
         try:
-            d = self.proto.session(self.name, self.linger)
+            d = self.proto.session(self.name, self.linger, confirm=True)
         except Exception:
             self.pending = False
             return defer.succeed(None)
@@ -90,7 +104,9 @@ class SessionClaim:
             self.pending = False
             self.reply = reply
             if reply.state == "resumed":
-                self.lost = max(0, reply.missed - self.seen)
+                # what this connection saw matched the stand-in: in its own count, not the carried one
+                carried = min(max(0, reply.carried), reply.missed)
+                self.lost = carried + max(0, reply.missed - carried - self.seen)
                 self.uncovered = max(0.0, reply.gap - (time.monotonic() - self._made))
             return reply
 
@@ -99,3 +115,8 @@ class SessionClaim:
             return None
 
         return d.addCallbacks(answered, failed)
+
+    def confirm(self) -> None:
+        """The count is logged and counted: the server may forget it."""
+        if self.reply is not None and self.reply.state == "resumed" and self.proto.connected:
+            self.proto.confirmSession(self.name)
