@@ -337,3 +337,52 @@ async def test_reconnecting_client(start_bus, tmp_path):
         if other is not None:
             await within(other.close())
     assert not rc.connected
+
+
+def older_server(path):
+    """A server from before `server/session-confirm`, as far as sessions go: it refuses a claim
+    with a third field (as the parser of that version did) and holds one without. Answers
+    whoami. One connection, in a thread; returns (thread, the claims it read)."""
+    import socket
+    import threading
+
+    from sbus.core import codec
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+    claims = []
+
+    def serve():
+        conn, _ = listener.accept()
+        listener.close()
+        with conn:
+            while True:
+                p = conn.recv(65536)
+                if not p:
+                    return
+                if p.startswith(b"CMSG " + codec.WHOAMI):
+                    conn.send(b"CMSG %s\0%s" % (codec.WHOAMI, own_whoami()))
+                elif p.startswith(b"CMSG %s\0" % codec.SESSION):
+                    fields = p.split(b"\0")[1:]
+                    claims.append(fields)
+                    state = b"refused" if len(fields) != 2 else b"new"
+                    conn.send(codec.session_reply(fields[0], state, linger=30.0 if state == b"new" else 0.0))
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return t, claims
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_claim_that_confirms_falls_back_to_the_old_form_on_an_older_server(tmp_path):
+    """Version skew: services ask to confirm; a server of the version before refuses the flag.
+    The client asks again without it, so the session is still held (and counted) there."""
+    path = str(tmp_path / "old.socket")
+    thread, claims = older_server(path)
+    p = await within(connect(reactor(), path))
+    reply = await within(p.session(b"svc", 30, confirm=True))
+    assert (reply.state, reply.linger) == ("new", 30.0), reply
+    assert claims == [[b"svc", b"30", b"confirm"], [b"svc", b"30"]], claims
+    await within(p.close())
+    thread.join(TIMEOUT)

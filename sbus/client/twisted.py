@@ -221,10 +221,21 @@ class SbusProtocol(Protocol):
     def session(self, name: bytes, linger: float, confirm: bool = False) -> defer.Deferred:
         """Deferred[`codec.SessionReply`]: hold the named session (docs/protocol.md "Sessions"),
         or claim the one a dead predecessor left and learn what it missed. Subscribe first.
-        `confirm`: the server keeps the count until `confirmSession` (call it once recorded)."""
+        `confirm`: the server keeps the count until `confirmSession` (call it once recorded); a
+        server older than that refuses the flag, and is asked again in the old form."""
         codec.check_session_name(name)
-        packet = codec.session_request(name, linger, confirm)
-        self.sendPacket(packet)
+        d = self._sessionRequest(name, linger, confirm)
+        if confirm:
+            def older(reply: codec.SessionReply):
+                # a server from before the confirmation refuses the flag: claim in the old form
+                if reply.state == "refused" and self.connected:
+                    return self._sessionRequest(name, linger, False)
+                return reply
+            d.addCallback(older)
+        return d
+
+    def _sessionRequest(self, name: bytes, linger: float, confirm: bool) -> defer.Deferred:
+        self.sendPacket(codec.session_request(name, linger, confirm))
         d = defer.Deferred()
         self._requests.setdefault(codec.SESSION, deque()).append(d)
         return d.addCallback(codec.parse_session_reply)
