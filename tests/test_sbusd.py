@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from helpers import SbusdProcess, run_as, served, try_whoami, wait_until
+from helpers import SbusdProcess, run_as, try_whoami, wait_until
 
 TIMEOUT = 10.0
 WHOAMI = b"CMSG !/cred/whoami"
