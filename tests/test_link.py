@@ -180,8 +180,16 @@ def cross_identity(agent: Agent, trusted_uids=(os.getuid(), 0)) -> bytes:
 
     Discovery on `sbus-link/whoami` names candidate links (forgeable); a
     trusted candidate is asked on its own secret key with a nonce, and only
-    an answer carrying that nonce counts. Forged replies are skipped.
+    an answer carrying that nonce counts. Forged replies are skipped. An empty
+    identity (the link is up but has not yet had its peer's whoami: the peer
+    says it again once it knows it, after "link up") is asked again.
     """
+    return wait_until(lambda: ask_identity(agent, trusted_uids), "a non-empty identity from the link",
+                      TIMEOUT, interval=0.1)
+
+
+def ask_identity(agent: Agent, trusted_uids) -> bytes:
+    """One round of `cross_identity`: the verified answer, empty if the link does not know yet."""
     w = agent.call("whoami")[1]
     reply_key = w + b"/sbus-link/whoami"
     head = b"MSG " + reply_key + b"\0"
@@ -664,3 +672,4 @@ def test_a_peer_s_watch_frames_are_never_published_and_a_false_ack_closes_the_li
     peer.send(b"CMSG link/ack\x00999")
     assert peer.closed()
     a.wait_log("link/ack of 999: sent 0")
+
