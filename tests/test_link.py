@@ -673,3 +673,32 @@ def test_a_peer_s_watch_frames_are_never_published_and_a_false_ack_closes_the_li
     assert peer.closed()
     a.wait_log("link/ack of 999: sent 0")
 
+
+def test_identity_across_a_link_whose_peer_is_not_on_its_bus_yet(start_bus, tmp_path, procs):
+    """The race CI once hit: a link is up before the peer has had its whoami from its own bus
+    (here held back, without timing, by stopping that bus's server). The link says so in its
+    "link up" line, answers an empty identity meanwhile (docs: empty while not known), and
+    once the peer is on its bus says who it is there and answers the right identity."""
+    import signal
+
+    bus_a, bus_b = start_bus(), start_bus()
+    key = shared_key(tmp_path)
+    os.kill(bus_b.proc.pid, signal.SIGSTOP)  # link b connects to it, but gets no whoami
+    try:
+        a = LinkProc(tmp_path, bus_a, "--listen", "tcp:0:interface=127.0.0.1", "--key-file", key, name="link-a")
+        procs.append(a)
+        b = LinkProc(tmp_path, bus_b, "--connect", f"tcp:host=127.0.0.1:port={a.port()}", "--key-file", key,
+                     name="link-b")
+        procs.append(b)
+        up = a.wait_log("link up")
+        assert "ours there as not known yet" in up, up[-300:]
+        asker = Agent(bus_a.address)
+        assert ask_identity(asker, (os.getuid(), 0)) == b"", "an identity before the peer knew its own"
+    finally:
+        os.kill(bus_b.proc.pid, signal.SIGCONT)
+    try:
+        a.wait_log(re.compile(r"peer \S+ is now !/cred/\d+/\d+/%d on its bus" % b.pid))
+        assert cross_identity(asker) == b"!/cred/%d/%d/%d/" % (os.getgid(), os.getuid(), b.pid) + \
+            asker.call("whoami")[1]
+    finally:
+        asker.kill()

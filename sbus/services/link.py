@@ -1247,9 +1247,11 @@ class Link(service.MultiService):
         self._receiving = STANDBY
         self._sendState(peer)
         self._update()
+        # the peer may not be on its own bus yet: its name there comes later ("is now")
+        theirs = (f"{_show(peer.remote_whoami)}/<our whoami>" if peer.remote_whoami else
+                  "not known yet (the peer is not on its bus yet; it says when it is)")
         log.info("sbus-link: link up with {peer}; its clients appear here as {mine}/<their whoami>, "
-                 "ours there as {theirs}/<our whoami>", peer=peer.name, mine=_show(self.whoami),
-                 theirs=_show(peer.remote_whoami))
+                 "ours there as {theirs}", peer=peer.name, mine=_show(self.whoami), theirs=theirs)
 
     def fromPeer(self, peer: PeerProtocol, frame: bytes) -> None:
         if getattr(peer.transport, "disconnecting", False):
