@@ -78,6 +78,23 @@ ensure_rbuf(size_t need)
 	return 0;
 }
 
+/* A descriptor number from Python: an int that fits a C int, else OverflowError (a long
+ * truncated to int would name another descriptor: 2**40 became fd 0). */
+static int
+fd_arg(PyObject *obj, int *fd)
+{
+	long v = PyLong_AsLong(obj);
+
+	if (v == -1 && PyErr_Occurred())
+		return -1;
+	if (v < INT_MIN || v > INT_MAX) {
+		PyErr_SetString(PyExc_OverflowError, "file descriptor out of range");
+		return -1;
+	}
+	*fd = (int)v;
+	return 0;
+}
+
 static PyObject *
 recv_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -90,7 +107,8 @@ recv_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 		PyErr_SetString(PyExc_TypeError, "recv_batch(fd, count, size)");
 		return NULL;
 	}
-	fd = PyLong_AsLong(args[0]);
+	if (fd_arg(args[0], &fd) < 0)
+		return NULL;
 	count = PyLong_AsSsize_t(args[1]);
 	size = PyLong_AsSsize_t(args[2]);
 	if (PyErr_Occurred())
@@ -157,8 +175,7 @@ send_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 		PyErr_SetString(PyExc_TypeError, "send_batch(fd, packets, start=0)");
 		return NULL;
 	}
-	fd = PyLong_AsLong(args[0]);
-	if (fd == -1 && PyErr_Occurred())
+	if (fd_arg(args[0], &fd) < 0)
 		return NULL;
 	packets = args[1];
 	if (!PyList_Check(packets)) {

@@ -101,7 +101,7 @@ class SeqPacketTransport:
         "connected", "disconnecting", "_fd", "_reading", "_writing",
         "_buf", "_producer", "_producerPaused", "_streaming", "_host", "packets_out",
         "bytes_out", "packets_unsendable", "_aborted", "_closing", "_batchDone", "_sendRefused",
-        "_drainLeft", "__weakref__",
+        "_drainLeft", "_drainReason", "_paused", "__weakref__",
     )
 
     def __init__(self, sock, protocol, reactor, *, max_packet, drain_cap=DEFAULT_DRAIN_CAP,
@@ -136,6 +136,10 @@ class SeqPacketTransport:
         self._sendRefused = hasattr(protocol, "sendRefused")
         #: After a failed send: how many more packets the peer may still have us read.
         self._drainLeft = 0
+        #: A drain held paused (the protocol's flood control): why the connection ends after it.
+        self._drainReason = None
+        #: Paused as a producer (`pauseProducing`): the protocol holds it.
+        self._paused = False
         self._aborted = False
         #: The delayed call that will finish the connection (abort, failed send), if any.
         self._closing = None
@@ -357,19 +361,37 @@ class SeqPacketTransport:
     def _drainThenLose(self, reason):
         """Read what the gone peer sent, `drain_cap` packets per reactor turn (others get theirs
         in between), at most `_DRAIN_AFTER_SEND_FAILURE` in all: a peer that only shut its
-        reading side and keeps sending is cut off there."""
+        reading side and keeps sending is cut off there. While the protocol holds it paused
+        (flood control), what is left waits in the kernel, as for a live peer, and the drain
+        goes on when it is resumed (`resumeProducing`)."""
         self._closing = None
         if not self.connected:
             return
+        if self._paused and not self._aborted:
+            self._drainReason = reason  # held: `resumeProducing` goes on
+            return
+        got, done = self._drainSome(min(self.drain_cap, self._drainLeft))
+        self._drainLeft -= got
+        if not self.connected or self._aborted:
+            return
+        if self._paused:
+            self._drainReason = reason  # held by what it just sent
+            return
+        if not done and self._drainLeft > 0:
+            self._closing = self.reactor.callLater(0, self._drainThenLose, reason)
+            return
+        self.stopReading()
+        self._lose(reason)
+
+    def _drainSome(self, count: int) -> tuple[int, bool]:
+        """Read and hand over up to `count` packets, stopping where the protocol pauses this
+        transport: (how many, whether the peer has nothing more)."""
         recv_into = self.socket.recv_into
         buf = self._buf
         limit = self.max_packet
-        done = False
         got = 0
-        for _ in range(min(self.drain_cap, self._drainLeft)):
-            if self._aborted or not self.connected:
-                done = True
-                break
+        done = False
+        for _ in range(count):
             try:
                 n = recv_into(buf, limit, _MSG_TRUNC)
             except (InterruptedError, ConnectionResetError):
@@ -385,14 +407,11 @@ class SeqPacketTransport:
                 self.protocol.packetTooLarge(n)
             else:
                 self.protocol.packetReceived(buf[:n].tobytes())
-        self._drainLeft -= got
+            if self._paused or self._aborted or not self.connected:
+                break
         if got and self._batchDone and self.connected:
             self.protocol.readBatchDone()
-        if not done and self._drainLeft > 0 and self.connected and not self._aborted:
-            self._closing = self.reactor.callLater(0, self._drainThenLose, reason)
-            return
-        self.stopReading()
-        self._lose(reason)
+        return got, done
 
     # -- closing
 
@@ -421,12 +440,21 @@ class SeqPacketTransport:
     def _lose(self, reason):
         self._closing = None
         if self.connected:
-            self.connectionLost(reason)
+            self._finish(reason)
 
     def readConnectionLost(self, reason):
-        self.connectionLost(reason)
+        self._finish(reason)
 
     def connectionLost(self, reason):
+        """The reactor says the connection is gone. If it is held paused (flood control), the
+        hang-up was seen on the write side, and what the peer sent before it went still waits
+        in our receive queue, as after a failed send: it is read when the hold ends."""
+        if self.connected and self._paused and not self.disconnecting:
+            self._sendFailed(reason.value if isinstance(reason, failure.Failure) else reason)
+            return
+        self._finish(reason)
+
+    def _finish(self, reason):
         if not self.connected:
             return
         closing, self._closing = self._closing, None
@@ -469,11 +497,19 @@ class SeqPacketTransport:
         sent waits in the kernel, where it waited before, not in anyone's queue (a held
         publisher that goes away must not grow the queue that held it past its limits)."""
         if self.connected:
+            self._paused = True
             self.stopReading()
 
     def resumeProducing(self):
-        if self.connected and not self.disconnecting:
+        self._paused = False
+        if not self.connected or self._aborted:
+            return
+        if not self.disconnecting:
             self.startReading()
+        elif self._drainReason is not None:  # a drain after a failed send, held: go on
+            reason, self._drainReason = self._drainReason, None
+            if self._closing is None:
+                self._closing = self.reactor.callLater(0, self._drainThenLose, reason)
 
     def stopProducing(self):
         self.loseConnection()
@@ -613,7 +649,7 @@ class SeqPacketPort:
                         pid=cred.pid, uid=cred.uid)
             if transport is not None and transport.connected:
                 try:  # let the protocol forget what it set up; it failed once, stay quiet
-                    transport.connectionLost(failure.Failure(error.ConnectionAborted()))
+                    transport.readConnectionLost(failure.Failure(error.ConnectionAborted()))
                 except Exception:
                     transport.stopReading()
                     transport.stopWriting()
@@ -672,10 +708,6 @@ def connectSeqPacket(reactor, address, protocol, *, max_packet: int = MAX_PACKET
 _speedups = speedups.load()
 #: True when the server's connections use batch I/O (the C extension is there and not disabled).
 BATCH_IO = _speedups is not None
-if BATCH_IO:
-    _recv_batch = _speedups.recv_batch
-    _send_batch = _speedups.send_batch
-
 
 
 class BatchSeqPacketTransport(SeqPacketTransport):
@@ -708,7 +740,7 @@ class BatchSeqPacketTransport(SeqPacketTransport):
                 return why
         for _ in range(2):
             try:
-                packets = _recv_batch(self._fd, self.drain_cap, self.max_packet)
+                packets = self.recvBatch(self.drain_cap)
             except (InterruptedError, ConnectionResetError):
                 # ECONNRESET comes once, before the packets a closing peer sent: read on (as doRead).
                 continue
@@ -739,8 +771,8 @@ class BatchSeqPacketTransport(SeqPacketTransport):
                 break
             elif deliver(packet) is True and many is not None and i < n and self._reading:
                 i = many(packets, i)  # it said it takes more at once: offer it the rest
-            if not self._reading:
-                if i < n and self.connected and not self.disconnecting:
+            if not self._reading and (self._paused or self._aborted or not self._drainLeft):
+                if i < n and self.connected and not self._aborted:
                     self._stash = packets[i:]  # paused: the rest waits, as unread packets do
                 break
         if self._batchDone:
@@ -758,20 +790,19 @@ class BatchSeqPacketTransport(SeqPacketTransport):
             stash, self._stash = self._stash, None
             why = self._route(stash)
             if why is not None:
-                self.connectionLost(failure.Failure(why))
+                self._finish(failure.Failure(why))
 
     # -- writing
 
     def flush(self) -> bool:
         outbox = self.outbox
-        fd = self._fd
         cap = self.drain_cap
         while outbox.nbytes:
             batch = outbox.head(cap)
             if batch is None:  # another order: one packet at a time
                 return SeqPacketTransport.flush(self)
             try:
-                n = _send_batch(fd, batch)
+                n = self.sendBatch(batch)
             except InterruptedError:
                 continue
             except OSError as e:
@@ -788,13 +819,45 @@ class BatchSeqPacketTransport(SeqPacketTransport):
             self.bytes_out += outbox.sent(n)
         return True
 
+    # -- the kernel's edge: one call each (the simulator's fake kernel answers these instead)
+
+    def recvBatch(self, count: int) -> list:
+        """Up to `count` waiting packets (bytes; an int for one over the size limit, its size;
+        b"" for end of file); [] when none waits. Raises OSError as recvmmsg does."""
+        return _speedups.recv_batch(self._fd, count, self.max_packet)
+
+    def sendBatch(self, batch: list) -> int:
+        """Send the packets of `batch` from the first; how many the socket took (0: full)."""
+        return _speedups.send_batch(self._fd, batch)
+
+    def _drainSome(self, count: int) -> tuple[int, bool]:
+        """After a failed send: the rest of a held-back batch first (it was read before
+        anything still in the kernel), then up to `count` packets by batch."""
+        stash, self._stash = self._stash, None
+        packets = stash if stash is not None else []
+        if len(packets) < count:
+            try:
+                packets += self.recvBatch(count - len(packets))
+            except (InterruptedError, ConnectionResetError):
+                pass
+            except OSError:
+                return self._routeDrained(packets), True
+        if not packets:
+            return 0, True
+        return self._routeDrained(packets), not packets[-1] and packets[-1].__class__ is bytes
+
+    def _routeDrained(self, packets: list) -> int:
+        if packets:
+            self._route(packets)
+        return len(packets)
+
     def abortConnection(self):
         self._stash = None
         SeqPacketTransport.abortConnection(self)
 
-    def connectionLost(self, reason):
+    def _finish(self, reason):
         self._stash = None
-        SeqPacketTransport.connectionLost(self, reason)
+        SeqPacketTransport._finish(self, reason)
 
 
 #: The class the server's port uses for the connections it accepts.
