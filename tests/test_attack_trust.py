@@ -511,15 +511,19 @@ def test_gateway_honours_the_servers_user_list(start_bus, open_dir, tmp_path):
 
 
 def test_access_takes_the_servers_user_list_when_reported(start_bus, open_dir):
-    """The service side of the test above: once the server's statistics name its -u list, a uid
-    the mode bits let in but the list does not is refused (root and our own uid always pass)."""
-    from sbus.services.access import BusAccess
+    """The service side of the test above: until the server's statistics name its -u list, only
+    root and our own uid pass (an unknown list is closed); then a uid the mode bits let in but
+    the list does not is refused (root and our own uid always pass)."""
+    from sbus.services.admission import Admission
 
     bus = _open_bus(start_bus, open_dir, "bus.socket")
-    access = BusAccess(bus.address)
-    assert access.allows(NOBODY)
-    access.learn_server(b'{"clients": 1}')            # a server that does not say: modes decide
-    assert access.allows(NOBODY)
-    access.learn_server(b'{"allowed_uids": [0, 1000]}')
-    assert not access.allows(NOBODY) and access.allows(0) and access.allows(os.getuid())
+    access = Admission(bus.address, "test")
+    assert access.refusal(NOBODY) is not None and access.refusal(0) is None
+    access.learn(b'{"clients": 1, "scope": "uid"}')   # a view that does not say: still unknown
+    assert access.refusal(NOBODY) is not None
+    access.learn(b'{"allowed_uids": null}')           # no -u list: the modes decide
+    assert access.refusal(NOBODY) is None
+    access.learn(b'{"allowed_uids": [0, 1000]}')
+    assert access.refusal(NOBODY) is not None and access.refusal(0) is None
+    assert access.refusal(os.getuid()) is None
     assert "-u users 0,1000" in access.describe()

@@ -768,11 +768,15 @@ def test_tls_with_client_certificates_and_a_token(tmp_path):
         procs += buses
         common = ["--server", f"tls://127.0.0.1:{port}", "--tls-ca", ca, "--tls-cert", cli_cert,
                   "--tls-key", cli_key, "--reconnect-wait", "0.2"]
-        x = start_bridge(tmp_path, buses[0].address, [], *common, "--token", token, "--export", "t/")
-        y = start_bridge(tmp_path, buses[1].address, [], *common, "--token", token, "--import", "t/")
+        good, wrong = tmp_path / "token", tmp_path / "wrong-token"
+        for path, text in ((good, token), (wrong, "wrong")):
+            path.write_text(text + "\n")
+            path.chmod(0o600)
+        x = start_bridge(tmp_path, buses[0].address, [], *common, "--token-file", str(good), "--export", "t/")
+        y = start_bridge(tmp_path, buses[1].address, [], *common, "--token-file", str(good), "--import", "t/")
         procs += [x, y]
         # a name of its own: one sbus-nats per name per bus (the same patterns make the same name)
-        bad = Twistd(["sbus-nats", "--bus", buses[1].address, *common, "--token", "wrong", "--import", "t/",
+        bad = Twistd(["sbus-nats", "--bus", buses[1].address, *common, "--token-file", str(wrong), "--import", "t/",
                       "--name", "bad-token"], tmp_path)
         procs.append(bad)
         s = subscriber(buses[1])

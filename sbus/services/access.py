@@ -1,34 +1,26 @@
-"""Who may reach a bus through a service: the rule every service applies.
+"""The kernel's answers a service's admission needs (the rule itself: `sbus.services.admission`).
 
-**Rule: nobody reaches a bus through a service who could not have opened its
-socket.** A gateway, link or bridge is a client of a bus; whoever talks to
-the service talks to that bus with the service's credentials. So a service
-admits a peer only if the peer's uid could ``connect()`` to the bus socket
-itself, and the sockets a service creates are no wider than the bus's.
-
-* `BusAccess.allows(uid)`: for a bus on a filesystem path, the kernel's own
-  answer, worked out from the modes: root, or search (``x``) permission on
-  every directory of the path and write permission on the socket file,
-  for the uid's primary and supplementary groups (from the user database).
-  The service's own uid is always allowed (it reaches the bus already). An
-  abstract address or an inherited descriptor has no file mode: only the
-  service's own uid and root. The answer is worked out again on every
-  check (modes can change; the check is cheap and happens once per
-  connection, not per message).
-* `peer_uid(transport)`: the uid of whoever is at the other end of a
-  connection we accepted or made: ``SO_PEERCRED`` on a unix socket, the
-  owner of the peer's socket in ``/proc/net/tcp`` and ``tcp6`` for a TCP
-  connection whose peer is on this host (loopback, or one of our own
-  addresses), ``None`` when it cannot be known (a remote host).
-* `BusAccess.wider(mode)`: the bits of a socket we would serve that let in
-  someone who could not open the bus (judged like `allows`: the whole path,
-  not only the socket's bits). The relay refuses to start with such a
-  ``--mode``; the endpoints below drop them.
-* `server_endpoint(...)`: a Twisted server endpoint from a description; a
-  ``unix:`` one is created with the bus socket's mode (never wider, whatever
-  ``mode=`` says, nor wider than the path to the bus lets in) under a restrictive umask (no window where it is 0666), and
-  given to the bus socket's owner when we run as root; TCP and SSL get the
-  service's default ``backlog=`` unless the description names one.
+* `could_connect(path, uid, gids)`: could a process of that uid and those groups
+  ``connect()`` to the unix socket at `path`: root, or search (``x``) permission on every
+  directory of the path (symlinks followed as the kernel does) and write permission on the
+  socket file. `may_connect(uid, path)` is the same with the uid's groups from the user
+  database. Modes only; ACLs are not read.
+* `peer_credentials(transport)`: (pid, uid, gid) of whoever is at the other end of a
+  connection we accepted: ``SO_PEERCRED`` on a unix socket; for a TCP connection whose peer
+  is on this host (loopback, or one of our own addresses) the uid owning the peer's socket
+  (an exact ``sock_diag`` lookup, else ``/proc/net/tcp`` and ``tcp6``); uid None when it
+  cannot be known (a remote host).
+* `BusAccess`: the bus's socket file (path, mode, owner), and `BusAccess.wider(mode)`: the
+  bits of a socket we would serve that let in someone who could not open the bus (judged on
+  the whole path). That is the second fence, never the decision: the relay refuses to start
+  with such a ``--mode``; the endpoints below drop them.
+* `server_endpoint(...)`: a Twisted server endpoint from a description; a ``unix:`` one is
+  created with the bus socket's mode (never wider, whatever ``mode=`` says, nor wider than the
+  path to the bus lets in) under a restrictive umask (no window where it is 0666), and given
+  to the bus socket's owner when we run as root; ``unix:/dev/unix/abstract/HEX`` binds that
+  abstract name and ``unix:/dev/fd/N`` adopts an inherited listening socket (admission alone
+  guards those: they have no mode); TCP and SSL get the service's default ``backlog=`` unless
+  the description names one.
 """
 
 from __future__ import annotations
@@ -113,12 +105,13 @@ def _walk(path: str, uid: int, gids: set[int], hops: int = 40) -> str | None:
 
 def may_connect(uid: int, path: str) -> bool:
     """Could `uid` connect() to the unix socket at `path` (mode bits; ACLs are not read)?"""
+    return could_connect(path, uid, user_groups(uid))
+
+
+def could_connect(path: str, uid: int, gids: set[int]) -> bool:
+    """Could a process of `uid` with exactly the groups `gids` connect() to the socket at `path`?"""
     if uid == 0:
         return True
-    return _could_connect(path, uid, user_groups(uid))
-
-
-def _could_connect(path: str, uid: int, gids: set[int]) -> bool:
     try:
         real = _walk(os.path.abspath(path), uid, gids)
         if real is None:
@@ -134,7 +127,7 @@ _NOBODY_IN_PARTICULAR = -1
 
 
 class BusAccess:
-    """Who could open the bus at `address` (see the module text)."""
+    """The bus at `address`: its socket file, and the fence for sockets we serve (module text)."""
 
     def __init__(self, address):
         from sbus.client.address import resolve
@@ -148,30 +141,6 @@ class BusAccess:
         if addr is not None and addr.kind == "path":
             self.path = os.path.abspath(addr.value)  # twistd may chdir later
         self.own_uid = os.getuid()
-        #: The server's own allow-list (``-u``), when its ``server/stats`` reports one
-        #: (``allowed_uids``); None: not known, the modes alone decide.
-        self.server_users: frozenset[int] | None = None
-
-    def learn_server(self, payload: bytes) -> None:
-        """Take the allow-list from the bus's ``server/stats`` answer, if it reports one."""
-        import json
-
-        try:
-            stats = json.loads(payload)
-        except (TypeError, ValueError, UnicodeDecodeError):
-            return
-        users = stats.get("allowed_uids") if isinstance(stats, dict) else None
-        if isinstance(users, list) and all(type(u) is int for u in users):
-            self.server_users = frozenset(users)
-
-    def allows(self, uid: int | None) -> bool:
-        if uid is None:
-            return False
-        if uid == self.own_uid or uid == 0:
-            return True
-        if self.server_users is not None and uid not in self.server_users:
-            return False
-        return self.path is not None and may_connect(uid, self.path)
 
     def socket_mode(self) -> tuple[int, int | None, int | None]:
         """(permission bits, owner uid, group gid) of the bus socket; 0600 and None for no file."""
@@ -204,27 +173,26 @@ class BusAccess:
 
     def _admits(self, gids: set[int]) -> bool:
         """Could any uid with exactly these groups (owning nothing) open the bus?"""
-        return self.path is not None and _could_connect(self.path, _NOBODY_IN_PARTICULAR, gids)
+        return self.path is not None and could_connect(self.path, _NOBODY_IN_PARTICULAR, gids)
 
     def describe(self) -> str:
         if self.path is None:
             return "the service's own uid and root (the bus address has no file mode)"
         mode, uid, gid = self.socket_mode()
-        users = "" if self.server_users is None else \
-            f", among the server's -u users {','.join(map(str, sorted(self.server_users)))}"
-        return f"uids that could open {self.path} (mode {mode:04o}, owner uid {uid}, gid {gid}{users})"
+        return f"uids that could open {self.path} (mode {mode:04o}, owner uid {uid}, gid {gid})"
 
 
 # ---------------------------------------------------------------- who is at the other end
 
 
-def unix_peer_uid(sock: socket.socket) -> int | None:
+def unix_peer_cred(sock: socket.socket) -> tuple[int | None, int | None, int | None]:
+    """(pid, uid, gid) of a unix socket's peer, from SO_PEERCRED (all None if unreadable)."""
     try:
         creds = sock.getsockopt(socket.SOL_SOCKET, SO_PEERCRED, struct.calcsize("3i"))
     except OSError:
-        return None
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid
+        return None, None, None
+    pid, uid, gid = struct.unpack("3i", creds)
+    return pid, uid, gid
 
 
 def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
@@ -319,8 +287,9 @@ def tcp_owner_uid(peer_host: str, peer_port: int, our_host: str, our_port: int,
         return _proc_scan(peer, ours, tables)
 
 
-def peer_uid(transport) -> tuple[int | None, str]:
-    """(uid, how) of the peer of a connected Twisted transport; uid None if unknown (remote)."""
+def peer_credentials(transport) -> tuple[int | None, int | None, int | None, str]:
+    """(pid, uid, gid, how) of the peer of a connected Twisted transport; uid None if unknown
+    (remote); pid and gid None where only the uid can be known (TCP)."""
     handle = getattr(transport, "getHandle", None)
     sock = handle() if handle is not None else None
     # TLS transports wrap the TCP one
@@ -328,17 +297,17 @@ def peer_uid(transport) -> tuple[int | None, str]:
     if not isinstance(sock, socket.socket) and inner is not None and hasattr(inner, "getHandle"):
         sock = inner.getHandle()
     if not isinstance(sock, socket.socket):
-        return None, "no socket"
+        return None, None, None, "no socket"
     if sock.family == socket.AF_UNIX:
-        return unix_peer_uid(sock), "SO_PEERCRED"
+        return (*unix_peer_cred(sock), "SO_PEERCRED")
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         try:
             peer = sock.getpeername()
             ours = sock.getsockname()
         except OSError:
-            return None, "not connected"
-        return tcp_owner_uid(peer[0], peer[1], ours[0], ours[1]), "sock_diag"
-    return None, f"address family {sock.family}"
+            return None, None, None, "not connected"
+        return None, tcp_owner_uid(peer[0], peer[1], ours[0], ours[1]), None, "sock_diag"
+    return None, None, None, f"address family {sock.family}"
 
 
 # ---------------------------------------------------------------- sockets we create
@@ -420,6 +389,37 @@ class PrivateUNIXServerEndpoint:
         return defer.succeed(port)
 
 
+class ModelessUNIXServerEndpoint:
+    """A ``unix:`` stream endpoint with no socket file: an abstract name
+    (``/dev/unix/abstract/HEX``, bound) or an inherited listening socket (``/dev/fd/N``,
+    adopted). Nothing but the admission rule guards it: it has no mode."""
+
+    def __init__(self, reactor, address: str, backlog: int = 50):
+        from sbus.client.address import parse
+
+        self.reactor = reactor
+        self.addr = parse(address)  # AddressError: one line
+        self.backlog = backlog
+
+    def listen(self, factory):
+        import errno
+
+        try:
+            if self.addr.kind == "fd":
+                sock = socket.socket(fileno=os.dup(self.addr.value))
+                try:
+                    if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
+                        raise OSError(errno.ENOTSOCK, f"/dev/fd/{self.addr.value} is not a unix stream socket")
+                    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                        sock.listen(self.backlog)
+                    return defer.succeed(self.reactor.adoptStreamPort(sock.fileno(), socket.AF_UNIX, factory))
+                finally:
+                    sock.close()  # adoptStreamPort took a copy
+            return defer.succeed(self.reactor.listenUNIX(self.addr.value, factory, backlog=self.backlog))
+        except Exception:
+            return defer.fail()
+
+
 def server_endpoint(reactor, description: str, access: BusAccess, default_backlog: int | None = None):
     """`serverFromString`, but ``unix:`` takes the bus's mode and TCP/SSL a default backlog."""
     kind, args, kw = endpoint_kind(description)
@@ -435,6 +435,8 @@ def server_endpoint(reactor, description: str, access: BusAccess, default_backlo
         mode = int(kw["mode"], 8) if "mode" in kw else None
         backlog = int(kw.get("backlog", default_backlog or 50))
         lockfile = bool(int(kw.get("lockfile", 1)))
+        if kw["address"].startswith(("/dev/unix/abstract/", "/dev/fd/")):
+            return ModelessUNIXServerEndpoint(reactor, kw["address"], backlog)
         return PrivateUNIXServerEndpoint(reactor, kw["address"], access, mode, backlog, lockfile)
     if default_backlog is not None and kind in ("tcp", "tcp6", "ssl") \
             and "backlog" not in kw and len(args) < (3 if kind != "ssl" else 6):

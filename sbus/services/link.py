@@ -78,8 +78,8 @@ through a link who could not open its socket.
   local user can connect to a loopback port), and so does TLS that
   authenticates nobody. Off loopback, plain TCP also needs
   ``--allow-plain-tcp`` (the key authenticates, it does not encrypt).
-* ``unix:``: the peer's uid (``SO_PEERCRED``) must be one that could open the
-  bus socket (`sbus.services.access`), and a listening socket takes the bus
+* ``unix:``: the peer (``SO_PEERCRED``) must be one the bus would admit itself
+  (`sbus.services.admission`), and a listening socket on a path takes the bus
   socket's mode and owner (Twisted's default is 0666).
 
 **Down sides.** While the peer is not connected, local messages are dropped
@@ -146,6 +146,7 @@ from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key
 from sbus.core.patterns import matches
 from sbus.core.standby import MAX_MESSAGES, Window, parse_size
 from sbus.services import access as bus_access
+from sbus.services.admission import Admission
 from sbus.services.linkauth import AUTH, PROOF, AuthError, Handshake, load_key
 from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
 from sbus.services.session import carried_note
@@ -717,8 +718,8 @@ class Link(service.MultiService):
                  trusted_uids=(), standby_window: int = MAX_MESSAGES, session: bytes | None = None,
                  session_linger: float = SESSION_LINGER):
         super().__init__()
-        #: Who may reach the bus: a unix peer must be one of them (`sbus.services.access`).
-        self.access = bus_access.BusAccess(bus)
+        #: Who may reach the bus: a unix peer must be one of them (`sbus.services.admission`).
+        self.admission = Admission(bus, "sbus-link")
         #: The shared key (`sbus.services.linkauth`); None: the transport authenticates.
         self.key = load_key(key_file) if key_file else None
         self.role = "listen" if listen else "connect"
@@ -809,7 +810,7 @@ class Link(service.MultiService):
         factory = PeerFactory(self)
         if listen:
             if _kind(listen)[0] == "unix":
-                self.endpoint = bus_access.server_endpoint(reactor, listen, self.access)
+                self.endpoint = bus_access.server_endpoint(reactor, listen, self.admission.access)
             else:
                 self.endpoint = server_endpoint(reactor, listen)
             # Started once the bus has answered (`_listenNow`): a peer that connects
@@ -924,7 +925,7 @@ class Link(service.MultiService):
         self._bus_ready = False
         proto.sync().addCallbacks(lambda _: self._busReady(proto), lambda f: None)
         # the server's -u list, if its statistics name it (a unix peer is judged by modes and it)
-        proto.server_request(b"server/stats").addCallbacks(self.access.learn_server, lambda f: None)
+        proto.server_request(b"server/stats").addCallbacks(self.admission.learn, lambda f: None)
         if changed:
             for conn in self.conns:
                 if conn.auth is None or conn.auth.done:  # mid-handshake: its hello follows the proof
@@ -1139,10 +1140,10 @@ class Link(service.MultiService):
 
     def peerConnected(self, peer: PeerProtocol):
         log.info("sbus-link: connection from/to {peer}", peer=peer.name)
-        refusal = self._refusal(peer)
-        if refusal:
-            self.drops["peer_refused"] += 1
-            log.warn("sbus-link: refusing {peer}: {why}", peer=peer.name, why=refusal)
+        sock = peer.transport.getHandle() if hasattr(peer.transport, "getHandle") else None
+        if isinstance(sock, socket.socket) and sock.family == socket.AF_UNIX and \
+                self.admission.admit_transport(peer.transport, peer.name) is not None:
+            self.drops["peer_refused"] += 1  # a unix peer the bus would not admit (one line logged)
             peer.transport.abortConnection()
             return
         self.conns.add(peer)
@@ -1154,16 +1155,6 @@ class Link(service.MultiService):
             peer.auth_timer = self.reactor.callLater(AUTH_TIMEOUT, self._authTimeout, peer)
         else:
             peer.sendFrame(self._hello())
-
-    def _refusal(self, peer: PeerProtocol) -> str | None:
-        """Why a unix peer may not use the bus (its uid could not open the bus socket), or None."""
-        sock = peer.transport.getHandle() if hasattr(peer.transport, "getHandle") else None
-        if not isinstance(sock, socket.socket) or sock.family != socket.AF_UNIX:
-            return None
-        uid = bus_access.unix_peer_uid(sock)
-        if self.access.allows(uid):
-            return None
-        return f"uid {uid} (SO_PEERCRED) may not open the bus; allowed: {self.access.describe()}"
 
     def _authTimeout(self, peer: PeerProtocol):
         peer.auth_timer = None

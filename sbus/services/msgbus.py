@@ -63,13 +63,15 @@ published on the bus (counted as a drop).
 Channels whose name would make an invalid sbus key (a ``!`` segment, as in
 ``a/!/b``) are served to the gateway's clients but not published (a drop).
 
-Who is served (issue 16): only peers whose uid could open the bus socket
-themselves (`sbus.services.access`): ``SO_PEERCRED`` on a ``unix:`` port, the
-owner of the connecting socket (an exact ``sock_diag`` lookup, else
-``/proc/net/tcp``) for a TCP peer on this host. Anyone else gets one line,
-``error uid N ... may not open the bus``, and is closed, before a command is
-read. A TCP peer on another host has no uid to check: refused unless
-``--allow-remote``. A ``unix:`` port is created with the bus socket's mode.
+Who is served: only peers the bus would admit itself (`sbus.services.admission`,
+the rule every service shares: its socket's mode and owner, the peer's own groups, and
+its ``-u`` list asked of the bus), judged per connection from ``SO_PEERCRED`` on a
+``unix:`` port (a path, ``unix:/dev/unix/abstract/HEX``, ``unix:/dev/fd/N``, or
+``systemd:domain=UNIX:index=0``), or from the owner of the connecting socket (an exact
+``sock_diag`` lookup, else ``/proc/net/tcp``) for a TCP peer on this host. Anyone else
+gets one line, ``error uid N ... may not ...``, and is closed, before a command is read.
+A TCP peer on another host has no uid to check: refused unless ``--allow-remote``. A
+``unix:`` port on a path is created with the bus socket's mode (a second fence).
 
 A ``send`` that is refused never has its bytes read as commands: with a
 valid length X (a missing or invalid channel, a channel too long) the X
@@ -128,7 +130,8 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from sbus.options import MISSING_BUS_HELP, positive_int
-from sbus.services.access import BusAccess, endpoint_kind, peer_uid, server_endpoint
+from sbus.services.access import endpoint_kind, peer_credentials, server_endpoint
+from sbus.services.admission import Admission
 from sbus.services.shutdown import exit_zero_on_sigterm
 
 from sbus.core.codec import MAX_PACKET
@@ -581,7 +584,7 @@ class MsgbusGateway(protocol.Factory):
                  max_clients: int = DEFAULT_MAX_CLIENTS, max_channel: int = DEFAULT_MAX_CHANNEL,
                  max_channels: int = DEFAULT_MAX_CHANNELS,
                  max_channel_bytes: int = DEFAULT_MAX_CHANNEL_BYTES,
-                 access: BusAccess | None = None, allow_remote: bool = False,
+                 admission: Admission | None = None, allow_remote: bool = False,
                  max_uid_bytes: int = DEFAULT_MAX_UID_BYTES):
         self.max_clients = max_clients
         self.max_uid_bytes = max_uid_bytes
@@ -591,7 +594,7 @@ class MsgbusGateway(protocol.Factory):
         self.max_channel = max_channel
         self.max_channels = max_channels
         self.max_channel_bytes = max_channel_bytes
-        self.access = access if access is not None else BusAccess(None)
+        self.admission = admission if admission is not None else Admission(None, "sbus-msgbus")
         self.allow_remote = allow_remote
         self.refused = 0
         self.max_packet = max_packet
@@ -616,15 +619,13 @@ class MsgbusGateway(protocol.Factory):
         """None if the client may use the bus; else why not (one line)."""
         if len(self.clients) >= self.max_clients:
             return f"too many clients (limit {self.max_clients})"
-        uid, how = peer_uid(client.transport)
+        pid, uid, gid, how = peer_credentials(client.transport)
         client.uid = uid
         if uid is None:
             if self.allow_remote:
                 return None
             return (f"uid unknown ({how}: not a local peer); remote clients need --allow-remote")
-        if not self.access.allows(uid):
-            return f"uid {uid} ({how}) may not open the bus; allowed: {self.access.describe()}"
-        return None
+        return self.admission.refusal(uid, pid, gid, how)
 
     def limit_for(self, channels: list[bytes]) -> int:
         if self.max_message is not None:
@@ -710,7 +711,7 @@ class MsgbusService(service.MultiService):
                  **gateway_options):
         super().__init__()
         self.backlog = backlog
-        gateway_options.setdefault("access", BusAccess(bus))
+        gateway_options.setdefault("admission", Admission(bus, "sbus-msgbus"))
         self.bus_address = bus
         self.port = port
         self.stats_interval = stats_interval
@@ -751,8 +752,8 @@ class MsgbusService(service.MultiService):
                              again="" if svc.connects == 1 else f" (reconnect {svc.connects - 1})")
 
                 proto.sync().addCallbacks(ready, lambda f: None)
-                # the server's -u list, if its statistics name it (access judged by modes and it)
-                proto.server_request(b"server/stats").addCallbacks(gateway.access.learn_server, lambda f: None)
+                # the bus's -u list (admission): until it is known, only root and our uid are served
+                proto.server_request(b"server/stats").addCallbacks(gateway.admission.learn, lambda f: None)
 
             def connectionLost(self, reason):
                 if svc.running:
@@ -766,7 +767,7 @@ class MsgbusService(service.MultiService):
         self.client.start()
 
         exit_zero_on_sigterm(self.reactor)
-        endpoint = server_endpoint(self.reactor, self.port, gateway.access, self.backlog)
+        endpoint = server_endpoint(self.reactor, self.port, gateway.admission.access, self.backlog)
         result = []
         endpoint.listen(gateway).addBoth(result.append)
         if not result or isinstance(result[0], Failure):
@@ -779,7 +780,7 @@ class MsgbusService(service.MultiService):
         host = port.getHost()
         log.info("msgbus gateway listening on {host}:{port} (admits {who}{remote})",
                  host=getattr(host, "host", getattr(host, "name", host)), port=getattr(host, "port", ""),
-                 who=gateway.access.describe(),
+                 who=gateway.admission.describe(),
                  remote="; remote peers too (--allow-remote)" if gateway.allow_remote else "")
         super().startService()
         self._loop = LoopingCall(self._report, False)

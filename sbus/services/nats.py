@@ -83,10 +83,18 @@ per name per bus: a second one exits.
 Authentication. A NATS server anyone can reach is a way into the bus: whoever
 connects to it reads what is exported and publishes what is imported, as the
 bus's owner. So the service refuses to start without an authentication of its
-own (``--creds``, ``--token``, ``--user``/``--password``, ``--tls-cert``, or
-credentials in every ``--server`` URL) unless ``--allow-unauthenticated`` names
-the risk; loopback is no exception (every local user can reach a loopback
-port, the rule ``sbus-link`` applies to plain TCP).
+own (``--creds``, ``--token-file``, ``--user``/``--password-file``, or
+``--tls-cert``) unless ``--allow-unauthenticated`` names the risk; loopback is no
+exception (every local user can reach a loopback port, the rule ``sbus-link``
+applies to plain TCP). No secret is taken from the command line, which every local user
+reads in ``/proc/PID/cmdline``: ``--token`` and ``--password``, and a password or token in
+a ``--server`` URL, are refused in one line naming the file option; the files are read
+at start and must be readable by their owner only (as ``sbus-link``'s ``--key-file``).
+
+What it sees of the bus. Following what clients hold (not ``--static-imports``) needs
+every uid's patterns in ``server/interest``: root, the bus's own uid, and uids the bus
+owner grants (``sbusd``/``twistd sbus --service-uid``) see them; any other uid sees its
+own only, and the service says so in one line at start.
 """
 
 from __future__ import annotations
@@ -97,6 +105,7 @@ import json
 import os
 import re
 import ssl
+import stat
 import sys
 from urllib.parse import urlsplit
 
@@ -189,15 +198,58 @@ def check_authenticated(servers, options) -> None:
     TLS without a client certificate authenticates the server, not us: it does not count."""
     if options["allow-unauthenticated"]:
         return
-    if options["creds"] or options["token"] or options["user"] or options["tls-cert"]:
-        return
-    if all(urlsplit(u).username for u in servers):   # nats://user:password@host, nats://token@host
+    if options["creds"] or options["token-file"] or options["user"] or options["tls-cert"]:
         return
     raise usage.UsageError(
         "refusing a NATS connection without authentication: anyone who can reach "
         f"{', '.join(servers)} (on loopback: every local user) could read what is exported and "
-        "publish what is imported; give --creds, --token, --user/--password or --tls-cert, "
-        "or --allow-unauthenticated")
+        "publish what is imported; give --creds, --token-file, --user/--password-file or "
+        "--tls-cert, or --allow-unauthenticated")
+
+
+def check_no_inline_secret(options) -> None:
+    """Every local user reads a command line (/proc/PID/cmdline): a secret there is public."""
+    for inline, instead in (("token", "--token-file FILE"), ("password", "--password-file FILE")):
+        if options[inline]:
+            raise usage.UsageError(f"--{inline}: a secret on the command line is readable by every "
+                                   f"local user (/proc/PID/cmdline); put it in a file of mode 0600 "
+                                   f"and give {instead}")
+    for url in options["servers"]:
+        parts = urlsplit(url)
+        if parts.username or parts.password:
+            raise usage.UsageError(f"--server {parts.hostname or ''!s}: a token or password in the URL "
+                                   "is readable by every local user (/proc/PID/cmdline); give "
+                                   "--token-file FILE or --user NAME --password-file FILE instead")
+
+
+def read_secret_file(option: str, path: str) -> str:
+    """The secret in `path` (surrounding whitespace stripped), if only its owner (us or root)
+    may read it; a UsageError of one line otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise usage.UsageError(f"--{option} {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise usage.UsageError(f"--{option} {path}: not a regular file")
+        if st.st_mode & 0o077:
+            raise usage.UsageError(f"--{option} {path}: mode {stat.S_IMODE(st.st_mode):04o} lets others "
+                                   "read or change it; chmod 600 it")
+        if st.st_uid not in (os.getuid(), 0):
+            raise usage.UsageError(f"--{option} {path}: owned by uid {st.st_uid}, not by this user or root")
+        data = os.read(fd, 65536)
+    except OSError as e:
+        raise usage.UsageError(f"--{option} {path}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    try:
+        secret = data.decode().strip()
+    except UnicodeDecodeError:
+        raise usage.UsageError(f"--{option} {path}: not UTF-8 text") from None
+    if not secret or "\n" in secret:
+        raise usage.UsageError(f"--{option} {path}: must hold one line, the secret")
+    return secret
 
 
 def default_name(prefix: str, exports, imports) -> str:
@@ -449,6 +501,8 @@ class NatsService(service.Service):
             proto.sendControl(codec.INTEREST)
             # a server that answers nothing at all (not even the sync below) is no feed either
             self.reactor.callLater(INTEREST_WAIT, self._no_interest_feed, proto)
+            if self.bus_connects == 1:
+                proto.stats().addCallbacks(self._interest_scope, lambda f: None)
         answer: list = []
         proto.server_request(codec.SERVER_ID).addCallbacks(answer.append, lambda f: None)
 
@@ -541,6 +595,17 @@ class NatsService(service.Service):
             self._export(proto, key, payload)
 
     # -- local interest
+
+    def _interest_scope(self, stats) -> None:
+        """One line at start when the bus shows us only our own uid's view: then
+        `server/interest` lists every uid's patterns only by the bus owner's grant."""
+        if isinstance(stats, dict) and stats.get("scope") == "uid":
+            uid = os.getuid()
+            log.warn("bus: uid {uid} is neither root nor the bus's own uid: server/interest lists "
+                     "only uid {uid}'s patterns unless the bus owner grants it every uid's "
+                     "(sbusd/twistd sbus --service-uid {uid}, or the same User= in systemd); "
+                     "without the grant, imports reach only uid {uid}'s subscribers "
+                     "(--static-imports imports everything)", uid=uid)
 
     def _no_interest_feed(self, proto) -> None:
         if self._listing is None or self.client is None or proto is not self.client.protocol:
@@ -1112,9 +1177,11 @@ class Options(usage.Options):
                                 + MISSING_BUS_HELP],
         ["subject-prefix", None, "sbus", "Subject prefix (literal tokens joined by '.'; '' for none)."],
         ["creds", None, None, "NATS credentials file (JWT + nkey seed)."],
-        ["token", None, None, "NATS authentication token."],
-        ["user", None, None, "NATS user name (with --password)."],
-        ["password", None, None, "NATS password (with --user)."],
+        ["token-file", None, None, "File holding the NATS authentication token (mode 0600)."],
+        ["user", None, None, "NATS user name (with --password-file)."],
+        ["password-file", None, None, "File holding the NATS password (with --user; mode 0600)."],
+        ["token", None, None, "Refused: a secret on the command line; use --token-file."],
+        ["password", None, None, "Refused: a secret on the command line; use --password-file."],
         ["tls-ca", None, None, "CA certificate(s) to verify the NATS servers with (turns TLS on)."],
         ["tls-cert", None, None, "Client certificate for TLS (with --tls-key)."],
         ["tls-key", None, None, "Client private key for TLS."],
@@ -1187,10 +1254,15 @@ class Options(usage.Options):
                 parse(self["bus"])
             except AddressError as e:
                 raise usage.UsageError(f"--bus: {e}") from None
-        if bool(self["user"]) != bool(self["password"]):
-            raise usage.UsageError("--user and --password go together")
-        if self["token"] and self["user"]:
-            raise usage.UsageError("--token or --user/--password, not both")
+        check_no_inline_secret(self)
+        if bool(self["user"]) != bool(self["password-file"]):
+            raise usage.UsageError("--user and --password-file go together")
+        if self["token-file"] and self["user"]:
+            raise usage.UsageError("--token-file or --user/--password-file, not both")
+        for name, key in (("token-file", "token"), ("password-file", "password")):
+            if self[name]:
+                self[key] = None  # never on the command line (refused above): read from the file
+                self[f"{key}-secret"] = read_secret_file(name, self[name])
         if bool(self["tls-cert"]) != bool(self["tls-key"]):
             raise usage.UsageError("--tls-cert and --tls-key go together")
         for name in ("creds", "tls-ca", "tls-cert", "tls-key"):
@@ -1214,10 +1286,10 @@ def _connect_options(options) -> dict:
     kw: dict = {}
     if options["creds"]:
         kw["user_credentials"] = options["creds"]
-    if options["token"]:
-        kw["token"] = options["token"]
+    if options.get("token-secret"):
+        kw["token"] = options["token-secret"]
     if options["user"]:
-        kw["user"], kw["password"] = options["user"], options["password"]
+        kw["user"], kw["password"] = options["user"], options["password-secret"]
     if options["tls-ca"] or options["tls-cert"] or any(s.startswith("tls://") for s in options["servers"]):
         ctx = ssl.create_default_context(cafile=options["tls-ca"] or None)
         if options["tls-cert"]:

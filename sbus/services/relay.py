@@ -16,6 +16,13 @@ itself one client of the master:
   loses its last: `IUpstream.patternHeld` / `patternReleased`); on every
   (re)connection the relay subscribes to the router's held set as it is at
   that moment, so nothing is missed or left over.
+* **Who is served.** A local client is admitted only if the master would admit its uid
+  itself (`sbus.services.admission`, the rule every service shares: the master socket's
+  mode, owner and group against the client's own groups, and the master's ``-u`` list,
+  asked of it in ``server/stats``; until the master has told it, only root and the relay's
+  own uid), per connection from ``SO_PEERCRED``, whatever the relay's socket is (a path,
+  abstract, ``/dev/fd/N``, systemd's). A refused client gets one log line and is closed.
+  ``--mode`` is a second fence: one wider than the master is refused at start.
 * **Echo off upward**, so what the relay publishes never comes back to it.
 * **Publishes.** Every local publish is routed locally by the broker and then
   written upward once; what the master sends down is delivered to local
@@ -99,6 +106,7 @@ from sbus.server import tap
 from sbus.server.address import parse_address
 from sbus.server.config import ServerConfig
 from sbus.server.config import pattern_cost as _cost  # what the master charges for a pattern
+from sbus.services.admission import Admission, AdmittingFactory
 from sbus.services.session import DEFAULT_LINGER, SessionClaim, carried_note, session_name
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
 
@@ -481,6 +489,8 @@ class Relay(service.Service):
         #: `_notUp()` when last connected: what did not go up since is this gap's.
         self._not_up_mark = 0
         self.responder = StatsResponder("sbus-relay", self._name, self.stats)
+        #: Who may use our bus: whom the master would admit itself (`sbus.services.admission`).
+        self.admission = Admission(upstream, "sbus-relay")
         #: ``server/session`` on the master: seconds it lingers (0: none), what gaps lost and why
         #: (``restart``: our predecessor's; ``reconnect``: our own connection's), the last gap.
         self.session_linger = session_linger
@@ -614,6 +624,7 @@ class Relay(service.Service):
         self.bus = bus
         self.factory = bus.factory
         self.factory.upstream = self
+        bus.port.factory = AdmittingFactory(bus.factory, self.admission)  # before any accept
         log.info("sbus-relay: serving on {where} with credential prefix {prefix}",
                  where=bus.printed_address or self.address, prefix=_show(prefix))
         return True
@@ -704,6 +715,7 @@ class Relay(service.Service):
                      "sent upward meanwhile), reconnecting with back-off", up=self.upstream, why=reason)
 
     def _masterStats(self, stats: dict) -> None:
+        self.admission.learn(stats)
         limits = stats.get("limits") if isinstance(stats, dict) else None
         if isinstance(limits, dict):
             self.master_limits = limits
@@ -854,6 +866,7 @@ class Relay(service.Service):
             "renamed": self.rekeys,
             "held_up_patterns": self.held_up,
             "quota_refusals": self.quota_refusals,
+            "admission_refused": self.admission.refused,
             "master_limits": self.master_limits,
             "forwarded_up": self.forwarded_up,
             "forwarded_down": self.forwarded_down,
