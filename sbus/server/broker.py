@@ -799,7 +799,7 @@ class BrokerProtocol(protocol.Protocol):
         if not self._watching:
             factory = self.factory
             user = self.charge
-            if not factory.privileged(self.cred.uid):
+            if not factory.seesAllInterest(self.cred.uid):
                 refusal = user.watch_refusal(factory.config.max_uid_subscription_bytes)
                 if refusal is not None:
                     return self.misbehaved(TOO_MANY_SUBSCRIPTIONS, refusal)
@@ -1254,7 +1254,7 @@ class BrokerFactory(protocol.Factory):
                 for pattern in self.router.patterns_of(ghost):
                     table.held(ghost, ghost.uid, form(pattern))
         uid = client.cred.uid
-        table.watch(client, uid, self.privileged(uid))
+        table.watch(client, uid, self.seesAllInterest(uid))
 
     def tellInterest(self, watchers) -> None:
         for client in watchers:
@@ -1326,6 +1326,11 @@ class BrokerFactory(protocol.Factory):
     @staticmethod
     def privileged(uid: int | None) -> bool:
         return uid is None or uid in (0, os.getuid())
+
+    def seesAllInterest(self, uid: int | None) -> bool:
+        """Who sees every uid's `server/interest`: root, the server's own uid, and the uids the
+        bus owner grants it to (``--service-uid``: services that carry other uids' traffic)."""
+        return self.privileged(uid) or uid in self.config.service_uids
 
     def stats(self, viewer_uid: int | None = None) -> dict:
         """The bus as `viewer_uid` may see it: root and the server's own user see every client and

@@ -67,6 +67,9 @@ class ServerConfig:
     cred_prefix: bytes = b""
     #: uids allowed to connect (the server's own is added: `allowed_uid_set`); None lets anyone in.
     allowed_uids: frozenset[int] | None = None
+    #: The bus owner's grant (``--service-uid``): uids of services that carry other uids'
+    #: traffic (sbus-nats, a relay), which see every uid's `server/interest` as root does.
+    service_uids: frozenset[int] = frozenset()
     #: Packets read from one client per wakeup before others get a turn.
     drain_cap: int = DEFAULT_DRAIN_CAP
     stall_timeout: float = DEFAULT_STALL_TIMEOUT
@@ -90,3 +93,4 @@ class ServerConfig:
 
     def __post_init__(self):
         self.allowed_uids = allowed_uid_set(self.allowed_uids)
+        self.service_uids = frozenset(self.service_uids)

@@ -79,6 +79,10 @@ The sbus message bus server (a drop-in for the reference C sbusd).
               poll for events this many microseconds before sleeping, right after a
               wait that short (default 50; 0: never): round trips are met awake, at
               up to a core while events keep coming that fast (not in the C sbusd)
+  --service-uid=USER
+              grant this user (name or uid) of a service that carries other users'
+              traffic (sbus-nats) root's view of server/interest: every uid's
+              patterns; repeatable (not in the C sbusd)
 
 Errors are one line on standard error and status 1 (a wrong command line: that
 line, then the usage line).
@@ -185,6 +189,7 @@ class Args:
         self.reuse = False
         self.mode = 0o700
         self.users: list[int] = []
+        self.service_uids: list[int] = []
         self.logfile: str | None = None
         self.busy_poll: float | None = None  # seconds; None: the server's default
 
@@ -197,7 +202,7 @@ class Args:
 def parse_args(argv: list[str]) -> Args:
     """Parse the command line; bad usage prints the usage line and exits 1."""
     try:
-        opts, rest = getopt.getopt(argv, "a:cfghl:op:ru:", ["help", "busy-poll="])
+        opts, rest = getopt.getopt(argv, "a:cfghl:op:ru:", ["help", "busy-poll=", "service-uid="])
     except getopt.GetoptError as e:
         if e.opt and not e.msg.startswith("option --"):
             what = f"option -{e.opt} needs an argument" if "requires argument" in e.msg else \
@@ -237,6 +242,11 @@ def parse_args(argv: list[str]) -> Args:
                 args.users.append(resolve_user(val))
             except ValueError as e:
                 raise Fatal(str(e)) from None
+        elif opt == "--service-uid":
+            try:
+                args.service_uids.append(resolve_user(val))
+            except ValueError as e:
+                raise Fatal(f"--service-uid: {e}") from None
         elif opt == "--busy-poll":
             from sbus.server.config import busy_poll_us
 
@@ -339,7 +349,7 @@ def serve(args: Args, listener: Listener, ready, log_observer=None) -> int:
         if bus.factory is not None and bus.factory.stats()["packets_in"]:
             stop()
 
-    config = ServerConfig(allowed_uids=args.allowed_uids())
+    config = ServerConfig(allowed_uids=args.allowed_uids(), service_uids=frozenset(args.service_uids))
     if args.busy_poll is not None:
         config.busy_poll = args.busy_poll
     bus = BusService(

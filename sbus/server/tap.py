@@ -113,6 +113,15 @@ class BusOptions(usage.Options):
     def __init__(self):
         super().__init__()
         self["users"] = []
+        self["service-uids"] = []
+
+    def opt_service_uid(self, value: str) -> None:
+        """Grant this user (name or uid) of a service that carries other uids' traffic (sbus-nats)
+        the view root has of server/interest: every uid's patterns; repeatable."""
+        try:
+            self["service-uids"].append(resolve_user(value))
+        except ValueError as e:
+            raise usage.UsageError(f"--service-uid: {e}") from None
 
     def opt_user(self, value: str) -> None:
         """Allow this user (name or uid); repeatable. Then only they and we may connect."""
@@ -189,7 +198,8 @@ def config_from_options(options: BusOptions) -> ServerConfig:
     users = options["users"]
     settings = {name.replace("-", "_"): options[name] for name in ("max-packet", "stall-timeout", "max-session-linger", "busy-poll", *_LIMITS)}
     settings["cred_prefix"] = options.get("cred-prefix", b"")
-    return ServerConfig(allowed_uids=allowed_uid_set(users or None), **settings)
+    return ServerConfig(allowed_uids=allowed_uid_set(users or None),
+                        service_uids=frozenset(options["service-uids"]), **settings)
 
 
 def makeService(options: Options):
