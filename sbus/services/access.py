@@ -33,7 +33,7 @@ import socket
 import stat
 import struct
 
-from twisted.internet import defer, endpoints
+from twisted.internet import defer
 from twisted.logger import Logger
 
 from sbus.address import AddressError
@@ -412,6 +412,7 @@ class ModelessUNIXServerEndpoint:
                         raise OSError(errno.ENOTSOCK, f"/dev/fd/{self.addr.value} is not a unix stream socket")
                     if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                         sock.listen(self.backlog)
+                    sock.setblocking(False)  # Twisted accepts until EAGAIN
                     return defer.succeed(self.reactor.adoptStreamPort(sock.fileno(), socket.AF_UNIX, factory))
                 finally:
                     sock.close()  # adoptStreamPort took a copy
@@ -441,4 +442,8 @@ def server_endpoint(reactor, description: str, access: BusAccess, default_backlo
     if default_backlog is not None and kind in ("tcp", "tcp6", "ssl") \
             and "backlog" not in kw and len(args) < (3 if kind != "ssl" else 6):
         description = f"{description}:backlog={default_backlog}"
+    # imported here, not at start: importing it takes systemd's LISTEN_FDS out of the
+    # environment (Twisted's systemd: parser), before a relay on ``systemd`` took its socket
+    from twisted.internet import endpoints
+
     return endpoints.serverFromString(reactor, description)

@@ -884,6 +884,9 @@ class Options(usage.Options):
             # parse only (no reactor is touched before twistd chooses one)
             endpoint_kind(self["port"])
             endpoints.serverFromString(object(), self["port"])
+        except IndexError:
+            raise usage.UsageError(f"--port {self['port']!r}: systemd passed no such socket (LISTEN_FDS, "
+                                   "LISTEN_FDNAMES)") from None
         except (ValueError, KeyError, TypeError) as e:
             raise usage.UsageError(f"--port: bad endpoint {self['port']!r}: {e}") from None
 

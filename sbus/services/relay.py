@@ -442,8 +442,10 @@ class Relay(service.Service):
 
     def __init__(self, upstream: str, address: str, config: ServerConfig, mode: int = 0o700,
                  reuse: bool = False, initialDelay: float = 0.1, maxDelay: float = 10.0, reactor=None,
-                 session_linger: float = DEFAULT_LINGER):
+                 session_linger: float = DEFAULT_LINGER, listener=None):
         self.upstream = upstream
+        #: A systemd-activated socket, taken at start (`makeService`): served once the master answers.
+        self.listener = listener
         self.address = address
         self.config = config
         self.mode = mode
@@ -614,7 +616,8 @@ class Relay(service.Service):
             log.critical("sbus-relay: --mode: {why}; stopping", why=wider)
             self.reactor.callLater(0, self.reactor.stop)
             return False
-        bus = BusService(self.address, self.config, mode=self.mode, reuse=self.reuse, reactor=self.reactor)
+        bus = BusService(self.address, self.config, mode=self.mode, reuse=self.reuse, reactor=self.reactor,
+                         listener=self.listener)
         try:
             bus.startService()
         except Exception as e:
@@ -1001,6 +1004,14 @@ def makeService(options: Options) -> Relay:
         check_bindable(options["socket"], bool(options["reuse"]))
     except AddressError as e:
         raise StartupError(str(e)) from None
+    listener = None
+    if parse_address(options["socket"]).kind == "systemd":
+        # taken now: systemd's variables say it is ours only while nothing else has read them
+        from sbus.server.address import open_listener
+        try:
+            listener = open_listener(options["socket"], options["mode"], bool(options["reuse"]))
+        except AddressError as e:
+            raise StartupError(str(e)) from None
     if parse_address(options["socket"]).kind == "path" and os.path.exists(options["upstream"]):
         wider = _wider_than_master(options["mode"], options["upstream"])
         if wider:
@@ -1014,4 +1025,5 @@ def makeService(options: Options) -> Relay:
         initialDelay=options["initial-delay"],
         maxDelay=options["max-delay"],
         session_linger=options["session-linger"],
+        listener=listener,
     )
