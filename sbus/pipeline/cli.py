@@ -2,7 +2,8 @@
 
     sbus-pipeline report DIR --out REPORT_DIR [--window 60s] [--depth 1] [--top 20] [--master URL]
     sbus-pipeline stream DIR --out OUT --checkpoint CP [--window 60s] [--watermark 0s]
-                         [--max-files-per-trigger 10] [--trigger 10s | --available-now [--close-at-end]]
+                         [--source sbus|files] [--max-records-per-trigger N] [--max-files-per-trigger 10]
+                         [--trigger 10s | --available-now [--close-at-end]] [--drop-late]
                          [--publish-to KEY_PREFIX --bus ADDRESS] [--master URL]
 
 Also runs under ``spark-submit sbus/pipeline/cli.py report ...`` (the master
@@ -72,15 +73,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--checkpoint", required=True, metavar="CP")
     s.add_argument("--watermark", type=_duration, default=0.0,
                    help="how late a message may be recorded and still count (default 0s)")
-    s.add_argument("--max-files-per-trigger", type=int, default=10)
+    s.add_argument("--source", choices=("sbus", "files"), default="sbus",
+                   help="sbus (default): published files and the live journal, seq offsets; files: "
+                        "Spark's file source over the published files only (for a recording on "
+                        "hdfs://, s3a://, ... that the sbus source cannot read)")
+    s.add_argument("--max-records-per-trigger", type=int, default=None, metavar="N",
+                   help="sbus source: at most N rows per micro-batch (default: all available)")
+    s.add_argument("--max-files-per-trigger", type=int, default=10, metavar="N",
+                   help="--source files: at most N files per micro-batch (default 10)")
+    s.add_argument("--drop-late", action="store_true",
+                   help="accept that Spark drops rows later than the watermark (counted and said; "
+                        "without it such a run exits 1)")
     t = s.add_mutually_exclusive_group()
     t.add_argument("--trigger", default=None, metavar="INTERVAL", help="micro-batch interval, e.g. '10 seconds'")
     t.add_argument("--available-now", action="store_true",
                    help="process the files present now, then stop (for cron)")
     s.add_argument("--close-at-end", action="store_true",
-                   help="with --available-now: also close the windows the watermark has not passed "
-                        "(the last ones), so the run writes them; data recorded later for them comes "
-                        "too late and is dropped (for a finished recording)")
+                   help="with --available-now (sbus source): also close the windows the watermark has "
+                        "not passed (the last ones), so the run writes them; rows recorded later for "
+                        "them come too late (for a finished recording)")
     s.add_argument("--publish-to", default=None, metavar="NAME",
                    help="also publish each finished window on the bus under _pipeline/NAME/<prefix> "
                         "(the recorder does not record _pipeline/ unless asked to)")
@@ -102,6 +113,17 @@ def main(argv=None) -> int:
     if args.command == "stream" and args.close_at_end and not args.available_now:
         print(f"{PROG}: --close-at-end needs --available-now", file=sys.stderr)
         return EXIT_USAGE
+    if args.command == "stream" and args.close_at_end and args.source != "sbus":
+        print(f"{PROG}: --close-at-end needs the sbus source (not --source files)", file=sys.stderr)
+        return EXIT_USAGE
+    if args.command == "stream" and args.source == "sbus" and is_remote(args.directory):
+        print(f"{PROG}: {args.directory}: the sbus source reads a local directory (or one every "
+              f"executor mounts); use --source files for a remote store", file=sys.stderr)
+        return EXIT_USAGE
+    for name in ("max_records_per_trigger", "max_files_per_trigger"):
+        if args.command == "stream" and getattr(args, name) is not None and getattr(args, name) <= 0:
+            print(f"{PROG}: --{name.replace('_', '-')} must be positive", file=sys.stderr)
+            return EXIT_USAGE
     if args.shuffle_partitions is not None and args.shuffle_partitions <= 0:
         print(f"{PROG}: --shuffle-partitions must be positive", file=sys.stderr)
         return EXIT_USAGE
@@ -116,7 +138,8 @@ def main(argv=None) -> int:
     data_bytes = None
     if not is_remote(args.directory):
         try:
-            files = check_recording(args.directory[7:] if args.directory.startswith("file://") else args.directory)
+            files = check_recording(args.directory[7:] if args.directory.startswith("file://") else args.directory,
+                                    allow_empty=args.command == "stream" and args.source == "sbus")
         except RecordingError as e:
             print(f"{PROG}: {e}", file=sys.stderr)
             return EXIT_USAGE
@@ -158,7 +181,8 @@ def main(argv=None) -> int:
             from sbus.pipeline import stream
 
             stream.run(spark, args.directory, args.out, args.checkpoint, window_seconds=args.window,
-                       depth=args.depth, watermark_seconds=args.watermark,
+                       depth=args.depth, watermark_seconds=args.watermark, source=args.source,
+                       max_records_per_trigger=args.max_records_per_trigger, drop_late=args.drop_late,
                        max_files_per_trigger=args.max_files_per_trigger, trigger=args.trigger,
                        available_now=args.available_now, publish_to=args.publish_to, bus=args.bus,
                        shuffle_partitions=int(partitions), close_at_end=args.close_at_end,

@@ -115,6 +115,8 @@ def __getattr__(name):  # ARROW_SCHEMA, built on first use
     raise AttributeError(name)
 
 TMP_DIR = "_tmp"
+#: ``_tmp/rec-<first seq>.arrows``: the journal of the file being written (see the writer).
+JOURNAL_SUFFIX = ".arrows"
 PREFIX = "rec-"
 SUFFIX = ".parquet"
 _NAME = re.compile(r"^rec-(\d{16,})-(\d{16,})\.parquet$")
@@ -147,8 +149,9 @@ def published_files(directory: str) -> list[tuple[int, int, str]]:
     return out
 
 
-def check_recording(directory: str) -> list[tuple[int, int, str]]:
-    """The published files of `directory`, or `RecordingError` (missing, not a directory, empty)."""
+def check_recording(directory: str, allow_empty: bool = False) -> list[tuple[int, int, str]]:
+    """The published files of `directory`, or `RecordingError` (missing, not a directory, empty
+    unless `allow_empty`: a live stream may start before the recorder published a file)."""
     if not os.path.exists(directory):
         raise RecordingError(f"{directory}: no such directory")
     if not os.path.isdir(directory):
@@ -157,6 +160,6 @@ def check_recording(directory: str) -> list[tuple[int, int, str]]:
         files = published_files(directory)
     except OSError as e:
         raise RecordingError(f"{directory}: {e.strerror}") from None
-    if not files:
+    if not files and not allow_empty:
         raise RecordingError(f"{directory}: no recorded files (rec-*.parquet) in it")
     return files

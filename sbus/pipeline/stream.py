@@ -1,11 +1,14 @@
 """``sbus-pipeline stream DIR --out OUT --checkpoint CP``: window aggregates, continuously.
 
-Structured Streaming over the recording directory (the file source picks up
-each file the recorder publishes; ``_tmp/`` is never listed), the same
-per-(window, prefix) aggregation as the report, with a watermark on
-``recv_time``, written in append mode to a Parquet file sink at OUT.
+Structured Streaming over the recording through the sbus source (`sbus.pipeline.source`:
+published files and the live journal, the recorder's ``seq`` as the offset, so a message
+counts about as soon as the recorder has it, not when its file is published), the same
+per-(window, prefix) aggregation as the report, with a watermark on ``recv_time``,
+written in append mode to a Parquet file sink at OUT. ``source="files"`` (``--source
+files``) reads the published files with Spark's file source instead: for a recording
+shipped to a store the sbus source cannot list (``hdfs://``, ``s3a://``).
 
-Exactly once: the file source's offsets, the aggregation state and the
+Exactly once: the source's offsets, the aggregation state and the
 sink's commit log (``OUT/_spark_metadata``) all live under the checkpoint;
 after a crash or a stop, a restart with the same ``--checkpoint`` resumes
 from the last committed batch. Read OUT with ``spark.read.parquet(OUT)``
@@ -13,14 +16,19 @@ from the last committed batch. Read OUT with ``spark.read.parquet(OUT)``
 
 A window is emitted once the watermark (latest ``recv_time`` seen minus
 ``--watermark``) passes its end, i.e. after traffic newer than that has
-been recorded; files arriving later than the watermark are dropped by Spark.
+been recorded. Rows later than the watermark are dropped by Spark: `run`
+counts them (every batch's ``numRowsDroppedByWatermark``), says so, and fails
+(`LateRows`) unless ``drop_late`` (``--drop-late``).
 
-``--available-now`` stops when the files present are processed; the
+``--available-now`` stops when the rows present are processed; the
 windows the watermark has not passed are held back (their state is in the
 checkpoint) and `run` names them with their message counts. With
-``close_at_end`` (``--close-at-end``) a *closing row* in ``CP/close/`` (the
-query's second file source) moves the watermark past them, so the run
-writes them too; it is filtered out after the watermark and counts nowhere.
+``close_at_end`` (``--close-at-end``) the source adds a *closing row* after the last
+row of the run (its ``closeAtEnd`` option): it moves the watermark past every window,
+so the run writes them too, and is filtered out after the watermark: it counts nowhere.
+(It used to come from a second file source, read in the first micro-batch: the
+watermark jumped to the recording's end and every later batch's rows were dropped,
+in silence: issue 35.)
 
 Drop rows in the recording (messages the bus or the recorder lost) are
 counted in the ``dropped`` column of a row whose ``prefix`` is NULL, never
@@ -46,6 +54,7 @@ import os
 from datetime import timezone
 
 from .schema import PIPELINE_PREFIX
+from .source import CLOSE_SEQ
 from .spark import is_remote, local_path, read_schema, window_aggregates
 from .units import spark_interval
 
@@ -57,29 +66,44 @@ def publish_root(name: str) -> str:
     return name if name.startswith(root) or name + "/" == root else root + name
 
 
-#: The seq of a closing row (`close_windows`): no recorded row has it; it only moves the watermark.
-CLOSE_SEQ = -1
+#: Where the stream reads: the sbus source (published files and the live journal, seq offsets),
+#: or Spark's file source (published files only; for a recording on hdfs://, s3a://, ...).
+SOURCES = ("sbus", "files")
 
 
-def close_dir(checkpoint: str) -> str:
-    """``CP/close``: the second file source of the stream, where `close_windows` puts its row."""
-    return checkpoint.rstrip("/") + "/close"
+def source_stream(spark, directory: str, *, source: str = "sbus", max_records_per_trigger: int | None = None,
+                  max_files_per_trigger: int | None = None, close_after: float | None = None):
+    """The recording as a stream: rows ``recv_time, key, size, seq, dropped``; with the sbus
+    source and `close_after`, a closing row (seq `CLOSE_SEQ`) after the last row available at
+    the start of an ``availableNow`` run, `close_after` seconds after the newest one."""
+    cols = ("recv_time", "key", "size", "seq", "dropped")
+    if source == "files":
+        reader = spark.readStream.schema(read_schema())
+        if max_files_per_trigger:
+            reader = reader.option("maxFilesPerTrigger", int(max_files_per_trigger))
+        return reader.parquet(directory).select(*cols)
+    from .source import register
+
+    register(spark)
+    reader = spark.readStream.format("sbus")
+    if max_records_per_trigger:
+        reader = reader.option("maxRecordsPerTrigger", int(max_records_per_trigger))
+    if close_after is not None:
+        reader = reader.option("closeAtEnd", repr(float(close_after)))
+    return reader.load(local_path(directory)).select(*cols)
 
 
 def aggregated_stream(spark, directory: str, *, window_seconds: float, depth: int,
-                      watermark_seconds: float, max_files_per_trigger: int | None,
-                      closer: str | None = None):
-    """The per-(window, prefix) aggregation of the recording's files as they come; `closer`
-    (`close_dir`) is a second source whose rows only advance the watermark."""
+                      watermark_seconds: float, source: str = "sbus", max_records_per_trigger: int | None = None,
+                      max_files_per_trigger: int | None = None, close_at_end: bool = False):
+    """The per-(window, prefix) aggregation of the recording as it comes. `close_at_end`
+    (sbus source, availableNow): the closing row moves the watermark past every window
+    and counts nowhere."""
     from pyspark.sql import functions as F
 
-    reader = spark.readStream.schema(read_schema())
-    if max_files_per_trigger:
-        reader = reader.option("maxFilesPerTrigger", int(max_files_per_trigger))
-    src = reader.parquet(directory).select("recv_time", "key", "size", "seq", "dropped")
-    if closer is not None:
-        src = src.unionByName(spark.readStream.schema(read_schema()).parquet(closer)
-                              .select("recv_time", "key", "size", "seq", "dropped"))
+    close_after = window_seconds + watermark_seconds if close_at_end else None
+    src = source_stream(spark, directory, source=source, max_records_per_trigger=max_records_per_trigger,
+                        max_files_per_trigger=max_files_per_trigger, close_after=close_after)
     src = src.withWatermark("recv_time", spark_interval(watermark_seconds) if watermark_seconds > 0 else "0 seconds")
     # a closing row moves the watermark (above) and is then left out: it counts nowhere. (The
     # condition names recv_time so that Spark does not push it below the watermark, which it
@@ -89,59 +113,17 @@ def aggregated_stream(spark, directory: str, *, window_seconds: float, depth: in
     return out.withColumn("window_seconds", F.lit(float(window_seconds)))
 
 
-def ensure_close_dir(spark, checkpoint: str) -> str:
-    """Create ``CP/close`` (empty) where Spark writes, so the stream's second source exists."""
-    path = close_dir(checkpoint)
-    if is_remote(path):
-        spark.createDataFrame([], read_schema()).write.mode("append").parquet(path)
-    else:
-        from .writer import makedirs_private
+def batch_read(spark, directory: str, source: str = "sbus"):
+    """The whole recording now, read the way the stream reads it."""
+    if source == "files":
+        return spark.read.schema(read_schema()).parquet(directory)
+    from .source import register
 
-        makedirs_private(local_path(path))
-    return path
+    register(spark)
+    return spark.read.format("sbus").load(local_path(directory))
 
 
-def close_windows(spark, directory: str, checkpoint: str, window_seconds: float, watermark_seconds: float):
-    """Put one closing row into ``CP/close``: its time (the end of the window holding the
-    recording's newest row, plus the watermark delay) moves the watermark past every window
-    the recording has, so the next run emits them all. Returns that window's end (UTC), or None
-    for an empty recording. Rows recorded later for the closed windows come too late: Spark
-    drops them."""
-    import datetime as dt
-
-    if is_remote(directory):
-        raise ValueError(f"--close-at-end reads the newest time from the files: {directory} is not local")
-    newest = newest_time(directory)
-    if newest is None:
-        return None
-    end_us = (newest // int(window_seconds * 1e6) + 1) * int(window_seconds * 1e6)
-    at = dt.datetime.fromtimestamp((end_us + int(watermark_seconds * 1e6)) / 1e6, dt.timezone.utc)
-    row = [(at, b"", b"", 0, CLOSE_SEQ, 0)]
-    spark.createDataFrame(row, read_schema()).coalesce(1).write.mode("append").parquet(close_dir(checkpoint))
-    return dt.datetime.fromtimestamp(end_us / 1e6, dt.timezone.utc)
-
-
-def newest_time(directory: str) -> int | None:
-    """The newest ``recv_time`` (µs) of a local recording, from its newest file's statistics."""
-    import pyarrow.parquet as pq
-
-    from .schema import published_files
-
-    files = published_files(local_path(directory))
-    best = None
-    for _, _, path in files[-3:]:  # recv_time rises with seq; a few files spare a clock step back
-        md = pq.ParquetFile(path).metadata
-        col = md.schema.to_arrow_schema().get_field_index("recv_time")
-        for i in range(md.num_row_groups):
-            st = md.row_group(i).column(col).statistics
-            if st is not None and st.has_min_max:
-                v = st.max
-                us = int(v.timestamp() * 1e6) if hasattr(v, "timestamp") else int(v)
-                best = us if best is None else max(best, us)
-    return best
-
-
-def held_back(spark, directory: str, watermark, window_seconds: float) -> list[tuple]:
+def held_back(spark, directory: str, watermark, window_seconds: float, source: str = "sbus") -> list[tuple]:
     """The windows the watermark has not passed (append mode holds them until newer data
     arrives): [(window_start, window_end, messages, lost)] from the recording."""
     import datetime as dt
@@ -155,13 +137,96 @@ def held_back(spark, directory: str, watermark, window_seconds: float) -> list[t
     w_us = int(window_seconds * 1e6)
     wm_us = int(watermark.timestamp() * 1e6)
     cutoff = dt.datetime.fromtimestamp((wm_us // w_us) * w_us / 1e6, dt.timezone.utc)
-    df = spark.read.schema(read_schema()).parquet(directory).where(F.col("recv_time") >= F.lit(cutoff))
+    df = batch_read(spark, directory, source).where(F.col("recv_time") >= F.lit(cutoff))
     rows = (df.groupBy(F.window("recv_time", spark_interval(window_seconds)).alias("w"))
             .agg(F.count(F.when(dropped_col() == 0, F.lit(1))).alias("messages"), F.sum(lost_col()).alias("lost"))
             .orderBy("w.start").collect())
     utc = dt.timezone.utc
     return [(r["w"]["start"].astimezone(utc), r["w"]["end"].astimezone(utc), r["messages"], r["lost"] or 0)
             for r in rows]
+
+
+class LateRows(RuntimeError):
+    """Spark dropped rows as later than the watermark: they are in no window (``str()``: one line).
+
+    Spark counts them after the partial aggregation (``numRowsDroppedByWatermark``): one
+    dropped row is one (window, prefix) count of one micro-batch's task, not one message."""
+
+    def __init__(self, dropped: int):
+        self.dropped = dropped
+        super().__init__(f"Spark dropped {dropped:,} late row(s) (numRowsDroppedByWatermark: each a partial "
+                         f"count of one window and prefix, one or more messages) as later than the "
+                         f"watermark: they are counted in no window (give --watermark more room, or "
+                         f"--drop-late to accept this)")
+
+
+class DropCounter:
+    """Sums each query's ``numRowsDroppedByWatermark`` over all its micro-batches (a listener:
+    ``recentProgress`` keeps only the last 100), and says at once when a batch drops rows."""
+
+    def __init__(self, spark, log=None):
+        from pyspark.sql.streaming import StreamingQueryListener
+
+        counter = self
+        self.dropped: dict[str, int] = {}
+        self.batches: dict[str, int] = {}
+        self.ended: set[str] = set()
+        self.log = log
+        import threading
+
+        self._cond = threading.Condition()
+
+        class Listener(StreamingQueryListener):
+            def onQueryStarted(self, event):
+                pass
+
+            def onQueryProgress(self, event):
+                counter._progress(event.progress)
+
+            def onQueryIdle(self, event):
+                pass
+
+            def onQueryTerminated(self, event):
+                with counter._cond:
+                    counter.ended.add(str(event.id))
+                    counter._cond.notify_all()
+
+        self.listener = Listener()
+        self.spark = spark
+        spark.streams.addListener(self.listener)
+
+    def _progress(self, p) -> None:
+        n = sum(int(getattr(op, "numRowsDroppedByWatermark", 0) or 0) for op in (p.stateOperators or []))
+        qid = str(p.id)
+        with self._cond:
+            self.dropped[qid] = self.dropped.get(qid, 0) + n
+            self.batches[qid] = self.batches.get(qid, 0) + 1
+        if n and self.log is not None:
+            self.log(f"batch {p.batchId} of {p.name or qid}: Spark dropped {n:,} late row(s) (partial counts) "
+                     f"as later than the watermark")
+
+    def wait_ended(self, queries, timeout: float = 30.0) -> None:
+        """Wait until the listener has heard every query end (its last progress comes before)."""
+        import time
+
+        ids = {str(q.id) for q in queries}
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not ids <= self.ended:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+
+    def total(self, query) -> int:
+        with self._cond:
+            return self.dropped.get(str(query.id), 0)
+
+    def close(self) -> None:
+        try:
+            self.spark.streams.removeListener(self.listener)
+        except Exception:
+            pass
 
 
 class Publisher:
@@ -214,7 +279,8 @@ class Publisher:
 
 
 def start(spark, directory: str, out: str, checkpoint: str, *, window_seconds: float = 60.0,
-          depth: int = 1, watermark_seconds: float = 0.0, max_files_per_trigger: int | None = 10,
+          depth: int = 1, watermark_seconds: float = 0.0, source: str = "sbus",
+          max_records_per_trigger: int | None = None, max_files_per_trigger: int | None = 10,
           trigger: str | None = None, available_now: bool = False, publish_to: str | None = None,
           bus: str | None = None, query_name: str = "sbus-windows", shuffle_partitions: int | None = None,
           close_at_end: bool = False):
@@ -222,16 +288,18 @@ def start(spark, directory: str, out: str, checkpoint: str, *, window_seconds: f
 
     `shuffle_partitions` applies to a new checkpoint only: Spark keeps the number a
     stateful query started with in its checkpoint and reuses it on every restart."""
+    if source not in SOURCES:
+        raise ValueError(f"unknown source {source!r} (one of {', '.join(SOURCES)})")
+    if close_at_end and (source != "sbus" or not available_now):
+        raise ValueError("--close-at-end needs --available-now and the sbus source")
     if shuffle_partitions:
         spark.conf.set("spark.sql.shuffle.partitions", str(int(shuffle_partitions)))
-    closer = ensure_close_dir(spark, checkpoint)
-    if close_at_end:
-        close_windows(spark, directory, checkpoint, window_seconds, watermark_seconds)
 
     def build():
         return aggregated_stream(spark, directory, window_seconds=window_seconds, depth=depth,
-                                 watermark_seconds=watermark_seconds,
-                                 max_files_per_trigger=max_files_per_trigger, closer=closer)
+                                 watermark_seconds=watermark_seconds, source=source,
+                                 max_records_per_trigger=max_records_per_trigger,
+                                 max_files_per_trigger=max_files_per_trigger, close_at_end=close_at_end)
 
     def triggered(writer):
         if available_now:
@@ -259,30 +327,45 @@ def start(spark, directory: str, out: str, checkpoint: str, *, window_seconds: f
 
 
 def run(spark, directory: str, out: str, checkpoint: str, *, timeout: float | None = None, log=None,
-        **kw) -> list[tuple]:
+        drop_late: bool = False, **kw) -> list[tuple]:
     """Start and wait: until done (``available_now``), `timeout` seconds, or Ctrl-C.
 
-    After an ``available_now`` run: the windows still held back (see `held_back`), each also
-    told to `log` (one line)."""
-    queries = start(spark, directory, out, checkpoint, **kw)
+    Rows Spark drops as later than the watermark are counted (every micro-batch's
+    ``numRowsDroppedByWatermark``) and raise `LateRows` at the end unless `drop_late`
+    (then `log` is told the count). After an ``available_now`` run: the windows still held
+    back (see `held_back`), each also told to `log` (one line)."""
+    counter = DropCounter(spark, log)
     try:
-        if kw.get("available_now"):
+        queries = start(spark, directory, out, checkpoint, **kw)
+        try:
+            if kw.get("available_now"):
+                for q in queries:
+                    q.awaitTermination()
+            elif timeout is not None:
+                queries[0].awaitTermination(timeout)
+            else:
+                spark.streams.awaitAnyTermination()
+        finally:
             for q in queries:
-                q.awaitTermination()
-        elif timeout is not None:
-            queries[0].awaitTermination(timeout)
-        else:
-            spark.streams.awaitAnyTermination()
+                if q.isActive:
+                    q.stop()
+            for q in queries:
+                if q.exception() is not None:
+                    raise q.exception()
+        counter.wait_ended(queries)
+        late = counter.total(queries[0])
     finally:
-        for q in queries:
-            if q.isActive:
-                q.stop()
-        for q in queries:
-            if q.exception() is not None:
-                raise q.exception()
+        counter.close()
+    if late:
+        if not drop_late:
+            raise LateRows(late)
+        if log is not None:
+            log(f"Spark dropped {late:,} late row(s) (partial counts of a window and prefix) as later than "
+                f"the watermark (--drop-late): they are counted in no window")
     if not kw.get("available_now"):
         return []
-    held = held_back(spark, directory, watermark_of(queries[0]), kw.get("window_seconds", 60.0))
+    held = held_back(spark, directory, watermark_of(queries[0]), kw.get("window_seconds", 60.0),
+                     kw.get("source", "sbus"))
     if log is not None:
         for start_t, end_t, n, lost in held:
             log(f"held back until newer data arrives: the window {start_t.isoformat()} .. {end_t.isoformat()} "

@@ -69,6 +69,7 @@ from .schema import (  # noqa: F401  (constants re-exported)
     DEFAULT_ROLL_BYTES,
     DEFAULT_ROW_GROUP_BYTES,
     GAP,
+    JOURNAL_SUFFIX,
     ROW_OVERHEAD,
     TMP_DIR,
     arrow_schema,
@@ -130,7 +131,6 @@ def create_private(name: str, dir_fd: int) -> int:
 
 #: While a writer runs, ``_tmp/`` holds this marker (its pid); a clean close removes it.
 MARKER = "running"
-JOURNAL_SUFFIX = ".arrows"
 PART_SUFFIX = ".parquet.part"
 RECOVERING_SUFFIX = ".parquet.recovering"
 

@@ -1,0 +1,212 @@
+"""The sbus Spark source (``format("sbus")``) and the stream that reads through it (issue 35)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+import pytest
+
+from pipeline_conftest import ROOT, spark, start_recorder, wait_rows  # noqa: F401
+from helpers import child_env, wait_until
+from sbus.client import connect
+from sbus.pipeline.writer import RecordingWriter, gap_payload
+
+import pyspark  # noqa: F401  (the test extra installs it: a missing install fails, never skips)
+
+T0 = 1_700_000_000_000_000  # a multiple of 10 s
+
+
+def utc_us(t) -> int:
+    if t.tzinfo is None:
+        t = t.astimezone()  # collect() gives naive local times
+    return round(t.timestamp() * 1_000_000)
+
+
+def message_rows(first_seq, n, t_us, step_us=1000, tag=b"a"):
+    return [(t_us + i * step_us, first_seq + i, b"%s/%d" % (tag, i % 3), b"x" * (i % 17)) for i in range(n)]
+
+
+def test_batch_and_stream_read_files_and_the_live_journal(spark, tmp_path):
+    """Published files, then rows only in the journal (a drop row and a gap row among them):
+    ``read`` sees them all, in seq order, each kind as itself; ``readStream`` reads them in
+    micro-batches of at most ``maxRecordsPerTrigger`` seqs and, restarted on its checkpoint,
+    reads only what came since: every row once."""
+    from sbus.pipeline.source import register
+
+    register(spark)
+    rec, out, cp = tmp_path / "rec", tmp_path / "out", tmp_path / "cp"
+    w = RecordingWriter(str(rec), fsync=False)
+    rows = []
+    for f in range(3):
+        rows += message_rows(len(rows) + 1, 10, T0 + f * 1_000_000)
+        w.extend(rows[-10:])
+        w.publish()
+    rows += message_rows(len(rows) + 1, 6, T0 + 4_000_000, tag=b"b")
+    w.extend(rows[-6:])  # in the journal only: not published
+    w.add_drop(T0 + 4_500_000, 37, 5, b"b/0", b"b/2")
+    w.add_drop(T0 + 4_600_000, 38, -1, b"", gap_payload(37, T0 + 4_500_000, T0 + 4_600_000, 0))
+    assert len(os.listdir(rec)) == 4  # three files and _tmp
+
+    got = spark.read.format("sbus").load(str(rec)).orderBy("seq").collect()
+    assert [r["seq"] for r in got] == list(range(1, 39))
+    assert [r["kind"] for r in got][-3:] == ["message", "drop", "gap"]
+    assert got[-2]["dropped"] == 5 and got[-1]["dropped"] == -1
+    assert [(utc_us(r["recv_time"]), r["key"], r["payload"]) for r in got[:36]] == \
+        [(t, k, p) for t, _, k, p in rows]
+
+    def stream_once(**opts):
+        reader = spark.readStream.format("sbus")
+        for k, v in opts.items():
+            reader = reader.option(k, v)
+        q = (reader.load(str(rec)).writeStream.format("parquet").option("path", str(out))
+             .option("checkpointLocation", str(cp)).trigger(availableNow=True).start())
+        q.awaitTermination()
+        return [json.loads(p["sources"][0]["endOffset"])["seq"] for p in q.recentProgress if p["numInputRows"]]
+
+    ends = stream_once(maxRecordsPerTrigger=8)
+    assert ends == [8, 16, 24, 32, 38]
+    more = message_rows(39, 20, T0 + 5_000_000, tag=b"c")
+    w.extend(more[:12])
+    w.publish()  # the journal read before is now a published file (the same seqs)
+    w.extend(more[12:])
+    assert stream_once(maxRecordsPerTrigger=8) == [46, 54, 58]  # resumes after 38
+    seqs = [r["seq"] for r in spark.read.parquet(str(out)).collect()]
+    assert sorted(seqs) == list(range(1, 59))  # every row exactly once
+
+    # startingOffsets: a seq (the first read) and latest
+    start = spark.readStream.format("sbus").option("startingOffsets", "50").load(str(rec))
+    q = start.writeStream.format("memory").queryName("from50").trigger(availableNow=True).start()
+    q.awaitTermination()
+    assert sorted(r["seq"] for r in spark.sql("select seq from from50").collect()) == list(range(50, 59))
+    q = (spark.readStream.format("sbus").option("startingOffsets", "latest").load(str(rec))
+         .writeStream.format("memory").queryName("latest").trigger(availableNow=True).start())
+    q.awaitTermination()
+    assert spark.sql("select * from latest").count() == 0
+    w.close()
+
+
+def write_files(directory, n_files, per_file=50, first_second=0):
+    """`n_files` published files of `per_file` rows, one file per second (three prefixes)."""
+    w = RecordingWriter(str(directory), fsync=False)
+    rows = []
+    for f in range(n_files):
+        rows += message_rows(w.next_seq + len(rows), per_file, T0 + (first_second + f) * 1_000_000 + 1000,
+                             step_us=10_000)
+        w.extend(rows[-per_file:])
+        w.publish()
+    w.close()
+    return rows
+
+
+def counted(spark, out):
+    got = defaultdict(int)
+    for r in spark.read.parquet(str(out)).collect():
+        got[((utc_us(r["window_start"]) - T0) // 1_000_000, r["prefix"])] += r["messages"]
+    return dict(got)
+
+
+def expected(rows, window_s=10):
+    exp = defaultdict(int)
+    for t, _, k, _ in rows:
+        exp[((t - T0) // 1_000_000 // window_s * window_s, k.split(b"/")[0].decode())] += 1
+    return dict(exp)
+
+
+def test_close_at_end_counts_every_row_of_a_long_recording(spark, tmp_path):
+    """Issue 35 fault 1: 35 files read 100 rows per micro-batch (18 batches) with
+    --close-at-end: every window, every row (the closing row used to be read in the first
+    batch, and every later batch's rows were dropped as late, in silence: 20 files of 35)."""
+    from sbus.pipeline import stream
+
+    rec, out, cp = tmp_path / "rec", tmp_path / "out", tmp_path / "cp"
+    rows = write_files(rec, 35)
+    held = stream.run(spark, str(rec), str(out), str(cp), window_seconds=10, depth=1, watermark_seconds=0,
+                      max_records_per_trigger=100, available_now=True, close_at_end=True)
+    assert held == []
+    assert counted(spark, out) == expected(rows)
+    assert sum(counted(spark, out).values()) == 35 * 50
+
+
+def test_rows_dropped_as_late_are_counted_and_fail_the_run(spark, tmp_path):
+    """A closed stream that then reads rows for windows already closed: Spark drops them;
+    the run says how many and fails, unless asked to drop late rows."""
+    from sbus.pipeline import stream
+
+    rec, out, cp = tmp_path / "rec", tmp_path / "out", tmp_path / "cp"
+    write_files(rec, 3)
+    kw = dict(window_seconds=10, depth=1, watermark_seconds=0, available_now=True, close_at_end=True)
+    stream.run(spark, str(rec), str(out), str(cp), **kw)
+    before = counted(spark, out)
+    w = RecordingWriter(str(rec), fsync=False)  # rows stamped in the first window, recorded later
+    w.extend(message_rows(w.next_seq, 40, T0 + 2_000_000))
+    w.close()
+    with pytest.raises(stream.LateRows) as e:
+        stream.run(spark, str(rec), str(out), str(cp), **kw)
+    assert e.value.dropped >= 1 and f"dropped {e.value.dropped} late row(s)" in str(e.value)
+    assert counted(spark, out) == before
+    w = RecordingWriter(str(rec), fsync=False)
+    w.extend(message_rows(w.next_seq, 7, T0 + 5_000_000))
+    w.close()
+    said = []
+    stream.run(spark, str(rec), str(out), str(cp), log=said.append, drop_late=True, **kw)
+    assert any("late row(s)" in line and "--drop-late" in line for line in said), said
+    assert counted(spark, out) == before
+
+
+def run_stream_cli(log_path, *args):
+    """``sbus-pipeline stream ARGS`` in its own process, its output in `log_path`."""
+    env = child_env()
+    env["SBUS_SHUFFLE_PARTITIONS"] = "2"
+    with open(log_path, "w") as log:
+        return subprocess.Popen([sys.executable, "-m", "sbus.pipeline", "--master", "local[2]", "-q", "stream",
+                                 *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.slow
+def test_stream_exactly_once_across_kill_9_of_the_query(bus, start_recorder, spark, tmp_path):
+    """Real processes: a recorder on a bus, ``sbus-pipeline stream --trigger`` reading it live;
+    the query is killed with SIGKILL after some committed batches, traffic goes on, and a
+    restart on the same checkpoint (``--available-now --close-at-end``) counts every message
+    once."""
+    rec_dir, out, cp = tmp_path / "rec", tmp_path / "out", tmp_path / "cp"
+    start_recorder(bus.address, rec_dir, "--roll-age", "2s")
+    sent = defaultdict(int)
+
+    def publish(n, tag):
+        with connect(bus.address) as c:
+            for i in range(n):
+                c.publish(b"%s/%d" % (tag, i % 4), b"p" * (i % 50))
+                sent[tag.decode()] += 1
+            c.sync(timeout=30)
+
+    publish(3000, b"a")
+    args = [str(rec_dir), "--out", str(out), "--checkpoint", str(cp), "--window", "1s",
+            "--max-records-per-trigger", "500", "--trigger", "200 milliseconds"]
+    p = run_stream_cli(tmp_path / "stream-1.log", *args)
+    commits = cp / "sink" / "commits"
+    try:
+        wait_until(lambda: (p.poll() is None or pytest.fail((tmp_path / "stream-1.log").read_text()[-3000:]))
+                   and commits.is_dir()
+                   and len([n for n in os.listdir(commits) if n.isdigit()]) >= 3,
+                   "three committed micro-batches", timeout=120)
+        publish(2000, b"b")
+        os.kill(p.pid, signal.SIGKILL)
+    finally:
+        p.kill()
+        p.wait()
+    publish(1000, b"c")
+    wait_rows(rec_dir, 6000)  # 6,000 published rows (the journal may hold them before)
+    p = run_stream_cli(tmp_path / "stream-2.log", *args[:-4], "--available-now", "--close-at-end")
+    assert p.wait(timeout=180) == 0, (tmp_path / "stream-2.log").read_text()[-3000:]
+    got = defaultdict(int)
+    for r in spark.read.parquet(str(out)).collect():
+        if r["prefix"] is not None:
+            got[r["prefix"]] += r["messages"]
+    assert dict(got) == dict(sent)  # every message once: none lost, none twice
