@@ -4,9 +4,9 @@ accepts connections and carries them onto a bus, through real processes: every s
 name, an inherited ``/dev/fd/N``, systemd's ``LISTEN_FDS``) x three peers:
 
 * ``allowed``: uid 61001 with the master socket's group (0) as a *supplementary* group only,
-  and on the master's ``-u`` list. (Every peer has the group of the services' own path
-  sockets, 61200, so that their file mode never decides.) Only ``/proc/PID/status`` knows that group (the uid has no
-  user database entry): served.
+  and on the master's ``-u`` list. Only ``/proc/PID/status`` knows that group (the uid has
+  no user database entry): served. (Every peer has the group of the services' own path
+  sockets, 61200, so that their file mode never decides.)
 * ``other uid``: uid 61002, in the master's group (the mode would let it in) but not on its
   ``-u`` list (item 2): refused. The old relay asked nothing of its master.
 * ``other group``: uid 61003, on the ``-u`` list, in the group of the *service's* socket
@@ -85,8 +85,8 @@ class _Services:
             popen["pass_fds"] = (handed.fileno(),)
             if kind == "systemd":   # LISTEN_PID must be the service's own pid: exec keeps it
                 # the names too: Twisted's systemd: endpoint wants LISTEN_FDNAMES (systemd >= 227)
-                argv = [sys.executable, "-c", SYSTEMD_SHIM.replace("LISTEN_FDS='1'", "LISTEN_FDS='1', LISTEN_FDNAMES='x'"),
-                        str(handed.fileno()), *twistd, *args]
+                shim = SYSTEMD_SHIM.replace("LISTEN_FDS='1'", "LISTEN_FDS='1', LISTEN_FDNAMES='x'")
+                argv = [sys.executable, "-c", shim, str(handed.fileno()), *twistd, *args]
             else:
                 argv = [*twistd, *args]
         p = LoggedProcess(argv, os.path.join(self.d, f"{args[0]}-{kind}.log"), cwd=self.d, **popen)

@@ -115,7 +115,8 @@ def split():
         os.chown(own, BUS_UID, BUS_UID)
         address = os.path.join(own, "bus.socket")
         bus = LoggedProcess([*AS_USER, str(BUS_UID), "-n", "--pidfile=", "sbus", "--socket", address,
-                             "--mode", "0777", "--service-uid", str(GRANTED)], os.path.join(d, "bus.log"), cwd=d)
+                             "--mode", "0777", "--service-uid", str(GRANTED)],
+                            os.path.join(d, "bus.log"), cwd=d)
         procs.append(bus)
         node.wait_log("Server is ready")
         wait_until(lambda: bus.alive_or_raise() and os.path.exists(address), "the bus of uid 61001")

@@ -409,7 +409,8 @@ class ModelessUNIXServerEndpoint:
                 sock = socket.socket(fileno=os.dup(self.addr.value))
                 try:
                     if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
-                        raise OSError(errno.ENOTSOCK, f"/dev/fd/{self.addr.value} is not a unix stream socket")
+                        raise OSError(errno.ENOTSOCK,
+                                      f"/dev/fd/{self.addr.value} is not a unix stream socket")
                     if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                         sock.listen(self.backlog)
                     sock.setblocking(False)  # Twisted accepts until EAGAIN

@@ -16,7 +16,7 @@ unix listeners, and any later one).
   database's when that process cannot be read as the same uid), never the service's own;
 * a bus with no file mode (abstract, ``/dev/fd/N``): only the uids its ``-u`` list names.
 
-It is checked per connection, from ``SO_PEERCRED`` (or the TCP owner, `access.peer_uid`),
+It is checked per connection, from ``SO_PEERCRED`` (or the TCP owner, `access.peer_credentials`),
 whatever kind of socket the service listens on: a path, an abstract name, ``/dev/fd/N`` or
 systemd's. The service's own socket mode is a second fence (`access.BusAccess.wider`), never
 the decision. A refused peer gets one log line (`Admission.admit`) and is closed.
