@@ -210,3 +210,24 @@ def test_stream_exactly_once_across_kill_9_of_the_query(bus, start_recorder, spa
         if r["prefix"] is not None:
             got[r["prefix"]] += r["messages"]
     assert dict(got) == dict(sent)  # every message once: none lost, none twice
+
+
+def test_the_docs_example_runs_as_written(spark, tmp_path, monkeypatch, capsys):
+    """docs/pipeline.md's ``format("sbus")`` example, on a recording with a published file,
+    rows only in the live journal and a drop row."""
+    import re
+
+    text = open(os.path.join(ROOT, "docs", "pipeline.md")).read()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if 'format("sbus")' in b]
+    monkeypatch.chdir(tmp_path)
+    w = RecordingWriter("rec", fsync=False)
+    w.extend(message_rows(1, 9, T0))
+    w.publish()
+    w.extend(message_rows(10, 6, T0 + 1_000_000, tag=b"b"))
+    w.add_drop(T0 + 2_000_000, 16, 4)
+    exec(compile(code, "docs/pipeline.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert re.search(r"\|\s*drop\|\s*1\|", out) and re.search(r"\|\s*message\|\s*15\|", out), out
+    for key, n in ((b"a/0", 3), (b"b/0", 2), (b"b/2", 2)):
+        assert re.search(rf"\|\s*{key.decode()}\|\s*{n}\|", out), out
+    w.close()

@@ -313,6 +313,8 @@ class SbusDataSource(DataSource):
         if "://" in path:
             raise ValueError(f"sbus source: {path}: a local path (or a mount every executor shares), "
                              f"not a URL")
+        if not os.path.isabs(path):  # the Python workers that read it run in another directory
+            raise ValueError(f"sbus source: {path}: give an absolute path (os.path.abspath)")
         self.directory = path
         self.opts = opts
 

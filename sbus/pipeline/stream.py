@@ -90,7 +90,7 @@ def source_stream(spark, directory: str, *, source: str = "sbus", max_records_pe
         reader = reader.option("maxRecordsPerTrigger", int(max_records_per_trigger))
     if close_after is not None:
         reader = reader.option("closeAtEnd", repr(float(close_after)))
-    return reader.load(local_path(directory)).select(*cols)
+    return reader.load(os.path.abspath(local_path(directory))).select(*cols)
 
 
 def aggregated_stream(spark, directory: str, *, window_seconds: float, depth: int,
@@ -120,7 +120,7 @@ def batch_read(spark, directory: str, source: str = "sbus"):
     from .source import register
 
     register(spark)
-    return spark.read.format("sbus").load(local_path(directory))
+    return spark.read.format("sbus").load(os.path.abspath(local_path(directory)))
 
 
 def held_back(spark, directory: str, watermark, window_seconds: float, source: str = "sbus") -> list[tuple]:
