@@ -201,57 +201,54 @@ def _between(table, start: int, end: int):
 def read_range(directory: str, start: int, end: int, *, lenient: bool = False):
     """The rows with ``start < seq <= end``, as Arrow tables in seq order (with ``kind``).
 
-    Published files serve the seqs they hold, journals the rest. Raises `DataLoss` when
-    the range's beginning is no longer there (unless `lenient`)."""
+    Published files and journals are taken in the order of their first seq (a file before a
+    journal of the same rows); each gives the rows past those taken. Raises `DataLoss` when
+    seqs in the range are in neither (deleted by retention), unless `lenient`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     for attempt in range(5):
         layout = Layout(directory)
+        sources = sorted([(f, 0, last, path) for f, last, path in layout.files]
+                         + [(f, 1, None, path) for f, path in layout.journals])
         out = []
         covered = start  # every seq up to here is accounted for
-        gone = False
-        for first, last, path in layout.files:
-            if last <= covered or first > end:
-                continue
-            if first > covered + 1 and not lenient:
-                raise DataLoss(f"{directory}: seqs {covered + 1}..{first - 1} are no longer in the "
-                               f"recording (deleted by retention?)")
-            try:
-                t = pq.read_table(path, filters=[("seq", ">", covered), ("seq", "<=", end)])
-            except FileNotFoundError:
-                gone = True  # retention between the listing and the read
+        hole = again = False
+        for first, is_journal, last, path in sources:
+            if covered >= end or first > end:
                 break
-            out.append(_with_kind(t))
-            covered = max(covered, min(last, end))
-        if gone:
-            continue
-        if covered < end:
-            missing = False
-            for first, path in layout.journals:
-                batches = [b for b in journal_batches(path)]
+            if last is not None and last <= covered:
+                continue
+            if first > covered + 1:
+                hole = True
+                if not lenient:
+                    break
+            if is_journal:
+                batches = list(journal_batches(path))
                 if not batches:
                     if not os.path.exists(path):
-                        missing = True  # published since the listing: look again
+                        again = True  # published since the listing: look again
                         break
                     continue
                 whole = pa.Table.from_batches(batches)
                 t = _between(whole, covered, end)
-                if t.num_rows:
-                    out.append(_with_kind(t))
-                covered = max(covered, min(end, whole.column("seq")[-1].as_py()))
-                if covered >= end:
+                last = whole.column("seq")[-1].as_py()
+            else:
+                try:
+                    t = pq.read_table(path, filters=[("seq", ">", covered), ("seq", "<=", end)])
+                except FileNotFoundError:
+                    again = True  # retention between the listing and the read
                     break
-            if missing:
+            if t.num_rows:
+                out.append(_with_kind(t))
+            covered = max(covered, min(last, end))
+        if again or (covered < end and not lenient) or (hole and not lenient):
+            if attempt < 4:
                 continue
-        if covered < end and not lenient:
-            # the journal rows we were told of were published in between: look again
-            continue
+            raise DataLoss(f"{directory}: seqs after {covered} up to {end} are no longer in the recording "
+                           f"(deleted by retention?); failOnDataLoss=false skips them")
         return out
-    if lenient:
-        return out
-    raise DataLoss(f"{directory}: seqs {covered + 1}..{end} could not be read (their journal vanished "
-                   f"and no published file holds them)")
+    return out
 
 
 # -- Spark's side (pyspark imported here only: the module is importable without it)

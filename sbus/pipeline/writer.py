@@ -215,6 +215,7 @@ class RecordingWriter:
         fsync: bool = True,
         clock=time.monotonic,
         log=None,
+        recover_later: bool = False,
     ):
         self.directory = directory
         self.tmp = os.path.join(directory, TMP_DIR)
@@ -234,16 +235,79 @@ class RecordingWriter:
         self._reset_buffer()
         self.files_published = 0
         self.rows_published = 0
-        #: What was found in _tmp/: recovered leftovers, removed ones, whether the last run crashed.
-        self.recovery = self._recover_tmp()
-        #: Names of the leftovers removed from _tmp/ (kept for callers of the old interface).
-        self.cleaned = [name for name, _ in self.recovery.removed]
+        #: What was found in _tmp/: recovered leftovers, removed ones, whether the last run crashed
+        #: (`unclean` at once; the rest once `recover` has run).
+        self.recovery = Recovery()
         files = published_files(directory)
-        #: The seq the next recorded message gets (continues the directory's numbering).
-        self.next_seq = files[-1][1] + 1 if files else 1
+        self._published_at_start = [(first, last) for first, last, _ in files]
+        self._leftovers = self._scan_tmp()
+        #: The seq the next recorded message gets (continues the directory's numbering, after the
+        #: whole batches of the journals a crash left, recovered or not yet).
+        self.next_seq = max(files[-1][1] if files else 0, self._journal_tail[0]) + 1
         fd = create_private(MARKER, self._tmp_fd)
         with open(fd, "w") as f:
             f.write(f"{os.getpid()}\n")
+        if not recover_later:
+            self.recover()
+
+    def recover(self) -> Recovery:
+        """Publish the whole batches of each leftover journal found at start, remove the other
+        leftovers; `recovery` says what was done. Safe on another thread while this writer
+        records (it touches only the leftovers, and new files have higher seqs)."""
+        self._recover_tmp(self._leftovers)
+        #: Names of the leftovers removed from _tmp/ (kept for callers of the old interface).
+        self.cleaned = [name for name, _ in self.recovery.removed]
+        return self.recovery
+
+    def _scan_tmp(self) -> list[str]:
+        """The leftovers in ``_tmp/`` (the marker aside), whether the last run stopped uncleanly,
+        and from the journals' whole batches (memory-mapped: their headers only are parsed, so
+        it is quick whatever their size): the newest (seq, recv_time) and how many rows they
+        hold that no published file holds."""
+        names = sorted(e.name for e in os.scandir(self._tmp_fd)
+                       if e.is_file(follow_symlinks=False) or e.is_symlink())
+        self.recovery.unclean = any(n == MARKER or n.endswith((JOURNAL_SUFFIX, PART_SUFFIX)) for n in names)
+        self._journal_tail = (0, None)
+        self._journal_rows = 0
+        for name in names:
+            if not name.endswith(JOURNAL_SUFFIX) or os.path.islink(os.path.join(self.tmp, name)):
+                continue
+            try:
+                source = pa.memory_map(os.path.join(self.tmp, name))
+                reader = pa.ipc.open_stream(source)
+                if not reader.schema.equals(arrow_schema(), check_metadata=False):
+                    continue
+            except (pa.ArrowInvalid, OSError, EOFError):
+                continue
+            while True:
+                try:
+                    b = reader.read_next_batch()
+                except (StopIteration, pa.ArrowInvalid, OSError, EOFError):
+                    break
+                if not b.num_rows:
+                    continue
+                seq = b.column(4)
+                self._journal_rows += len(seq) - int(pc.sum(self._published_mask(seq)).as_py() or 0)
+                last = seq[-1].as_py()
+                if last > self._journal_tail[0]:
+                    self._journal_tail = (last, b.column(0).cast(pa.int64())[-1].as_py())
+        names = [n for n in names if n != MARKER]
+        stems = {n[:-len(JOURNAL_SUFFIX)] for n in names if n.endswith(JOURNAL_SUFFIX)}
+        later = [n for n in names if n.endswith(JOURNAL_SUFFIX)
+                 or (n.endswith(PART_SUFFIX) and n[:-len(PART_SUFFIX)] in stems)]
+        # the rest goes now (a quick unlink each): a leftover .part without its journal may bear
+        # the name this writer's first file takes; a journal's seqs are all below ours
+        self._recover_tmp([n for n in names if n not in later])
+        return later
+
+    def _published_mask(self, seqs):
+        """True where a seq is in a file that was published when this writer started."""
+        mask = pc.less(seqs, 0)
+        lo, hi = pc.min(seqs).as_py(), pc.max(seqs).as_py()
+        for first, last in self._published_at_start:
+            if last >= lo and first <= hi:
+                mask = pc.or_(mask, pc.and_(pc.greater_equal(seqs, first), pc.less_equal(seqs, last)))
+        return mask
 
     # -- buffer
 
@@ -253,18 +317,13 @@ class RecordingWriter:
         self._buf_drop_rows = self._buf_dropped = 0
         self._buf_bytes = 0
 
-    def _recover_tmp(self) -> Recovery:
+    def _recover_tmp(self, names: list[str]) -> Recovery:
         """Publish the whole batches of each leftover journal; remove everything else."""
-        rec = Recovery()
-        names = sorted(e.name for e in os.scandir(self._tmp_fd)
-                       if e.is_file(follow_symlinks=False) or e.is_symlink())
+        rec = self.recovery
         journals = {n[:-len(JOURNAL_SUFFIX)] for n in names if n.endswith(JOURNAL_SUFFIX)}
         for name in names:
             if os.path.islink(os.path.join(self.tmp, name)):
                 why = "a symlink (removed the link, not its target)"
-            elif name == MARKER:
-                rec.unclean = True
-                why = None
             elif name.endswith(JOURNAL_SUFFIX):
                 rec.unclean = True
                 why = self._recover_journal(name, rec)
@@ -290,8 +349,6 @@ class RecordingWriter:
         return rec
 
     def _recover_journal(self, name: str, rec: Recovery) -> str | None:
-        files = published_files(self.directory)
-        last = files[-1][1] if files else 0
         try:
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._tmp_fd)
         except OSError as e:
@@ -299,9 +356,8 @@ class RecordingWriter:
         table, why = read_journal(fd, name)
         if table is None:
             return why
-        seqs = table.column("seq")
-        keep = pc.greater(seqs, last)  # rows a published file already holds are not published twice
-        table = table.filter(keep)
+        # rows a published file already holds are not published twice
+        table = table.filter(pc.invert(self._published_mask(table.column("seq"))))
         if table.num_rows == 0:
             return "its rows were all published already"
         seq = table.column("seq").to_numpy()
@@ -350,7 +406,9 @@ class RecordingWriter:
     def gap_row(self, restart_us: int) -> tuple[int, int, bytes, bytes]:
         """A drop row for an unclean start: (recv_us, GAP, b"", description) minus the seq."""
         last = self.last_row()
-        recovered = sum(n for _, n, _ in self.recovery.recovered)
+        if last is None or self._journal_tail[0] > last[0]:  # a journal not yet recovered holds the last
+            last = self._journal_tail if self._journal_tail[0] else last
+        recovered = self._journal_rows  # what recovery publishes (or has published)
         after_seq, after_us = (last if last is not None else (0, None))
         return restart_us, GAP, b"", gap_payload(after_seq, after_us, restart_us, recovered)
 

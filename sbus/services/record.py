@@ -53,7 +53,7 @@ import time
 from collections import deque
 
 from twisted.application import service
-from twisted.internet import defer
+from twisted.internet import defer, threads
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python import usage
@@ -393,6 +393,7 @@ class RecordService(service.Service):
         self.sink: BoundedWriter | None = None
         self.recorder: Recorder | None = None
         self._done: defer.Deferred | None = None
+        self._recovering: defer.Deferred | None = defer.succeed(None)
         self._loop = None
         self._last = (0, 0)
         self._last_bus = (0, 0)  # (messages, notices) at the last log line
@@ -432,16 +433,10 @@ class RecordService(service.Service):
         super().startService()
         from sbus.services.shutdown import exit_zero_on_sigterm
         exit_zero_on_sigterm(self.reactor)
-        writer = RecordingWriter(self.out, log=self._from_thread, **self.settings)
+        # recovery (publishing a crashed run's journal) runs on a thread once we are subscribed:
+        # a big journal must not keep us off the bus (issue 35: 23 s away for 263 MB)
+        writer = RecordingWriter(self.out, log=self._from_thread, recover_later=True, **self.settings)
         found = writer.recovery
-        for name, rows, published in found.recovered:
-            log.warn("recovered {rows} messages from the unpublished leftover {name} in {tmp} "
-                     "(the last run stopped without publishing it): published as {published}",
-                     rows=rows, name=name, tmp=writer.tmp, published=published)
-        if found.removed:
-            log.warn("removed {n} unpublished leftover(s) from {tmp}: {names}",
-                     n=len(found.removed), tmp=writer.tmp,
-                     names="; ".join(f"{name} ({why})" for name, why in found.removed))
         self._done = defer.Deferred()
         self.sink = BoundedWriter(writer, self.queue_bytes, report=self._from_thread,
                                   on_done=lambda: self.reactor.callFromThread(self._done.callback, None),
@@ -498,9 +493,23 @@ class RecordService(service.Service):
         else:
             self.client.flood(soft="block", hard="block")
         self.client.start()
+        self._recovering = threads.deferToThreadPool(self.reactor, self.reactor.getThreadPool(), writer.recover)
+        self._recovering.addCallbacks(self._recovered, lambda f: log.failure("recovering the journal failed", f))
         self._loop = LoopingCall(self._report)
         self._loop.clock = self.reactor
         self._loop.start(self.report_interval, now=False)
+
+    def _recovered(self, found) -> None:
+        """Say what recovery found in ``_tmp/`` (it ran beside the new traffic)."""
+        tmp = self.sink.writer.tmp
+        for name, rows, published in found.recovered:
+            log.warn("recovered {rows} messages from the unpublished leftover {name} in {tmp} "
+                     "(the last run stopped without publishing it): published as {published}",
+                     rows=rows, name=name, tmp=tmp, published=published)
+        if found.removed:
+            log.warn("removed {n} unpublished leftover(s) from {tmp}: {names}",
+                     n=len(found.removed), tmp=tmp,
+                     names="; ".join(f"{name} ({why})" for name, why in found.removed))
 
     def _markCrash(self, writer) -> None:
         """The last run did not stop cleanly: what it had not written and what was published
@@ -602,6 +611,9 @@ class RecordService(service.Service):
             self.sink.stop()
             return self._done
 
+        def recovered(_):  # the marker goes with the writer's close: only once recovery is done
+            return self._recovering
+
         def done(_):
             s = self.sink
             if s is not None:
@@ -620,7 +632,7 @@ class RecordService(service.Service):
                          gaps=gaps, filt=rec.filtered,
                          excl=rec.excluded, files=s.writer.files_published)
 
-        return d.addBoth(flush).addCallback(done)
+        return d.addBoth(recovered).addBoth(flush).addCallback(done)
 
 
     def _lastSync(self) -> defer.Deferred:
