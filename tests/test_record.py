@@ -694,3 +694,42 @@ def test_a_short_write_never_publishes_a_broken_file():
                        cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "ok", r.stdout
+
+
+def test_a_restarted_recorder_subscribes_before_it_recovers_a_big_journal(bus, start_recorder, tmp_path):
+    """Issue 35 fault 2: a restarted recorder recovered a 263 MB journal before subscribing, away
+    23 s. A crashed run's 400,000-row journal (what kill -9 leaves: marker, journal, .part): the
+    new recorder subscribes first, records what is published while it recovers, and the gap row
+    covers only the time between the last journaled row and the restart."""
+    out = tmp_path / "rec"
+    w = RecordingWriter(str(out), fsync=False)
+    n, t0 = 400_000, time.time_ns() // 1000 - 5_000_000
+    payload = b"j" * 150
+    for i in range(0, n, 50_000):
+        w.extend([(t0 + j, j + 1, b"old/%d" % (j % 7), payload) for j in range(i, i + 50_000)])
+    del w  # no close: the journal, its .part and the marker stay, as after kill -9
+    assert os.path.getsize(out / "_tmp" / "rec-0000000000000001.arrows") > 60_000_000
+    started = time.monotonic()
+    rec = start_recorder(bus.address, out, "--roll-age", "1s")
+    subscribed = time.monotonic() - started
+    new = [(b"new/%d" % (i % 3), b"%d" % i) for i in range(2000)]
+    with connect(bus.address) as c:
+        for k, p in new:
+            c.publish(k, p)
+        c.sync(timeout=30)
+    log = rec.wait_log("from the unpublished leftover", timeout=120)
+    recovered = time.monotonic() - started
+    assert log.index("subscribed") < log.index("from the unpublished leftover"), log[-2000:]
+    assert "recovered 400000 messages" in log
+    assert rec.stop() in (0, -15)
+    rows = read_recording(out)
+    assert [r["seq"] for r in rows] == list(range(1, len(rows) + 1))
+    assert [r["key"] for r in rows[:n]] == [b"old/%d" % (j % 7) for j in range(n)]
+    gap = rows[n]
+    assert gap["dropped"] == -1
+    d = json.loads(gap["payload"])
+    assert d["after_seq"] == n and d["recovered"] == n
+    assert d["from"].startswith(time.strftime("%Y-%m-%dT", time.gmtime(t0 / 1e6)))
+    assert [(r["key"], r["payload"]) for r in rows[n + 1:] if r["dropped"] == 0] == new  # nothing lost
+    assert os.listdir(out / "_tmp") == []
+    print(f"subscribed {subscribed:.2f} s after the start, recovery logged after {recovered:.2f} s")
