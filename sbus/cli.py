@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import copy
 import errno
 import json
 import math
@@ -572,6 +573,44 @@ SECONDS = _number(float, 0, False)     # a time: more than 0
 RATE = _number(float, 0, False)        # per second: more than 0
 
 
+class _OptionsAnywhere(argparse.ArgumentParser):
+    """A subcommand's parser that takes its options anywhere among its positionals
+    (``sbus pub KEY --count 3 PAYLOAD``): plain parsing hands ``KEY`` to both KEY and the
+    optional MESSAGE before it sees ``--count``, and PAYLOAD is left over. A command that
+    passes the rest of its line on (``serve PATTERN -- CMD``) takes its options anywhere
+    before the ``--`` too, where that rest would otherwise begin with an option; a rest that
+    begins with a word (``serve PATTERN CMD -n 1``) is the command's, as it always was."""
+
+    _intermixing = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._intermixing:  # parse_known_intermixed_args calls back in here
+            return super().parse_known_args(args, namespace)
+        args = list(sys.argv[1:] if args is None else args)
+        rest = [a for a in self._actions if a.nargs == argparse.REMAINDER]
+        tail = None
+        if rest:
+            plain = super().parse_known_args(args, None if namespace is None else copy.copy(namespace))
+            given = [word for a in rest for word in getattr(plain[0], a.dest)]
+            if not (given and given[0].startswith("-") and given[0] != "--" and "--" in given):
+                return plain
+            cut = args.index("--")
+            args, tail = args[:cut], args[cut + 1:]
+        self._intermixing = True
+        saved = [a.nargs for a in rest]
+        try:
+            for a in rest:
+                a.nargs = argparse.ZERO_OR_MORE  # nothing of the command's is left before --
+            namespace, extras = self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+            for a, nargs in zip(rest, saved):
+                a.nargs = nargs
+        for a in rest:
+            setattr(namespace, a.dest, getattr(namespace, a.dest) + tail)
+        return namespace, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-s", "--socket", metavar="ADDRESS", default=argparse.SUPPRESS,
@@ -584,7 +623,8 @@ def build_parser() -> argparse.ArgumentParser:
                "twistd sbus listen when given no address).",
         parents=[common],
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                parser_class=_OptionsAnywhere)
 
     p = sub.add_parser("pub", parents=[common], help="publish a message",
                        description="Publish MESSAGE on KEY. With '-', or no MESSAGE and stdin a pipe or a file, "

@@ -240,7 +240,7 @@ def test_cli_request_timeout_bad_use_and_a_failing_serve_command(bus, tmp_path):
     assert (r.returncode, r.stderr) == (124, b"sbus: no reply to nobody/x within 0.2 s\n"), r
     r = sbus_cli(bus.address, "serve", "svc/")
     assert r.returncode == 2 and r.stderr == b"sbus: give the command to run after --\n", r
-    r = sbus_cli(bus.address, "serve", "svc/", "-n", "1", "--", "cat")
+    r = sbus_cli(bus.address, "serve", "svc/", "-n", "1", "cat")  # (before a '--' they may go anywhere)
     assert r.returncode == 2 and b"options go before the pattern" in r.stderr and r.stderr.count(b"\n") == 1
     # a command that fails sends no reply (the asker times out) and says so; one that works answers,
     # with the body from the asker's stdin
