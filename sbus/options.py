@@ -45,6 +45,28 @@ def session_name_option(value: str | None) -> bytes | None:
         raise usage.UsageError(f"--session: {e}") from None
 
 
+def _metrics_address(value: str) -> str:
+    try:
+        from sbus.metrics import MetricsAddressError, metrics_address
+    except ImportError as e:
+        raise usage.UsageError(f"--metrics needs prometheus_client ({e}): pip install 'sbus[metrics]'") from None
+    try:
+        return metrics_address(value)
+    except MetricsAddressError as e:
+        raise usage.UsageError(f"--metrics: {e}") from None
+
+
+#: ``--metrics ADDRESS``, one row of a plugin's ``optParameters`` (every service's and the
+#: bus's): serve the stats as OpenMetrics there (`sbus.metrics`; `SbusServiceMaker` starts it).
+METRICS_OPTION = [
+    "metrics", None, None,
+    "Serve the statistics as OpenMetrics for Prometheus (/metrics) on this Twisted endpoint: "
+    "tcp:9464 (loopback unless interface= is given), unix:/run/sbus/metrics.sock (mode 0600 "
+    "unless mode= is given). It shows what root's stats show. Default: off.",
+    _metrics_address,
+]
+
+
 # --- twistd plugins: start-up failures are one line ---------------------------------------
 
 
@@ -188,6 +210,10 @@ class SbusServiceMaker(ServiceMaker):
         try:
             take_bus_mode(options)  # log files take the bus's mode (sbus.logfiles, issue 16)
             service = super().makeService(options)
+            if options.get("metrics"):
+                from sbus.metrics import with_metrics
+
+                service = with_metrics(service, options["metrics"], self.tapname)
             take_pidfile(options)
         except usage.UsageError as e:
             _say(self.prog, f"{e} (see --help)")

@@ -79,6 +79,11 @@ The sbus message bus server (a drop-in for the reference C sbusd).
               poll for events this many microseconds before sleeping, right after a
               wait that short (default 50; 0: never): round trips are met awake, at
               up to a core while events keep coming that fast (not in the C sbusd)
+  --metrics=ADDRESS
+              serve the statistics as OpenMetrics (/metrics, for Prometheus) on this
+              Twisted endpoint: tcp:9464 (loopback unless interface= is given) or
+              unix:/run/sbus/metrics.sock (mode 0600 unless mode= is given); it shows
+              what root's server/stats shows (not in the C sbusd)
   --service-uid=USER
               grant this user (name or uid) of a service that carries other users'
               traffic (sbus-nats) root's view of server/interest: every uid's
@@ -192,6 +197,7 @@ class Args:
         self.service_uids: list[int] = []
         self.logfile: str | None = None
         self.busy_poll: float | None = None  # seconds; None: the server's default
+        self.metrics: str | None = None  # a server endpoint for OpenMetrics (sbus.metrics)
 
     def allowed_uids(self) -> frozenset[int] | None:
         from sbus.server.config import allowed_uid_set
@@ -202,7 +208,7 @@ class Args:
 def parse_args(argv: list[str]) -> Args:
     """Parse the command line; bad usage prints the usage line and exits 1."""
     try:
-        opts, rest = getopt.getopt(argv, "a:cfghl:op:ru:", ["help", "busy-poll=", "service-uid="])
+        opts, rest = getopt.getopt(argv, "a:cfghl:op:ru:", ["help", "busy-poll=", "service-uid=", "metrics="])
     except getopt.GetoptError as e:
         if e.opt and not e.msg.startswith("option --"):
             what = f"option -{e.opt} needs an argument" if "requires argument" in e.msg else \
@@ -247,6 +253,8 @@ def parse_args(argv: list[str]) -> Args:
                 args.service_uids.append(resolve_user(val))
             except ValueError as e:
                 raise Fatal(f"--service-uid: {e}") from None
+        elif opt == "--metrics":
+            args.metrics = _metrics_address(val)
         elif opt == "--busy-poll":
             from sbus.server.config import busy_poll_us
 
@@ -260,6 +268,17 @@ def parse_args(argv: list[str]) -> Args:
         # Absolute: the daemon chdirs to / before it removes the file at exit.
         args.pidfile = os.path.abspath(args.pidfile)
     return args
+
+
+def _metrics_address(text: str) -> str:
+    try:
+        from sbus.metrics import MetricsAddressError, metrics_address
+    except ImportError as e:
+        raise Fatal(f"--metrics needs prometheus_client ({e}): pip install 'sbus[metrics]'") from None
+    try:
+        return metrics_address(text)
+    except MetricsAddressError as e:
+        _usage(f"--metrics: {e}")
 
 
 def _devnull_over(*fds: int) -> None:
@@ -366,6 +385,14 @@ def serve(args: Args, listener: Listener, ready, log_observer=None) -> int:
     signal.signal(signal.SIGHUP, on_signal if args.foreground else signal.SIG_IGN)
     if _early_signals:  # a signal came while we were starting up
         reactor.callWhenRunning(stop)
+    if args.metrics:
+        from sbus.metrics import MetricsAddressError, MetricsService, StatsCollector
+
+        metrics = MetricsService(args.metrics, StatsCollector(bus, "sbus"), reactor)
+        try:
+            metrics.startService()
+        except MetricsAddressError as e:
+            raise Fatal(str(e)) from None
     bus.startService()
     reactor.addSystemEventTrigger("before", "shutdown", bus.stopService)
     ready()

@@ -15,7 +15,7 @@ import re
 from twisted.python import usage
 
 from sbus.address import default_address, packet_limit_problem
-from sbus.options import StartupError, positive_float, positive_int
+from sbus.options import METRICS_OPTION, StartupError, positive_float, positive_int
 from sbus.server.address import AddressError, parse_address
 from sbus.server.sbusd import resolve_user
 from sbus.server.config import (
@@ -79,6 +79,7 @@ class BusOptions(usage.Options):
                        "anyway; a live server's never)."],
     ]
     optParameters = [
+        METRICS_OPTION,
         ["socket", "s", None,
          "Address: PATH, /dev/unix/abstract[/HEX], /dev/fd/N or systemd (default: $SBUS_SOCKET, "
          "else /run/sbus.socket, where clients look by default)."],

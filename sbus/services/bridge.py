@@ -136,7 +136,7 @@ from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key
 from sbus.core.patterns import matches
 from sbus.core.standby import MAX_MESSAGES, Window, parse_size
 from sbus.core.topology import RESERVED as TOPOLOGY
-from sbus.options import MISSING_BUS_HELP
+from sbus.options import METRICS_OPTION, MISSING_BUS_HELP
 from sbus.services.safeconnect import OwnerConnector, parse_user
 from sbus.services.session import DEFAULT_LINGER, SessionClaim, carried_note, session_name
 from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
@@ -929,6 +929,7 @@ class Options(usage.Options):
         "'rule ...', '#' comments; options given on the command line win. " + MISSING_BUS_HELP
     )
     optParameters = [
+        METRICS_OPTION,
         ["a", None, None, "Address of bus A (path, /dev/unix/abstract/HEX)."],
         ["b", None, None, "Address of bus B."],
         ["config", "c", None, "Read addresses and rules from this file."],

@@ -134,7 +134,7 @@ from twisted.protocols.basic import Int32StringReceiver
 from twisted.protocols.policies import TimeoutMixin
 from twisted.python import usage
 
-from sbus.options import MISSING_BUS_HELP, positive_float, session_name_option
+from sbus.options import METRICS_OPTION, MISSING_BUS_HELP, positive_float, session_name_option
 from twisted.python.filepath import FilePath
 from zope.interface import implementer
 
@@ -425,6 +425,7 @@ class Options(usage.Options):
                                    "path joins these buses; see docs/deploy.md)."],
     ]
     optParameters = [
+        METRICS_OPTION,
         ["bus", "b", None, "The local bus: PATH, /dev/unix/abstract/HEX or /dev/fd/N (default: $SBUS_SOCKET). "
                                  "--listen opens once the bus has answered. " + MISSING_BUS_HELP],
         ["listen", "l", None, "Server endpoint to accept the peer link on, e.g. ssl:7010:...:caCertsDir=DIR."],

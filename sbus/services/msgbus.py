@@ -129,7 +129,7 @@ from twisted.python import usage
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from sbus.options import MISSING_BUS_HELP, positive_int
+from sbus.options import METRICS_OPTION, MISSING_BUS_HELP, positive_int
 from sbus.services.access import endpoint_kind, peer_credentials, server_endpoint
 from sbus.services.admission import Admission
 from sbus.services.shutdown import exit_zero_on_sigterm
@@ -831,6 +831,7 @@ class Options(usage.Options):
         "listens on loopback only; 'tcp:11111' listens on every interface."
     )
     optParameters = [
+        METRICS_OPTION,
         ["bus", "b", None, "Bus address (path, /dev/unix/abstract/HEX, /dev/fd/N); "
                            "default $SBUS_SOCKET, else /run/sbus.socket. " + MISSING_BUS_HELP],
         ["port", "p", DEFAULT_PORT, "Twisted server endpoint string for msgbus clients."],

@@ -122,7 +122,7 @@ from sbus.core.natsmap import (MappingError, check_prefix, key_to_subject, patte
                                subject_covers, subject_matches, subject_meet, subject_to_key,
                                subjects_overlap)
 from sbus.core.patterns import matches
-from sbus.options import MISSING_BUS_HELP
+from sbus.options import METRICS_OPTION, MISSING_BUS_HELP
 from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
 from sbus.services.session import carried_note
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
@@ -1173,6 +1173,7 @@ class Options(usage.Options):
         f"{EXTRA}; runs on the asyncio reactor (installed unless another is chosen)."
     )
     optParameters = [
+        METRICS_OPTION,
         ["bus", None, None, "Address of the bus (path, /dev/unix/abstract/HEX); default: the default bus. "
                                 + MISSING_BUS_HELP],
         ["subject-prefix", None, "sbus", "Subject prefix (literal tokens joined by '.'; '' for none)."],

@@ -28,6 +28,7 @@ from sbus.core import codec
 from sbus.core.codec import MAX_PACKET
 from sbus.core.workqueue import ACK_KEY, MODES, QueueCore, check_group
 from sbus.services.shutdown import exit_zero_on_sigterm
+from sbus.options import METRICS_OPTION
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
 
 #: How long the bus counts for an intake that went away (`server/session`; the bus caps it).
@@ -252,6 +253,7 @@ class Options(usage.Options):
                 "subscribing in their own secret space (sbus work GROUP -- CMD, or join() in the "
                 "clients); only the service's own uid, root and --allow-uid may join.")
     optParameters = [
+        METRICS_OPTION,
         ["bus", None, None, "Address of the bus (path, /dev/unix/abstract/HEX); default: the default bus."],
         ["limit", None, "10000", "Messages waiting per group (beyond the members' windows)."],
         ["full", None, "block", "Over the limit: block (hold the publishers through the server's "

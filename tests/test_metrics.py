@@ -1,0 +1,270 @@
+"""``--metrics``: the server's and a service's statistics as OpenMetrics (sbus.metrics), scraped
+with urllib after known traffic, and by a real Prometheus server read back through its HTTP API."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("prometheus_client")
+
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families as parse_text  # noqa: E402
+
+from helpers import (  # noqa: E402
+    REPO, SERVICE_TIMEOUT, LoggedProcess, SbusdProcess, connect, msg, recv, send, sub, sync, wait_until,
+)
+from sbus.metrics import MetricsAddressError, metrics_address  # noqa: E402
+from sbus.server.config import DEFAULT_MAX_QUEUE_BYTES, DEFAULT_MAX_UID_QUEUE_BYTES, DEFAULT_QUEUE_BYTES  # noqa: E402
+
+DASHBOARD = Path(REPO) / "contrib" / "grafana" / "sbus-dashboard.json"
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+ME = str(os.getuid())
+_WHERE = re.compile(r"metrics on (http://\S+)/metrics")
+
+
+def endpoint(proc: LoggedProcess) -> str:
+    """The ``http://HOST:PORT`` a process started with ``--metrics tcp:0`` logged."""
+    return _WHERE.search(proc.wait_log(_WHERE)).group(1)
+
+
+def scrape(url: str, openmetrics: bool = False) -> dict:
+    """``{(sample name, ((label, value), ...)): value}`` from one scrape of ``url/metrics``;
+    the OpenMetrics form (what Prometheus asks for) goes through its strict parser."""
+    headers = {"Accept": "application/openmetrics-text; version=1.0.0"} if openmetrics else {}
+    with urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers=headers), timeout=30) as r:
+        kind = r.headers["Content-Type"]
+        text = r.read().decode()
+    assert kind.startswith("application/openmetrics-text" if openmetrics else "text/plain"), kind
+    parse = parse_openmetrics if openmetrics else parse_text
+    out = {}
+    for family in parse(text):
+        out[(family.name, "family")] = family.type
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def scrape_until(url: str, ok, what: str, openmetrics: bool = False) -> dict:
+    """Scrape `url` until `ok(samples)`; return those samples."""
+    def once():
+        samples = scrape(url, openmetrics)
+        return samples if ok(samples) else None
+
+    return wait_until(once, what)
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+class Twist(LoggedProcess):
+    """``twist PLUGIN OPTIONS...`` (the services' plugins as a user runs them)."""
+
+    def __init__(self, log_path, plugin, *options):
+        super().__init__([sys.executable, "-m", "twisted", "--log-format", "text", plugin, *options], log_path)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """A bus and a work-queue service beside it, both with ``--metrics tcp:0``."""
+    d = tmp_path_factory.mktemp("metrics")
+    address = str(d / "bus.socket")
+    bus = SbusdProcess(["-f", "-a", address, "--metrics", "tcp:0"], d / "sbusd.log", address=address)
+    queue = Twist(d / "queue.log", "sbus-queue", "--bus", address, "--metrics", "tcp:0",
+                  "--group", "jobs=metrics/jobs/", "--group", "prom=metrics/prom/")
+    try:
+        queue.wait_log("intake: subscribed")
+        yield bus, endpoint(bus), queue, endpoint(queue)
+    finally:
+        queue.stop()
+        bus.stop()
+
+
+# --- the address ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("given, listens", [
+    ("9464", "tcp:9464:interface=127.0.0.1"),
+    ("tcp:9464", "tcp:9464:interface=127.0.0.1"),
+    ("tcp:9464:interface=0.0.0.0", "tcp:9464:interface=0.0.0.0"),
+    ("unix:/run/sbus/metrics.sock", "unix:/run/sbus/metrics.sock:mode=600"),
+    ("unix:/run/sbus/metrics.sock:mode=660", "unix:/run/sbus/metrics.sock:mode=660"),
+])
+def test_the_address_is_private_unless_it_says_otherwise(given, listens):
+    assert metrics_address(given) == listens
+
+
+@pytest.mark.parametrize("bad", ["bogus:1", "tcp:port", ""])
+def test_a_bad_address_is_refused(bad):
+    with pytest.raises(MetricsAddressError, match="not a server endpoint"):
+        metrics_address(bad)
+
+
+def test_bad_metrics_option_is_one_line(tmp_path):
+    for argv, status in (([sys.executable, "-m", "sbus.server.sbusd", "-f", "-a", str(tmp_path / "b"),
+                           "--metrics", "bogus:1"], 1),
+                         ([sys.executable, "-m", "twisted", "sbus-queue", "--group", "j=j/",
+                           "--metrics", "tcp:port"], 2)):
+        r = subprocess.run(argv, capture_output=True, timeout=60, cwd=REPO)
+        err = r.stderr.decode()
+        assert r.returncode == status, err
+        assert "--metrics" in err and "not a server endpoint" in err and "Traceback" not in err
+        assert err.splitlines()[0].split(": ", 1)[0] in ("sbusd", "twist sbus-queue", "twistd sbus-queue"), err
+
+
+def test_a_taken_port_is_one_line_and_no_bus(stack, tmp_path):
+    port = stack[1].rsplit(":", 1)[1]
+    address = tmp_path / "b.socket"
+    r = subprocess.run([sys.executable, "-m", "sbus.server.sbusd", "-f", "-a", str(address),
+                        "--metrics", f"tcp:{port}"], capture_output=True, timeout=60)
+    err = r.stderr.decode()
+    assert r.returncode == 1 and err.count("\n") == 1 and "Address already in use" in err, err
+    assert not address.exists()
+
+
+# --- scraped with urllib ------------------------------------------------------------------
+
+
+def test_bus_metrics_count_known_traffic(tmp_path):
+    """Bytes and packets in and out, connections by uid, disconnects by reason: exact deltas
+    around traffic we made on a bus nothing else uses."""
+    address = str(tmp_path / "bus.socket")
+    bus = SbusdProcess(["-f", "-a", address, "--metrics", "tcp:0"], tmp_path / "sbusd.log", address=address)
+    try:
+        url = endpoint(bus)
+        reader = connect(address)
+        send(reader, sub("m/"))
+        sync(reader)
+        before = scrape(url)
+        packet = msg("m/k", b"x" * 100)
+        writer = connect(address, extensions=False)  # nothing but our 5 packets
+        send(writer, *[packet] * 5)
+        assert [recv(reader) for _ in range(5)] == [packet] * 5
+        after = scrape(url, openmetrics=True)
+        delta = {name: value(after, name) - value(before, name) for name in (
+            "sbus_received_packets_total", "sbus_received_bytes_total", "sbus_sent_packets_total",
+            "sbus_sent_bytes_total")}
+        assert delta == {"sbus_received_packets_total": 5, "sbus_received_bytes_total": 5 * len(packet),
+                         "sbus_sent_packets_total": 5, "sbus_sent_bytes_total": 5 * len(packet)}
+        assert value(after, "sbus_connections", uid=ME) == value(before, "sbus_connections", uid=ME) + 1 == 2
+        assert value(after, "sbus_clients") == 2 and value(after, "sbus_subscriptions") == 1
+        assert ("sbus_uid_queued_bytes", (("uid", ME),)) in after   # all delivered: 0 queued
+        assert value(after, "sbus_uid_queued_bytes", uid=ME) == 0
+        assert value(after, "sbus_queue_limit_bytes", scope="client") == DEFAULT_QUEUE_BYTES
+        assert value(after, "sbus_queue_limit_bytes", scope="uid") == DEFAULT_MAX_UID_QUEUE_BYTES
+        assert value(after, "sbus_queue_limit_bytes", scope="bus") == DEFAULT_MAX_QUEUE_BYTES
+        assert after[("sbus_drops", "family")] == after[("sbus_disconnects", "family")] == "counter"
+        closed = value(after, "sbus_disconnects_total", reason="closed")
+        writer.close()
+        gone = scrape_until(url, lambda x: value(x, "sbus_connections", uid=ME) == 1,
+                            "the writer's connection gone from the metrics")
+        assert value(gone, "sbus_disconnects_total", reason="closed") == closed + 1
+        assert not any(k[0].startswith("sbus_") and "pid" in dict(k[1]) for k in gone if k[1] != "family")
+        reader.close()
+    finally:
+        bus.stop()
+
+
+def test_service_metrics_count_what_it_took(stack):
+    bus, _, queue, url = stack
+    s = connect(bus.address)
+    send(s, *[msg(f"metrics/jobs/{i}", b"job") for i in range(3)])
+    sync(s)
+    got = scrape_until(url, lambda x: value(x, "sbus_queue_group_received_total", group="jobs") >= 3,
+                       "the queue's count of what it took", openmetrics=True)
+    assert value(got, "sbus_queue_group_received_total", group="jobs") == 3
+    assert value(got, "sbus_queue_group_backlog", group="jobs") == 3   # no member: all waiting
+    assert value(got, "sbus_queue_bus_connected") == 1
+    assert value(got, "sbus_metrics_up", service="queue") == 1
+    assert got[("sbus_service_lost_messages", "family")] == "counter"
+    s.close()
+
+
+def _names(samples: dict) -> set[str]:
+    names = {k[0] for k in samples}
+    names |= {k[0] + "_total" for k, kind in samples.items() if k[1] == "family" and kind == "counter"}
+    return names
+
+
+def test_the_dashboard_parses_and_names_existing_metrics(stack):
+    board = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", ())]
+    assert len(exprs) >= 8 and board["title"]
+    known = _names(scrape(stack[1])) | _names(scrape(stack[3]))
+    named = {n for e in exprs for n in re.findall(r"\bsbus_[a-z0-9_]+", e)}
+    assert named and named <= known, named - known
+
+
+# --- scraped by a real Prometheus -----------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _query(api: str, expr: str):
+    url = f"{api}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            body = json.load(r)
+    except OSError:
+        return None
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def _one(api: str, expr: str):
+    """The single value of `expr` now, or None (no sample yet)."""
+    result = _query(api, expr)
+    return float(result[0]["value"][1]) if result else None
+
+
+def test_a_real_prometheus_scrapes_the_bus_and_a_service(stack, tmp_path):
+    if not os.access(PROMETHEUS, os.X_OK):
+        pytest.skip("no prometheus binary (apt-get install prometheus)")
+    bus, bus_url, queue, queue_url = stack
+    s = connect(bus.address)
+    send(s, *[msg(f"metrics/prom/{i}", b"p" * 10) for i in range(4)])
+    sync(s)
+    scrape_until(queue_url, lambda x: value(x, "sbus_queue_group_received_total", group="prom") == 4,
+                 "the queue took the 4 messages")
+    sent_by_then = value(scrape(bus_url), "sbus_received_packets_total")
+    port = _free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s, scrape_timeout: 1s, evaluation_interval: 1s}\n"
+        "scrape_configs:\n"
+        f"  - job_name: sbus\n    static_configs: [{{targets: ['{bus_url.split('//')[1]}']}}]\n"
+        f"  - job_name: sbus-queue\n    static_configs: [{{targets: ['{queue_url.split('//')[1]}']}}]\n")
+    prom = LoggedProcess([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                          f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+                         tmp_path / "prometheus.log", cwd=str(tmp_path))
+    api = f"http://127.0.0.1:{port}"
+    try:
+        took = wait_until(lambda: prom.alive_or_raise() and
+                          _one(api, 'sbus_queue_group_received_total{group="prom"}'),
+                          "Prometheus to have scraped the queue", timeout=max(60.0, 4 * SERVICE_TIMEOUT))
+        assert took == 4
+        assert _one(api, 'up{job="sbus"}') == 1 and _one(api, 'up{job="sbus-queue"}') == 1
+        received = wait_until(lambda: _one(api, 'sbus_received_packets_total{job="sbus"}'),
+                              "Prometheus to have scraped the bus", timeout=60.0)
+        assert received >= sent_by_then >= 4
+        by_uid = _query(api, f'sbus_connections{{job="sbus",uid="{ME}"}}')
+        assert by_uid and float(by_uid[0]["value"][1]) >= 3   # us, the queue's intake and control
+        assert _one(api, 'sbus_queue_group_backlog{group="prom"}') == 4
+    finally:
+        prom.stop()
+        s.close()
