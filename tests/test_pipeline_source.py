@@ -231,3 +231,52 @@ def test_the_docs_example_runs_as_written(spark, tmp_path, monkeypatch, capsys):
     for key, n in ((b"a/0", 3), (b"b/0", 2), (b"b/2", 2)):
         assert re.search(rf"\|\s*{key.decode()}\|\s*{n}\|", out), out
     w.close()
+
+
+def test_rate_chart_after_a_loss(spark, tmp_path):
+    """Issue 35 fault 3: after a crash, the loss the restart learnt of (a drop row of 60,000)
+    was drawn as one 30,000 msg/s point that set the y-axis, the lines ran across the gap, and
+    the headline's average (gaps counted as silence) disagreed with window_stats'. Now: the
+    loss is a count per window on its own axis, no point inside the gap, the rate axis fits the
+    rates, and the headline's average is window_stats' basis (the time recorded)."""
+    from sbus.pipeline import report
+
+    rec = tmp_path / "rec"
+    w = RecordingWriter(str(rec), fsync=False)
+    t0 = T0 + 300_000
+    before = [(t0 + i * 1000, i + 1, b"a/x" if i % 2 else b"b/y", b"p" * 20) for i in range(10_000)]  # 10 s
+    w.extend(before)
+    restart = before[-1][0] + 12_000_000  # 12 s down
+    w.add_drop(restart, 10_001, -1, b"", gap_payload(10_000, before[-1][0], restart, 0))
+    w.add_drop(restart + 1000, 10_002, 60_000)  # what the bus counted while no recorder ran
+    after = [(restart + 2000 + i * 1000, 10_003 + i, b"a/x" if i % 2 else b"b/y", b"p" * 20) for i in range(8000)]
+    w.extend(after)
+    w.close()
+    out = tmp_path / "report"
+    summary = report.run(spark, str(rec), str(out), window_seconds=2, log=lambda text: None)
+    assert summary["lost"] == 60_000
+    chart = json.loads((out / "rate.json").read_text())
+    cw = chart["window_seconds"]  # the chart's own window (enough points for the span)
+    assert "(lost)" not in chart["series"]
+    assert [n for _, n in chart["lost_per_window"]] == [60_000]
+    g_from, g_to = (dt.datetime.fromisoformat(x) for x in chart["gaps"][0])
+    for name in ("a", "b"):
+        points = chart["series"][name]
+        inside = [v for x, v in points
+                  if g_from <= dt.datetime.fromisoformat(x) and dt.datetime.fromisoformat(x) + dt.timedelta(seconds=cw) <= g_to]
+        assert len(inside) >= 4 and all(v is None for v in inside), points  # no line through the gap
+        rates = [v for _, v in points if v is not None]
+        assert max(rates) < 600 and min(rates) > 400, rates  # 500 msg/s each, partial windows too
+    assert chart["y_axis"][1] < 1000  # the rates fill the axis
+    stats = [r for r in pq_rows(out / "tables" / "window_stats") if r["messages"]]
+    basis = sum(r["messages"] for r in stats) / sum(r["covered_seconds"] for r in stats)
+    text = (out / "summary.txt").read_text()
+    avg = float(text.split("average rate")[1].split("msg/s")[0].replace(",", ""))
+    assert abs(avg - basis) <= 0.5 and abs(avg - 1000) < 5, (avg, basis)
+    assert "gaps left out" in text
+
+
+def pq_rows(path):
+    import pyarrow.parquet as pq
+
+    return pq.read_table(str(path)).to_pylist()

@@ -14,9 +14,10 @@ a page for people: ``REPORT_DIR/index.html`` with PNG charts and the
 headline figures, also in ``REPORT_DIR/summary.txt``.
 
 Drop rows (``dropped`` > 0: messages the bus or the recorder lost) count as
-known lost messages, never as messages. The headline's rates share one
-basis, 1-second windows (peak = the busiest, average = their mean over the
-recording's seconds), so the average never reads above the peak. The rate
+known lost messages, never as messages. Average rates (the headline's and
+``window_stats``' msg/s) share one basis: the time recorded (first to last
+message, gaps left out, `recorded_seconds`); the peak is the busiest
+1-second window. The rate
 chart picks its own window for enough points over the recording's span
 (`chart_window`) and writes its data to ``rate.json``. Everything written is
 private (0700/0600).
@@ -637,12 +638,18 @@ def headline_text(s: dict) -> str:
         losses += (f"; {ngaps} gap{'s' if ngaps > 1 else ''} of unknown size (the recorder stopped "
                    f"without publishing: {where}{more})")
     seconds = _seconds_spanned(s)
-    # one basis for both rates: 1-second windows; the average is their mean, so never above the peak
+    recorded = recorded_seconds(s)
     if seconds <= 1:
         avg = (f"{n:,} msg/s (the whole recording is within one 1-second window: "
                f"{n:,} messages in {span:.3f} s)")
+    elif recorded < 2.0:  # too short for a rate over its time: it could read above the peak (issue 12)
+        avg = (f"{n / seconds:,.0f} msg/s (mean over the {seconds:,} one-second windows it spans: "
+               f"{n:,} messages in {span:.3f} s)")
     else:
-        avg = f"{n / seconds:,.0f} msg/s (mean over the {seconds:,} one-second windows it spans)"
+        # the basis of window_stats' msg/s: the time recorded (first to last message, gaps left
+        # out), so the headline and the table agree (issue 35: 4,943 against 5,749 msg/s)
+        avg = (f"{n / recorded:,.0f} msg/s (over the {recorded:,.1f} s recorded: first to last message"
+               f"{', gaps left out' if gaps else ''}; window_stats' msg/s has the same basis)")
     window = s["window_seconds"]
     busiest = (f"{s['peak_window_messages']:,} messages from {_ts(s['peak_window_start'])} "
                f"({window:g} s windows")
@@ -667,6 +674,14 @@ def headline_text(s: dict) -> str:
                      f"{_ts(g['from']) if g.get('from') else 'the start'} to {_ts(g['to'])}, "
                      f"after seq {g.get('after_seq')} (count unknown)")
     return "\n".join(lines)
+
+
+def recorded_seconds(s: dict) -> float:
+    """The time the recording covers: first to last message, less the gaps (the basis of every
+    average rate: the headline's and window_stats')."""
+    gaps = [(g.get("from"), g.get("to")) for g in s.get("gap_list") or []]
+    cov = covered_seconds(s["first"], s["last"], s["first"], s["last"], gaps) if s.get("first") else 0.0
+    return cov if cov > 0 else max(_span(s), 1e-6)
 
 
 def _windows_spanned(s: dict, window: float) -> int:
@@ -703,28 +718,32 @@ def write_html(out: str, directory: str, t: dict, window_seconds: float, depth: 
         if r["prefix"] is not None:
             by_prefix[r["prefix"]] = by_prefix.get(r["prefix"], 0) + r["messages"]
     top = [p for p, _ in sorted(by_prefix.items(), key=lambda kv: (-kv[1], kv[0]))[:top_prefixes]]
-    starts = sorted({r["window_start"] for r in rows})
-    if starts:
+    seen = sorted({r["window_start"] for r in rows})
+    if seen:
+        width = dt.timedelta(seconds=w)
+        # every window from the first to the last, those without rows too: a window the recording
+        # covers without a message is a 0, one it does not cover (a gap) is no point at all
+        starts = [seen[0] + k * width for k in range(int((seen[-1] - seen[0]) / width) + 1)]
         series = {p: dict.fromkeys(starts, 0) for p in top}
         other = dict.fromkeys(starts, 0)
         lost = dict.fromkeys(starts, 0)
         for r in rows:
+            x = r["window_start"]
+            if x not in other:
+                continue
             if r["prefix"] is None:
-                lost[r["window_start"]] += r.get("dropped") or 0
+                lost[x] += r.get("dropped") or 0
             else:
-                (series[r["prefix"]] if r["prefix"] in series else other)[r["window_start"]] += r["messages"]
+                (series[r["prefix"]] if r["prefix"] in series else other)[x] += r["messages"]
         drawn = {(p or "(empty)"): series[p] for p in top}
         if any(other.values()):
             drawn["(other)"] = other
-        if any(lost.values()):
-            drawn["(lost)"] = lost
         summ = t["summary"][0]
         gaps = [(g["from"], g["to"]) for g in summ.get("gap_list") or []]
-        width = dt.timedelta(seconds=w)
         # a point's rate is over the time the recording covers in its window (partial windows:
         # the recording's first and last, and those a gap cuts), not over the whole window
         cover = {x: covered_seconds(x, x + width, summ.get("first"), summ.get("last"), gaps) for x in starts}
-        partial = [x for x in starts if cover[x] < w - 1e-9]
+        partial = [x for x in starts if 0 < cover[x] < w - 1e-9]
 
         def rate(values, x):
             return values[x] / cover[x] if cover[x] > 0 else None
@@ -734,12 +753,11 @@ def write_html(out: str, directory: str, t: dict, window_seconds: float, depth: 
         styles = {}
         for name, values in drawn.items():
             # "(other)" (often many prefixes summed) is drawn first, thin and light: it must not hide
-            # a prefix's line; the prefixes above it, "(lost)" on top
+            # a prefix's line; the prefixes above it
             style = (dict(color="grey", linestyle="--", linewidth=1.0, alpha=0.6, zorder=1)
-                     if name == "(other)" else dict(color="red", linestyle=":", linewidth=1.5, zorder=4)
-                     if name == "(lost)" else dict(linewidth=1.5, zorder=3))
+                     if name == "(other)" else dict(linewidth=1.5, zorder=3))
             styles[name] = style
-            ys = [rate(values, x) for x in starts]
+            ys = [rate(values, x) for x in starts]  # None (NaN): no line through a gap
             ax.plot(starts, [float("nan") if y is None else y for y in ys], label=name, marker=marker, **style)
             px = [x for x in partial if rate(values, x) is not None]
             if px:  # partial windows: open markers
@@ -750,25 +768,46 @@ def write_html(out: str, directory: str, t: dict, window_seconds: float, depth: 
             if g_from is not None:
                 ax.axvspan(g_from, g_to, color="red", alpha=0.12, zorder=0,
                            label="gap (recorder down)" if (g_from, g_to) == gaps[0] else None)
-        x0, x1 = starts[0], starts[-1] + dt.timedelta(seconds=w)
+        lost_axis = None
+        if any(lost.values()):
+            # known losses are a count (where the recorder learnt of them: a restart's count lands
+            # in one window), never a rate over a window that did not cover them: bars on their own
+            # axis, so that they cannot squash the rates
+            lost_axis = ax.twinx()
+            xs = [x for x in starts if lost[x]]
+            lost_axis.bar(xs, [lost[x] for x in xs], width=w / 86400.0, align="edge", color="red", alpha=0.35,
+                          zorder=2, label="known lost (count per window, right axis)")
+            lost_axis.set_ylabel("known lost per window (count)", color="darkred")
+            lost_axis.tick_params(axis="y", colors="darkred")
+            lost_axis.set_ylim(bottom=0)
+        x0, x1 = starts[0], starts[-1] + width
         ax.set_xlim(x0, x1)  # the axis spans the data, not the locator's idea of a range
-        ax.set_ylim(bottom=0)
+        peak = max([v for values in drawn.values() for x in starts
+                    for v in [rate(values, x)] if v is not None] or [0])
+        ax.set_ylim(0, peak * 1.35 if peak > 0 else 1)  # room above the lines for the legend
         ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(ax.xaxis.get_major_locator()))
         one = " (one window: the recording is shorter than the window)" if len(starts) == 1 else ""
         ax.set_ylabel("messages / s")
         ax.set_title(f"Message rate per key prefix (depth {depth}, {w:g} s windows, UTC){one}")
         if partial:
             ax.set_xlabel("open markers: partial windows (rate over the time the recording covers)", fontsize=7)
-        ax.legend(fontsize=7, loc="upper right")
+        handles, labels = ax.get_legend_handles_labels()
+        if lost_axis is not None:
+            h2, l2 = lost_axis.get_legend_handles_labels()
+            handles, labels = handles + h2, labels + l2
+            ax.set_zorder(lost_axis.get_zorder() + 1)  # the lines above the bars
+            ax.patch.set_visible(False)
+        ax.legend(handles, labels, fontsize=7, loc="upper right", ncol=min(3, len(labels)), framealpha=0.9)
         ax.grid(alpha=0.3)
         fig.autofmt_xdate()
         fig.tight_layout()
         lo, hi = (mdates.num2date(v).astimezone(dt.timezone.utc) for v in ax.get_xlim())
         save(fig, "rate.png")
         data = {"window_seconds": w, "report_window_seconds": window_seconds, "points": len(starts),
-                "x_axis": [lo.isoformat(), hi.isoformat()],
+                "x_axis": [lo.isoformat(), hi.isoformat()], "y_axis": list(ax.get_ylim()),
                 "series": {name: [[x.isoformat(), rate(values, x)] for x in starts]
                            for name, values in drawn.items()},
+                "lost_per_window": [[x.isoformat(), lost[x]] for x in starts if lost[x]],
                 "partial": [[x.isoformat(), cover[x]] for x in partial],
                 "gaps": [[f.isoformat() if f else None, to.isoformat()] for f, to in gaps],
                 "draw_order": list(drawn),
