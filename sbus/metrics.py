@@ -19,6 +19,7 @@ units); labels are bounded: uid, reason, direction, queue group, never a key or 
 from __future__ import annotations
 
 import re
+import time
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -64,7 +65,7 @@ def metrics_address(text: str) -> str:
 # --- reading the stats dicts -------------------------------------------------------------
 
 
-class _Families:
+class Families:
     """Metric families by name, filled from the stats dicts of one scrape."""
 
     def __init__(self):
@@ -93,7 +94,7 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def bus_metrics(stats: dict, out: _Families) -> None:
+def bus_metrics(stats: dict, out: Families) -> None:
     """The families of a bus's ``server/stats`` as root sees it (`BrokerFactory.stats(None)`)."""
     out.add("gauge", "sbus_clients", "Connected clients.", stats["clients"])
     out.add("gauge", "sbus_subscriptions", "Subscriptions held, all clients.", stats["subscriptions"])
@@ -160,7 +161,7 @@ def _clean(part: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", part.lower()).strip("_")
 
 
-def service_metrics(kind: str, stats: dict, out: _Families) -> None:
+def service_metrics(kind: str, stats: dict, out: Families) -> None:
     """The families of a service's stats dict (`StatsResponder`'s ``stats()``), named
     ``sbus_<kind>_<path>``: numbers and flags become counters or gauges, dicts keyed by
     reason, direction or group become labels. ``lost`` is one family for every service."""
@@ -171,7 +172,7 @@ def service_metrics(kind: str, stats: dict, out: _Families) -> None:
     _walk(f"sbus_{_clean(kind)}", stats, {}, out, None)
 
 
-def _walk(prefix: str, value, labels: dict, out: _Families, parent: str | None) -> None:
+def _walk(prefix: str, value, labels: dict, out: Families, parent: str | None) -> None:
     if isinstance(value, dict):
         keys = set(value)
         if keys and keys <= _DIRECTIONS:
@@ -210,7 +211,7 @@ class StatsCollector:
         self.kind = kind
 
     def collect(self):
-        out = _Families()
+        out = Families()
         factory = getattr(self.service, "factory", None)
         if factory is not None:
             bus_metrics(factory.stats(None), out)
@@ -225,26 +226,52 @@ class StatsCollector:
 # --- serving ---------------------------------------------------------------------------------
 
 
+#: The share of the process's time rendering may take, as for ``server/stats`` (broker.py):
+#: after a rendering that took T, the same page is served again for T * (1 / share - 1).
+RENDER_SHARE = 0.1
+
+
 class MetricsPage(Resource):
     """``/metrics``, rendered in the reactor's thread (see the module's docstring), in the
-    format the scraper asks for (OpenMetrics for Prometheus, else the text format)."""
+    format the scraper asks for (OpenMetrics for Prometheus, else the text format). Anyone
+    who reaches the endpoint may ask in a loop: the stats read for one page serve every page
+    until that reading's share of the time (`RENDER_SHARE`) has passed."""
 
     isLeaf = True
 
-    def __init__(self, registry):
+    def __init__(self, registry, clock=time.monotonic):
         super().__init__()
         self.registry = registry
+        self.clock = clock
+        self.snapshot: Snapshot | None = None
+        self.fresh_until = 0.0
 
     def render_GET(self, request):
         encoder, content_type = choose_encoder(request.getHeader("accept") or "")
+        start = self.clock()
         try:
-            body = encoder(self.registry)
+            if self.snapshot is None or start >= self.fresh_until:
+                self.snapshot = Snapshot(list(self.registry.collect()))
+                end = self.clock()
+                self.fresh_until = end + (end - start) * (1 / RENDER_SHARE - 1)
+            body = encoder(self.snapshot)
         except Exception:
             log.failure("metrics: reading the stats failed")
             request.setResponseCode(500)
             return b"reading the stats failed (see the log)\n"
         request.setHeader("Content-Type", content_type)
         return body
+
+
+class Snapshot:
+    """Metric families read once, for the exposition encoders (which ask a registry's
+    ``collect()``)."""
+
+    def __init__(self, families: list):
+        self.families = families
+
+    def collect(self):
+        return iter(self.families)
 
 
 def _page(registry) -> Resource:

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families as parse_tex
 from helpers import (  # noqa: E402
     REPO, SERVICE_TIMEOUT, LoggedProcess, SbusdProcess, connect, msg, recv, send, sub, sync, wait_until,
 )
-from sbus.metrics import MetricsAddressError, metrics_address  # noqa: E402
+from sbus.metrics import MetricsAddressError, Families, metrics_address  # noqa: E402
 from sbus.server.config import DEFAULT_MAX_QUEUE_BYTES, DEFAULT_MAX_UID_QUEUE_BYTES, DEFAULT_QUEUE_BYTES  # noqa: E402
 
 DASHBOARD = Path(REPO) / "contrib" / "grafana" / "sbus-dashboard.json"
@@ -151,7 +151,9 @@ def test_bus_metrics_count_known_traffic(tmp_path):
         writer = connect(address, extensions=False)  # nothing but our 5 packets
         send(writer, *[packet] * 5)
         assert [recv(reader) for _ in range(5)] == [packet] * 5
-        after = scrape(url, openmetrics=True)
+        # (a page is served again for a moment after it is rendered: wait for the new one)
+        after = scrape_until(url, lambda x: value(x, "sbus_sent_packets_total") >
+                             value(before, "sbus_sent_packets_total"), "a page after the traffic", True)
         delta = {name: value(after, name) - value(before, name) for name in (
             "sbus_received_packets_total", "sbus_received_bytes_total", "sbus_sent_packets_total",
             "sbus_sent_bytes_total")}
@@ -169,7 +171,7 @@ def test_bus_metrics_count_known_traffic(tmp_path):
         writer.close()
         gone = scrape_until(url, lambda x: value(x, "sbus_connections", uid=ME) == 1,
                             "the writer's connection gone from the metrics")
-        assert value(gone, "sbus_disconnects_total", reason="closed") == closed + 1
+        assert value(gone, "sbus_disconnects_total", reason="closed") == closed + 1, [k for k in gone if "disconn" in k[0]]
         assert not any(k[0].startswith("sbus_") and "pid" in dict(k[1]) for k in gone if k[1] != "family")
         reader.close()
     finally:
@@ -258,9 +260,9 @@ def test_a_real_prometheus_scrapes_the_bus_and_a_service(stack, tmp_path):
                           _one(api, 'sbus_queue_group_received_total{group="prom"}'),
                           "Prometheus to have scraped the queue", timeout=max(60.0, 4 * SERVICE_TIMEOUT))
         assert took == 4
-        assert _one(api, 'up{job="sbus"}') == 1 and _one(api, 'up{job="sbus-queue"}') == 1
         received = wait_until(lambda: _one(api, 'sbus_received_packets_total{job="sbus"}'),
                               "Prometheus to have scraped the bus", timeout=60.0)
+        assert _one(api, 'up{job="sbus"}') == 1 and _one(api, 'up{job="sbus-queue"}') == 1
         assert received >= sent_by_then >= 4
         by_uid = _query(api, f'sbus_connections{{job="sbus",uid="{ME}"}}')
         assert by_uid and float(by_uid[0]["value"][1]) >= 3   # us, the queue's intake and control
@@ -268,3 +270,34 @@ def test_a_real_prometheus_scrapes_the_bus_and_a_service(stack, tmp_path):
     finally:
         prom.stop()
         s.close()
+
+
+def test_a_scraper_asking_in_a_loop_gets_the_same_page_until_its_share_has_passed():
+    """Rendering walks every client; a page is served again until RENDER_SHARE of the time since
+    it was rendered was spent on it (a local user hammering /metrics cannot take the server)."""
+    from prometheus_client import CollectorRegistry
+    from twisted.web.test.requesthelper import DummyRequest
+
+    from sbus.metrics import RENDER_SHARE, MetricsPage
+
+    now = [100.0]
+    calls = []
+
+    class Counting:
+        def collect(self):
+            calls.append(now[0])
+            now[0] += 0.01   # each rendering takes 10 ms
+            out = Families()
+            out.add("counter", "sbus_renders", "Renderings.", len(calls))
+            return iter(out)
+
+    registry = CollectorRegistry()
+    registry.register(Counting())
+    page = MetricsPage(registry, clock=lambda: now[0])
+    first = page.render_GET(DummyRequest([b"metrics"]))
+    assert page.render_GET(DummyRequest([b"metrics"])) == first and len(calls) == 1
+    now[0] += 0.01 * (1 / RENDER_SHARE - 1) - 0.001
+    assert page.render_GET(DummyRequest([b"metrics"])) == first and len(calls) == 1
+    now[0] += 0.002
+    assert page.render_GET(DummyRequest([b"metrics"])) != first and len(calls) == 2
+    assert b"sbus_renders_total 2.0" in page.render_GET(DummyRequest([b"metrics"]))
