@@ -45,7 +45,9 @@ def session_name_option(value: str | None) -> bytes | None:
         raise usage.UsageError(f"--session: {e}") from None
 
 
-def _metrics_address(value: str) -> str:
+def metrics_option(value: str) -> str:
+    """``--metrics VALUE`` checked (`sbus.metrics.metrics_address`); a `usage.UsageError` says
+    what is wrong, a missing prometheus_client included."""
     try:
         from sbus.metrics import MetricsAddressError, metrics_address
     except ImportError as e:
@@ -63,7 +65,7 @@ METRICS_OPTION = [
     "Serve the statistics as OpenMetrics for Prometheus (/metrics) on this Twisted endpoint: "
     "tcp:9464 (loopback unless interface= is given), unix:/run/sbus/metrics.sock (mode 0600 "
     "unless mode= is given). It shows what root's stats show. Default: off.",
-    _metrics_address,
+    metrics_option,
 ]
 
 

@@ -271,14 +271,14 @@ def parse_args(argv: list[str]) -> Args:
 
 
 def _metrics_address(text: str) -> str:
+    from twisted.python.usage import UsageError
+
+    from sbus.options import metrics_option
+
     try:
-        from sbus.metrics import MetricsAddressError, metrics_address
-    except ImportError as e:
-        raise Fatal(f"--metrics needs prometheus_client ({e}): pip install 'sbus[metrics]'") from None
-    try:
-        return metrics_address(text)
-    except MetricsAddressError as e:
-        _usage(f"--metrics: {e}")
+        return metrics_option(text)
+    except UsageError as e:
+        _usage(str(e))
 
 
 def _devnull_over(*fds: int) -> None:
