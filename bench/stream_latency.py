@@ -29,6 +29,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # not bench/ first on the path: its profile.py would shadow the standard one pyspark imports
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 sys.path.insert(0, ROOT)
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # after the standard library
+
+from pipeline_report import wait_ready  # noqa: E402
 
 
 def publish(address: str, rate: float, seconds: float) -> None:
@@ -47,18 +50,6 @@ def publish(address: str, rate: float, seconds: float) -> None:
             c.publish(b"lat/%d" % (i % 8), b"%d:%d:" % (time.time_ns(), i) + pad)
         c.sync(timeout=60)
     print(json.dumps({"sent": n, "seconds": time.monotonic() - t0}), flush=True)
-
-
-def wait_log(proc, path, needle, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with open(path, "rb") as f:
-            if needle in f.read():
-                return
-        if proc.poll() is not None:
-            raise SystemExit(f"{path}: the process exited:\n{open(path).read()[-2000:]}")
-        time.sleep(0.05)
-    raise SystemExit(f"{needle!r} not in {path} after {timeout}s")
 
 
 def main() -> int:
@@ -96,7 +87,7 @@ def main() -> int:
                                 stdout=open(rec_log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT)
     procs.append(recorder)
     try:
-        wait_log(recorder, rec_log, b"subscribed")
+        wait_ready(recorder, b"subscribed", rec_log)
         spark = session("local[2]", app_name="sbus-latency", progress=False,
                         conf={"spark.sql.shuffle.partitions": "2", "spark.ui.enabled": "false"})
         spark.sparkContext.setLogLevel("ERROR")

@@ -55,7 +55,7 @@ from datetime import timezone
 
 from .schema import PIPELINE_PREFIX
 from .source import CLOSE_SEQ
-from .spark import is_remote, local_path, read_schema, window_aggregates
+from .spark import local_path, read_schema, window_aggregates
 from .units import spark_interval
 
 
