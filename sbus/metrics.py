@@ -149,7 +149,9 @@ _GAUGES = frozenset({
     "standing_by", "state_seconds",
 })
 #: Dicts keyed by a reason, and the keys that are directions.
-_REASONS = frozenset({"drops", "lost", "drop_reasons", "refused", "acks"})
+_REASONS = frozenset({"drops", "lost", "drop_reasons", "refused"})
+#: Dicts whose every number is a level (a standby's replay window: its size and bounds).
+_GAUGE_TREES = frozenset({"window"})
 _DIRECTIONS = frozenset({"a>b", "b>a", "from_remote", "to_remote"})
 #: Dicts keyed by the name of something bounded the operator configured.
 _NAMED = {"groups": "group"}
@@ -169,33 +171,33 @@ def service_metrics(kind: str, stats: dict, out: Families) -> None:
     out.declare(*lost, ("service", "reason"))
     for reason, n in sorted((stats.get("lost") or {}).items()):
         out.add(*lost, n, {"service": kind, "reason": reason})
-    _walk(f"sbus_{_clean(kind)}", stats, {}, out, None)
+    _walk(f"sbus_{_clean(kind)}", stats, {}, out, None, False)
 
 
-def _walk(prefix: str, value, labels: dict, out: Families, parent: str | None) -> None:
+def _walk(prefix: str, value, labels: dict, out: Families, parent: str | None, levels: bool) -> None:
     if isinstance(value, dict):
         keys = set(value)
         if keys and keys <= _DIRECTIONS:
             for direction, v in value.items():
-                _walk(prefix, v, {**labels, "direction": direction}, out, parent)
+                _walk(prefix, v, {**labels, "direction": direction}, out, parent, levels)
         elif parent in _REASONS and all(_number(v) or isinstance(v, dict) for v in value.values()):
             for reason, v in value.items():
-                _walk(prefix, v, {**labels, "reason": reason}, out, parent)
+                _walk(prefix, v, {**labels, "reason": reason}, out, parent, levels)
         elif parent in _NAMED:
             for name, v in value.items():
-                _walk(prefix, v, {**labels, _NAMED[parent]: name}, out, None)
+                _walk(prefix, v, {**labels, _NAMED[parent]: name}, out, None, levels)
         else:
             for key, v in value.items():
                 if key in _SKIP or (key == "lost" and not labels):
                     continue
                 name = key[len("total_"):] if key.startswith("total_") else _NAMED.get(key, key)
                 name = prefix if name == "count" else f"{prefix}_{_clean(name)}"
-                _walk(name, v, labels, out, key)
+                _walk(name, v, labels, out, key, levels or key in _GAUGE_TREES)
         return
     if not (_number(value) or isinstance(value, bool)):
         return  # text, lists, None: not a level or a count
     unit = next((u for u in ("bytes", "seconds") if prefix.endswith("_" + u)), "")
-    if isinstance(value, bool) or parent in _GAUGES:
+    if isinstance(value, bool) or levels or parent in _GAUGES:
         out.add("gauge", prefix, f"{prefix} (the service's stats).", value, labels, unit=unit)
     else:
         out.add("counter", prefix, f"{prefix} (the service's stats, a count).", value, labels, unit=unit)

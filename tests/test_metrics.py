@@ -193,6 +193,60 @@ def test_service_metrics_count_what_it_took(stack):
     s.close()
 
 
+#: Each service beside the stack's bus, with what its page must count (a family of its own).
+SERVICES = {
+    "relay": (["sbus-relay", "--upstream", "{bus}", "--socket", "{tmp}/relay.socket"],
+              "sbus_relay_forwarded_up_total"),
+    "bridge": (["sbus-bridge", "--a", "{bus}", "--b", "{tmp}/relay.socket", "--rule", "metrics/none/ a>b"],
+               "sbus_bridge_forwarded_total"),
+    "link": (["sbus-link", "--bus", "{bus}", "--listen", "tcp:0:interface=127.0.0.1", "--key-file", "{tmp}/key"],
+             "sbus_link_to_remote_total"),
+    "msgbus": (["sbus-msgbus", "--bus", "{bus}", "--port", "tcp:0:interface=127.0.0.1"],
+               "sbus_msgbus_from_bus_total"),
+    # no NATS server there: the page says so (its counters and nats_connected 0)
+    "nats": (["sbus-nats", "--bus", "{bus}", "--server", "nats://127.0.0.1:9",
+              "--export", "metrics/out/", "--allow-unauthenticated"], "sbus_nats_exported_total"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SERVICES))
+def test_each_service_serves_its_own_counters(stack, tmp_path, kind):
+    """The relay's page has its bus's metrics and its own; every other service its own."""
+    bus = stack[0]
+    argv, own = SERVICES[kind]
+    needs_relay = "{tmp}/relay.socket" in argv and kind != "relay"
+    started = []
+    key = tmp_path / "key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    try:
+        if needs_relay:
+            relay = Twist(tmp_path / "relay.log", *[a.format(bus=bus.address, tmp=tmp_path)
+                                                     for a in SERVICES["relay"][0]])
+            started.append(relay)
+            relay.wait_log("listening on")
+        proc = Twist(tmp_path / f"{kind}.log", *[a.format(bus=bus.address, tmp=tmp_path) for a in argv],
+                     "--metrics", "tcp:0")
+        started.append(proc)
+        url = endpoint(proc)
+        samples = scrape_until(url, lambda x: value(x, "sbus_metrics_up", service=kind) == 1,
+                               f"{kind} answering", openmetrics=True)
+        assert own in _names(samples), sorted(n for n in _names(samples) if n.startswith(f"sbus_{kind}"))
+        assert samples[("sbus_service_lost_messages", "family")] == "counter"
+        assert (("sbus_clients", ()) in samples) == (kind == "relay")
+        if kind == "relay":
+            proc.wait_log("listening on")
+            pub = connect(str(tmp_path / "relay.socket"))
+            send(pub, msg("metrics/up", b"x"))
+            sync(pub)
+            scrape_until(url, lambda x: value(x, "sbus_relay_forwarded_up_total") == 1 and
+                         value(x, "sbus_clients") >= 1, "the relay's count of what went up")
+            pub.close()
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
 def _names(samples: dict) -> set[str]:
     names = {k[0] for k in samples}
     names |= {k[0] + "_total" for k, kind in samples.items() if k[1] == "family" and kind == "counter"}
