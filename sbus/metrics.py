@@ -292,31 +292,33 @@ class QuietSite(Site):
 
 
 class MetricsService(service.Service):
-    """Serve `collector` as ``/metrics`` on the endpoint `address` (see `metrics_address`),
-    from the reactor. A failure to listen raises at start (one line, by `sbus.options`)."""
+    """Serve ``/metrics`` on the endpoint `address` (see `metrics_address`), from the reactor,
+    for the collectors given to `watch`. A failure to listen is a `StartupError` (one line)."""
 
-    def __init__(self, address: str, collector, reactor=None):
+    def __init__(self, address: str, reactor=None):
         self.address = metrics_address(address)
-        self.collector = collector
         self.reactor = reactor
+        self.registry = CollectorRegistry()
         self.port = None
+
+    def watch(self, collector) -> None:
+        self.registry.register(collector)
 
     def listen(self) -> None:
         if self.port is not None:
             return
+        from sbus.options import StartupError
+
         if self.reactor is None:
             from twisted.internet import reactor
         else:
             reactor = self.reactor
-        registry = CollectorRegistry()
-        registry.register(self.collector)
-        site = QuietSite(_page(registry))
         got: list = []
-        serverFromString(reactor, self.address).listen(site).addBoth(got.append)
+        serverFromString(reactor, self.address).listen(QuietSite(_page(self.registry))).addBoth(got.append)
         if not got:
-            raise MetricsAddressError(f"--metrics {self.address}: the endpoint did not listen at once")
+            raise StartupError(f"--metrics {self.address}: the endpoint did not listen at once")
         if isinstance(got[0], Failure):
-            raise MetricsAddressError(f"--metrics {self.address}: {got[0].getErrorMessage()}")
+            raise StartupError(f"--metrics {self.address}: {got[0].getErrorMessage()}")
         self.port = got[0]
         log.info("metrics on {where}/metrics", where=self.describe())
 
@@ -343,11 +345,10 @@ class MetricsService(service.Service):
             return port.stopListening()
         return None
 
-
-def with_metrics(svc, address: str, tapname: str):
-    """`svc` and a `MetricsService` over its stats, as one service for twistd."""
-    parent = service.MultiService()
-    svc.setServiceParent(parent)
-    kind = tapname[len("sbus-"):] if tapname.startswith("sbus-") else tapname
-    MetricsService(address, StatsCollector(svc, kind)).setServiceParent(parent)
-    return parent
+    def beside(self, svc, tapname: str):
+        """`svc` and this service over its stats (`StatsCollector`), as one service for twistd."""
+        parent = service.MultiService()
+        self.setServiceParent(parent)
+        svc.setServiceParent(parent)
+        self.watch(StatsCollector(svc, tapname[len("sbus-"):] if tapname.startswith("sbus-") else tapname))
+        return parent

@@ -211,11 +211,17 @@ class SbusServiceMaker(ServiceMaker):
         _quiet_startup_errors()
         try:
             take_bus_mode(options)  # log files take the bus's mode (sbus.logfiles, issue 16)
-            service = super().makeService(options)
+            metrics = None
             if options.get("metrics"):
-                from sbus.metrics import with_metrics
+                from sbus.metrics import MetricsService
 
-                service = with_metrics(service, options["metrics"], self.tapname)
+                # Listen now, before the service binds its own socket and before twistd
+                # daemonises: a taken port is one line, and leaves no bus socket behind.
+                metrics = MetricsService(options["metrics"])
+                metrics.listen()
+            service = super().makeService(options)
+            if metrics is not None:
+                service = metrics.beside(service, self.tapname)
             take_pidfile(options)
         except usage.UsageError as e:
             _say(self.prog, f"{e} (see --help)")

@@ -123,13 +123,15 @@ def test_bad_metrics_option_is_one_line(tmp_path):
         assert err.splitlines()[0].split(": ", 1)[0] in ("sbusd", "twist sbus-queue", "twistd sbus-queue"), err
 
 
-def test_a_taken_port_is_one_line_and_no_bus(stack, tmp_path):
+@pytest.mark.parametrize("command", [["sbus.server.sbusd", "-f", "-a"], ["twisted", "sbus", "--socket"]])
+def test_a_taken_port_is_one_line_and_no_bus(stack, tmp_path, command):
     port = stack[1].rsplit(":", 1)[1]
     address = tmp_path / "b.socket"
-    r = subprocess.run([sys.executable, "-m", "sbus.server.sbusd", "-f", "-a", str(address),
-                        "--metrics", f"tcp:{port}"], capture_output=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", *command, str(address), "--metrics", f"tcp:{port}"],
+                       capture_output=True, timeout=60, cwd=REPO)
     err = r.stderr.decode()
     assert r.returncode == 1 and err.count("\n") == 1 and "Address already in use" in err, err
+    assert "Error:" not in err and "Traceback" not in err
     assert not address.exists()
 
 

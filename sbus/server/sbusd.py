@@ -386,12 +386,14 @@ def serve(args: Args, listener: Listener, ready, log_observer=None) -> int:
     if _early_signals:  # a signal came while we were starting up
         reactor.callWhenRunning(stop)
     if args.metrics:
-        from sbus.metrics import MetricsAddressError, MetricsService, StatsCollector
+        from sbus.metrics import MetricsService, StatsCollector
+        from sbus.options import StartupError
 
-        metrics = MetricsService(args.metrics, StatsCollector(bus, "sbus"), reactor)
+        metrics = MetricsService(args.metrics, reactor)
+        metrics.watch(StatsCollector(bus, "sbus"))
         try:
             metrics.startService()
-        except MetricsAddressError as e:
+        except StartupError as e:
             raise Fatal(str(e)) from None
     bus.startService()
     reactor.addSystemEventTrigger("before", "shutdown", bus.stopService)
