@@ -120,7 +120,7 @@ def bus_metrics(stats: dict, out: Families) -> None:
             out.add("gauge", name, doc, value, {"uid": uid}, unit)
     limits = stats["limits"]
     for scope, name in (("client", "queue_bytes"), ("uid", "max_uid_queue_bytes"), ("bus", "max_queue_bytes")):
-        out.add("gauge", "sbus_queue_limit_bytes", "Queued bytes allowed: one client, one uid, all clients.",
+        out.add("gauge", "sbus_queued_limit_bytes", "Queued bytes allowed: one client, one uid, all clients.",
                 limits[name], {"scope": scope}, unit="bytes")
     out.add("gauge", "sbus_uid_connections_limit", "Connections one uid may hold.", limits["max_uid_connections"])
     for family, doc in (("drops", "Messages not delivered to a client, by reason."),

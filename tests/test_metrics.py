@@ -165,9 +165,9 @@ def test_bus_metrics_count_known_traffic(tmp_path):
         assert value(after, "sbus_clients") == 2 and value(after, "sbus_subscriptions") == 1
         assert ("sbus_uid_queued_bytes", (("uid", ME),)) in after   # all delivered: 0 queued
         assert value(after, "sbus_uid_queued_bytes", uid=ME) == 0
-        assert value(after, "sbus_queue_limit_bytes", scope="client") == DEFAULT_QUEUE_BYTES
-        assert value(after, "sbus_queue_limit_bytes", scope="uid") == DEFAULT_MAX_UID_QUEUE_BYTES
-        assert value(after, "sbus_queue_limit_bytes", scope="bus") == DEFAULT_MAX_QUEUE_BYTES
+        assert value(after, "sbus_queued_limit_bytes", scope="client") == DEFAULT_QUEUE_BYTES
+        assert value(after, "sbus_queued_limit_bytes", scope="uid") == DEFAULT_MAX_UID_QUEUE_BYTES
+        assert value(after, "sbus_queued_limit_bytes", scope="bus") == DEFAULT_MAX_QUEUE_BYTES
         assert after[("sbus_drops", "family")] == after[("sbus_disconnects", "family")] == "counter"
         closed = value(after, "sbus_disconnects_total", reason="closed")
         writer.close()
