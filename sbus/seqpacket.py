@@ -367,6 +367,11 @@ class SeqPacketTransport:
         self._closing = None
         if not self.connected:
             return
+        drained = getattr(self.protocol, "outboxDrained", None)
+        if drained is not None:
+            # Its queue is gone for good (cleared at the failed send): what waited for it to
+            # drain (publishers it held, itself among them) must not wait for ever.
+            drained()
         if self._paused and not self._aborted:
             self._drainReason = reason  # held: `resumeProducing` goes on
             return

@@ -20,6 +20,9 @@ __all__ = ["UserCharge", "WorkBudget", "WORK_SHARE", "WORK_BURST"]
 WORK_SHARE = 0.3
 #: Seconds of such work a uid may spend at once before its share applies.
 WORK_BURST = 0.2
+#: A debt smaller than this is none: waiting out a rounding error (a wait of 1e-17 s, which a
+#: timer cannot tell from now) would put the uid back in the same state at once, again and again.
+WORK_EPSILON = 1e-6
 
 
 class WorkBudget:
@@ -33,17 +36,21 @@ class WorkBudget:
         self.credit = burst
         self.since = now
 
+    def whole(self, now: float) -> bool:
+        """Earned back to its burst: forgetting it now would give the uid nothing."""
+        return self.credit + (now - self.since) * self.share >= self.burst
+
     def owed(self, now: float) -> float:
         """How long the uid must still wait to be out of debt (0: it is not in debt)."""
         credit = min(self.burst, self.credit + (now - self.since) * self.share)
-        return 0.0 if credit >= 0 else -credit / self.share
+        return 0.0 if credit >= -WORK_EPSILON else -credit / self.share
 
     def spend(self, seconds: float, now: float) -> float:
         """Charge `seconds` of work; return how long the uid must now wait (0: not at all)."""
         credit = min(self.burst, self.credit + (now - self.since) * self.share) - seconds
         self.credit = credit
         self.since = now
-        return 0.0 if credit >= 0 else -credit / self.share
+        return 0.0 if credit >= -WORK_EPSILON else -credit / self.share
 
 
 class UserCharge:
@@ -93,9 +100,11 @@ class UserCharge:
         self.subscriptions -= n
         self.subscription_bytes -= cost
 
-    def idle(self) -> bool:
-        """Nothing charged: no connection, nothing queued (the object may go)."""
-        return self.connections <= 0 and self.queue.used <= 0
+    def idle(self, now: float) -> bool:
+        """Nothing charged and nothing owed: no connection, nothing queued, its routing work
+        earned back (the object may go; kept while in debt, a uid that closes its last
+        connection and connects again would start afresh)."""
+        return self.connections <= 0 and self.queue.used <= 0 and self.work.whole(now)
 
     def __repr__(self):
         return (f"<UserCharge uid={self.uid} conns={self.connections} subs={self.subscriptions} "

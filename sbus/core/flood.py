@@ -129,12 +129,12 @@ class Outbox:
     This class serves `queue` and `stack` from one deque of packets; the first switch to
     `random` turns the instance into a `_DualOutbox` (same slots) for the rest of its life.
     Control packets (`Control`) share the deque in `queue` order, keeping their place, and
-    the heap in `random` order, by their size; in `stack` order they wait in `_ctl` and go out
+    in `random` and `stack` order they wait in `_ctl` (in the order they came) and go out
     before any message (the newest first is the client's choice)."""
 
     __slots__ = ("soft", "hard", "order", "max_bytes", "max_packets", "nbytes", "_items", "_heap",
                  "_seq", "_n", "_dead_items", "_dead_heap", "reason", "budget", "_server", "_charged",
-                 "blocked", "_ctl", "ctl_bytes", "ctl_limit", "_batch_bytes", "_batch_packets", "closed")
+                 "blocked", "_ctl", "ctl_bytes", "ctl_limit", "_batch_bytes", "_batch_packets", "closed", "lost")
 
     def __init__(self, max_bytes: int, max_packets: int, ctl_limit: int = DEFAULT_CONTROL_BYTES):
         self.soft = QUEUE
@@ -166,6 +166,8 @@ class Outbox:
         self.blocked = False
         #: `clear`ed: the connection is going; what is offered from now on goes nowhere (CLOSED).
         self.closed = False
+        #: Messages `clear` threw away (a session's stand-in counts them as missed).
+        self.lost = 0
         #: Control packets waiting ahead of every message (orders other than `queue`).
         self._ctl: deque | None = None
         #: Bytes of control packets queued, and how many may be before the client is not read.
@@ -195,6 +197,11 @@ class Outbox:
         """Are the messages at or over one of the limits (their own, the uid's, the server's)?"""
         return (self.nbytes - self.ctl_bytes >= self.max_bytes or len(self) >= self.max_packets
                 or self.budget.used >= self.budget.limit or self._server.used >= self._server.limit)
+
+    def control_packets(self) -> int:
+        """How many of the queued packets are replies and notices (O(n): for checks, not the hot path)."""
+        items = self._live_items() + list(self._ctl or ())
+        return sum(1 for p in items if p.__class__ is Control)
 
     def state(self) -> QueueState:
         return QueueState(len(self), self.nbytes, self.soft, self.hard, self.order)
@@ -303,8 +310,8 @@ class Outbox:
         if packet.__class__ is not Control:
             packet = Control(packet)
         n = len(packet)
-        if (self.order is FIFO and not self._ctl) or self._heap is not None:
-            self.push(packet)  # in `queue` order it keeps its place; in `random` it has its size
+        if self.order is FIFO and not self._ctl:
+            self.push(packet)  # in `queue` order it keeps its place among the messages
         else:
             nbytes = self.nbytes + n
             self.nbytes = nbytes
@@ -473,12 +480,8 @@ class Outbox:
         if order not in ORDERS:
             raise ValueError(f"unknown order {order!r}")
         order = ORDERS_BY_NAME[order]
-        if order is STACK and self._heap is None and self.ctl_bytes and not self._ctl:
-            # Control packets leave the message deque: in the other orders they go first.
-            ctl = deque(p for p in self._items if p.__class__ is Control)
-            if ctl:
-                self._items = deque(p for p in self._items if p.__class__ is not Control)
-                self._ctl = ctl
+        if order is not FIFO:
+            self._controls_ahead()
         if order is LARGEST and self._heap is None:
             # Once per outbox: from now on it keeps both views.
             entries = deque([p] for p in self._items)
@@ -487,6 +490,18 @@ class Outbox:
             self._items, self._heap, self._seq, self._n = entries, heap, len(entries), len(entries)
             self.__class__ = _DualOutbox
         self.order = order
+
+    def _controls_ahead(self) -> None:
+        """Leaving `queue` order: control packets leave the messages' deque for `_ctl`, in the
+        order they came and ahead of those already there (in the other orders they go before
+        every message, and in the order of the requests: a reply is never sorted by size)."""
+        if self.ctl_bytes and self._items:
+            ctl = deque(p for p in self._items if p.__class__ is Control)
+            if ctl:
+                self._items = deque(p for p in self._items if p.__class__ is not Control)
+                if self._ctl:
+                    ctl.extend(self._ctl)
+                self._ctl = ctl
 
     def set_soft(self, mode: str) -> None:
         if mode not in SOFT_MODES:
@@ -502,6 +517,8 @@ class Outbox:
         """Forget everything queued, and whatever is offered later (the connection is going);
         return how many packets were queued."""
         n = len(self)
+        if n:
+            self.lost += n - self.control_packets()
         self._items = deque()
         self._ctl = None
         if self._heap is not None:
@@ -515,7 +532,7 @@ class Outbox:
 class _DualOutbox(Outbox):
     """An `Outbox` that has used `random`: a deque of entries in arrival order plus a heap of
     the same entries by size; what one of them sends is dead in the other. Control packets
-    are entries like messages (`_ctl` holds those queued in `stack` order before the switch)."""
+    are entries like messages in `queue` order only; in the others they wait in `_ctl`."""
 
     __slots__ = ()
 
@@ -576,6 +593,8 @@ class _DualOutbox(Outbox):
         packet = entry[0]
         entry[0] = None
         self.nbytes -= len(packet)
+        if packet.__class__ is Control:
+            self.ctl_bytes -= len(packet)
         self._n -= 1
         if not self.nbytes:
             self._settle()
@@ -600,6 +619,25 @@ class _DualOutbox(Outbox):
         if order not in ORDERS:
             raise ValueError(f"unknown order {order!r}")
         self.order = ORDERS_BY_NAME[order]
+        if self.order is not FIFO:
+            self._controls_ahead()
+
+    def _controls_ahead(self) -> None:
+        if not self.ctl_bytes:
+            return
+        moved = deque()
+        for entry in self._items:
+            packet = entry[0]
+            if packet is not None and packet.__class__ is Control:
+                entry[0] = None  # dead in both views
+                self._dead_items += 1
+                self._dead_heap += 1
+                self._n -= 1
+                moved.append(packet)
+        if moved:
+            if self._ctl:
+                moved.extend(self._ctl)
+            self._ctl = moved
 
 
 # Interned names so `is` comparisons above hold for values parsed off the wire.

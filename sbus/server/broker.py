@@ -142,7 +142,7 @@ class BrokerProtocol(protocol.Protocol):
         self._watching = False
         #: Everything the server will send this client, in one queue (`sbus.core.flood.Outbox`).
         config = factory.config
-        self.outbox = flood.Outbox(config.queue_bytes, config.queue_packets)
+        self.outbox = flood.Outbox(config.queue_bytes, config.queue_packets, config.queue_control_bytes)
         #: Whether it is in the factory's list of queues to send from at the end of the batch.
         self.dirty = False
         #: Whether it asked for the server's notices (`CMSG server/extensions`).
@@ -311,7 +311,7 @@ class BrokerProtocol(protocol.Protocol):
         a SUB or UNSUB, an interest listing) to its uid. While other uids are connected, a uid past its share
         (`sbus.core.accounting.WORK_SHARE`) is not read until it has earned the time back."""
         factory = self.factory
-        if len(factory.users) < 2 or self.charge is None:
+        if len(factory.uid_clients) < 2 or self.charge is None:
             return
         wait = self.charge.work.spend(seconds, factory.reactor.seconds())
         if wait > 0 and self._workWait is None and not self.transport.disconnecting:
@@ -326,7 +326,7 @@ class BrokerProtocol(protocol.Protocol):
         factory = self.factory
         if self._workWait is not None:
             return True
-        if len(factory.users) < 2 or self.charge is None or self.transport.disconnecting:
+        if len(factory.uid_clients) < 2 or self.charge is None or self.transport.disconnecting:
             return False
         wait = self.charge.work.owed(factory.reactor.seconds())
         if wait <= 0:
@@ -466,6 +466,8 @@ class BrokerProtocol(protocol.Protocol):
         else:
             reason = _OFFER_REASON[action]
             out = self.outbox
+            if packets:  # the message that decided it went nowhere: lost with what is queued
+                out.lost += len(packets)
             self.misbehaved(reason, f"cannot keep up ({reason.replace('_', '/')} mode, "
                                     f"{len(out)} packets / {out.nbytes} bytes queued)")
 
@@ -836,11 +838,14 @@ class BrokerProtocol(protocol.Protocol):
             # (A uid past its share of the reactor gets the rest when it has earned the time.)
             clock = self.factory.work_clock
             t0 = clock()
+            told = False
             for payload in table.changes(self):
                 self._queueControl(_INTEREST + payload)
+                told = True
                 if out.blocked or out.ctl_bytes >= out.ctl_limit:
                     break
-            self.spent(clock() - t0)
+            if told:  # (charging an empty look would hold it again at once, and again: a timer loop)
+                self.spent(clock() - t0)
         if table.pending(self):
             return False
         waiting = self._waitingReplies
@@ -1092,6 +1097,11 @@ class BrokerFactory(protocol.Factory):
         self.had_client = True
         user = self.users.get(uid)
         if user is None:
+            if len(self.users) >= 4096:  # forget the charges there is nothing to remember of
+                now = self.reactor.seconds()
+                for u, charge in list(self.users.items()):
+                    if charge.idle(now):
+                        del self.users[u]
             user = self.users[uid] = UserCharge(uid, self.config.max_uid_queue_bytes, self.queue_budget,
                                                 self.reactor.seconds())
         user.connections += 1
@@ -1137,7 +1147,7 @@ class BrokerFactory(protocol.Factory):
                                   client.subscription_bytes - (ghost.subscription_bytes if ghost else 0))
             if client.watching:
                 user.watchers -= 1
-            if user.idle() and self.users.get(uid) is user:
+            if user.idle(self.reactor.seconds()) and self.users.get(uid) is user:
                 del self.users[uid]
         t = client.transport
         gone = self.uid_gone.setdefault(uid, Counter())
@@ -1188,7 +1198,8 @@ class BrokerFactory(protocol.Factory):
         the uid as the patterns were, until it is claimed or `linger` seconds are up. It starts
         with what was queued, unsent, and the count `client` was told and never confirmed."""
         uid = client.cred.uid
-        ghost = Lingering(uid, name, self.reactor.seconds(), linger, missed=len(client.outbox), carried=carried)
+        ghost = Lingering(uid, name, self.reactor.seconds(), linger, missed=client.outbox.lost + len(client.outbox),
+                          carried=carried)
         router = self.router
         router.add_client(ghost, None)
         secret = (SECRET_ROOT, self.config.cred_prefix + SECRET_ROOT)
@@ -1231,7 +1242,7 @@ class BrokerFactory(protocol.Factory):
         if user is not None:
             user.connections -= 1
             user.release_patterns(ghost.subscriptions, ghost.subscription_bytes)
-            if user.idle():
+            if user.idle(self.reactor.seconds()):
                 del self.users[ghost.uid]
 
     # -- server/interest

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from sbus.core.flood import DEFAULT_CONTROL_BYTES
 from sbus.core.sessions import DEFAULT_MAX_LINGER
 from sbus.core.limits import DEFAULT_DRAIN_CAP, DEFAULT_QUEUE_BYTES, DEFAULT_QUEUE_PACKETS, MAX_PACKET
 
@@ -70,6 +71,8 @@ class ServerConfig:
     #: The bus owner's grant (``--service-uid``): uids of services that carry other uids'
     #: traffic (sbus-nats, a relay), which see every uid's `server/interest` as root does.
     service_uids: frozenset[int] = frozenset()
+    #: Replies and notices one client may have queued before it is not read until they drain.
+    queue_control_bytes: int = DEFAULT_CONTROL_BYTES
     #: Packets read from one client per wakeup before others get a turn.
     drain_cap: int = DEFAULT_DRAIN_CAP
     stall_timeout: float = DEFAULT_STALL_TIMEOUT
