@@ -241,6 +241,7 @@ class RecordingWriter:
         files = published_files(directory)
         self._published_at_start = [(first, last) for first, last, _ in files]
         self._leftovers = self._scan_tmp()
+        self.cleaned = [name for name, _ in self.recovery.removed]
         #: The seq the next recorded message gets (continues the directory's numbering, after the
         #: whole batches of the journals a crash left, recovered or not yet).
         self.next_seq = max(files[-1][1] if files else 0, self._journal_tail[0]) + 1
