@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 from sbus.core.codec import ProtocolError, encode_sub
-from sbus.core.reqrep import NoResponders, RequestTimeout
+from sbus.core.reqrep import NoResponders, RemoteError, RequestTimeout
 from sbus.core.workqueue import Refused
 
 
@@ -75,6 +75,8 @@ def cmd_request(args, cli) -> int:
             raise cli.error(str(e)) from None
         except RequestTimeout as e:
             raise cli.error(str(e), cli.EXIT_TIMEOUT) from None
+        except RemoteError as e:
+            raise cli.error(f"the responder failed: {cli.printable(e.text)}") from None
         except ProtocolError as e:
             raise cli.error(f"bad request: {e}") from None
     out = sys.stdout.buffer

@@ -19,7 +19,7 @@ import pytest
 import pytest_twisted
 
 from helpers import REPO, run_as, wait_until
-from sbus.client import Client, NoResponders, RequestTimeout
+from sbus.client import Client, NoResponders, RemoteError, RequestTimeout
 from sbus.core import codec
 from sbus.core.reqrep import Interest, Requester, Responder, encode_request, parse_request
 
@@ -55,6 +55,30 @@ def test_requester_first_reply_wins_and_later_ones_are_counted():
     assert req.receive(reply.key, reply.payload) is None and req.late == 1
     assert req.receive(b"other/key", b"") is None
     assert Requester(ME).inbox != req.inbox  # two in one process never meet
+
+
+def boom(key, body):
+    if body == b"bad":
+        raise ValueError("no such item: " + body.decode())
+    return b"ok " + body
+
+
+def test_a_handler_that_raises_is_an_error_reply_only_for_requesters_that_ask():
+    req = Requester(ME)
+    r = Responder()
+    logged = []
+    rid, packet = req.request(b"svc/a", b"bad", waiter="w")
+    m = codec.parse(packet)
+    reply = codec.parse(r.handle(m.payload, boom, m.key, lambda k, e: logged.append((k, str(e)))))
+    waiter, err = req.receive(reply.key, reply.payload)
+    assert waiter == "w" and isinstance(err, RemoteError) and err.text == "ValueError: no such item: bad"
+    assert logged == [(b"svc/a", "no such item: bad")] and r.failed == 1 and req.errors == 1
+    # a requester from before the extension (reply key without /r): no reply, it could not tell
+    assert r.handle(encode_request(ME + b"/sbus/reply/abc/1", b"bad"), boom) is None and r.failed == 2
+    # an error reply cannot be made to look like an answer, nor an answer like an error
+    rid, packet = req.request(b"svc/a", b"good", waiter="w2")
+    reply = codec.parse(r.handle(codec.parse(packet).payload, boom))
+    assert req.receive(reply.key, reply.payload) == ("w2", b"ok good")
 
 
 def test_interest_says_nothing_until_the_listing_is_complete():
@@ -104,6 +128,23 @@ def test_blocking_request_reply_no_responders_and_timeout(bus):
         assert c.receive(timeout=5) == codec.Message(b"note", b"kept")
 
 
+def test_a_blocking_responder_survives_its_handler(bus, caplog):
+    """A handler that raises: the caller gets RemoteError (not a timeout), the error is logged
+    once, and the responder goes on serving the next request."""
+    t, s = serve_in_thread(bus.address, b"svc/", boom, 3)
+    with Client(bus.address) as c:
+        with pytest.raises(RemoteError, match="ValueError: no such item: bad"):
+            c.request("svc/x", b"bad", timeout=30)
+        assert c.request("svc/x", b"1", timeout=30) == b"ok 1"
+        with pytest.raises(RemoteError):
+            c.request("svc/x", b"bad", timeout=30)
+    t.join(10)
+    assert not t.is_alive() and s.responder.failed == 2 and s.responder.answered == 1
+    assert [r.getMessage() for r in caplog.records if r.name == "sbus.client"] == [
+        "request handler failed on svc/x: ValueError: no such item: bad"] * 2
+    s.close()
+
+
 def test_several_responders_first_reply_wins(bus):
     threads = [serve_in_thread(bus.address, b"svc/", lambda k, b, i=i: b"r%d" % i, 1) for i in range(2)]
     with Client(bus.address) as c:
@@ -132,10 +173,19 @@ def test_asyncio_request_reply(bus):
         async def handler(key, body):
             return b"async " + body
 
+        async def failing(key, body):
+            raise KeyError(body.decode())
+
         task = asyncio.ensure_future(s.serve("svc/", handler, count=1))
         await s.sync()
         assert await c.request("svc/a", b"x") == b"async x"
         await task
+        task = asyncio.ensure_future(s.serve("svc/", failing, count=2))
+        await s.sync()
+        for _ in range(2):  # the responder survives its handler
+            with pytest.raises(RemoteError, match="KeyError: 'y'"):
+                await c.request("svc/a", b"y", timeout=30)
+        assert await task == 2 and s.responder.failed == 2
         with pytest.raises(RequestTimeout):
             await c.request("nobody/a", b"x", timeout=0.2, check=False)
         c.close()
@@ -157,6 +207,16 @@ async def test_twisted_request_reply(bus):
         s.serve("svc/", lambda k, b: defer.succeed(b"twisted " + b))
         await s.sync()
         assert await c.request("svc/a", b"x") == b"twisted x"
+
+        async def failing(key, body):
+            raise RuntimeError("broken " + body.decode())
+
+        responder = s.serve("bad/", failing)
+        await s.sync()
+        for _ in range(2):
+            with pytest.raises(RemoteError, match="RuntimeError: broken z"):
+                await c.request("bad/a", b"z", timeout=30)
+        assert responder.failed == 2
         with pytest.raises(RequestTimeout):
             await c.request("nobody/a", b"x", timeout=0.2, check=False)
     finally:

@@ -33,12 +33,12 @@ from collections import deque
 from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, Control, Message, ProtocolError
 from sbus.core.patterns import reaches
-from sbus.core.reqrep import RequestTimeout, Requester, Responder, parse_request
+from sbus.core.reqrep import RemoteError, RequestTimeout, Requester, Responder, parse_request
 from sbus.core.workqueue import Delivery, Membership, WorkerBase
 
 from .address import open_socket
 from .blocking import (DEFAULT_BATCH, ConnectionClosed, PacketTooLarge, batch_io_calls, check_count, echo_packet,
-                       encode_many, flood_packets)
+                       encode_many, flood_packets, log_handler_error)
 
 __all__ = ["Client", "AsyncWorker", "connect", "ConnectionClosed", "Message", "Control"]
 
@@ -251,7 +251,10 @@ class Client:
             if type(packet) is Message and self._reqrep.is_reply(packet.key):
                 got = self._reqrep.receive(packet.key, packet.payload)
                 if got is not None and not got[0].done():
-                    got[0].set_result(got[1])
+                    if type(got[1]) is RemoteError:
+                        got[0].set_exception(got[1])
+                    else:
+                        got[0].set_result(got[1])
                 return False
         if type(packet) is Control:
             queue = self._requests.get(packet.key)
@@ -512,7 +515,9 @@ class Client:
     async def serve(self, pattern, handler, count: int | None = None) -> int:
         """Answer requests on `pattern` with ``handler(key, body)`` (a function or a coroutine
         function; its result is the reply, None for none) until `count` requests or the end of
-        the connection. Returns the requests handled."""
+        the connection. A handler that raises is logged, answered with an error reply (the
+        caller gets `RemoteError`), counted in `responder.failed`; serving goes on. Returns
+        the requests handled."""
         pattern = codec.encode_sub(pattern, self.max_packet)[4:]
         await self.subscribe(pattern)
         responder = self.responder = Responder(self.max_packet)
@@ -529,9 +534,16 @@ class Client:
             if parsed is None:
                 responder.refused += 1
                 continue
-            out = handler(m.key, parsed[1])
-            if asyncio.iscoroutine(out) or isinstance(out, asyncio.Future):
-                out = await out
+            try:
+                out = handler(m.key, parsed[1])
+                if asyncio.iscoroutine(out) or isinstance(out, asyncio.Future):
+                    out = await out
+            except Exception as e:
+                log_handler_error(m.key, e)
+                out = responder.error(parsed[0], e)
+                if out is not None:
+                    await self.send_packet(out)
+                continue
             if out is not None:
                 await self.send_packet(responder.reply(parsed[0], out))
         return handled

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import select
 import socket
 import time
@@ -35,7 +36,7 @@ from collections import deque
 from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, Control, DisconnectNotice, DropNotice, Message, ProtocolError
 from sbus.core.patterns import reaches
-from sbus.core.reqrep import RequestTimeout, Requester, Responder
+from sbus.core.reqrep import RemoteError, RequestTimeout, Requester, Responder, error_text
 from sbus.core.workqueue import Delivery, Membership, WorkerBase
 from sbus import speedups
 
@@ -643,6 +644,8 @@ class Client:
                 continue
             if isinstance(packet, (Message, Control, DropNotice)):
                 self._pending.append(packet)
+        if type(waiter[0]) is RemoteError:
+            raise waiter[0]
         return waiter[0]
 
     def serve(self, pattern, handler, count: int | None = None, timeout: float | None = None,
@@ -650,7 +653,9 @@ class Client:
         """Answer requests on `pattern`: ``handler(key, body)`` returns the reply (bytes or str;
         None: no reply). Returns after `count` requests (default: until the connection ends,
         or `timeout` seconds without one: `TimeoutError`). Messages without a valid secret
-        reply key are ignored (counted in `responder.refused`). `ready()` is called once the
+        reply key are ignored (counted in `responder.refused`). A handler that raises is
+        logged (logger ``sbus.client``), answered with an error reply (the caller gets
+        `RemoteError`), counted in `responder.failed`, and serving goes on. `ready()` is called once the
         subscription is in place. Returns the requests handled."""
         pattern = codec.encode_sub(pattern, self.max_packet)[4:]
         self.subscribe(pattern)
@@ -667,7 +672,7 @@ class Client:
             if type(m) is not Message or not reaches(pattern, m.key):
                 continue
             handled += 1
-            reply = responder.handle(m.payload, handler, m.key)
+            reply = responder.handle(m.payload, handler, m.key, log_handler_error)
             if reply is not None:
                 self.send_packet(reply)
         return handled
@@ -734,6 +739,10 @@ class Worker(WorkerBase):
     def leave(self) -> None:
         """Leave the group: what is not acknowledged goes to another member, redelivered."""
         self.client.send_packet(self.membership.unsubscribe_packet)
+
+
+def log_handler_error(key: bytes, exc: BaseException) -> None:
+    logging.getLogger("sbus.client").error("%s", error_text(key, exc))
 
 
 def connect(address=None, **kwargs) -> Client:

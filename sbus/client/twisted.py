@@ -39,7 +39,7 @@ from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, Control, Message, ProtocolError
 from sbus.core.credentials import CredentialError, Credentials, SECRET_ROOT, check_pattern
 from sbus.core.patterns import reaches
-from sbus.core.reqrep import RequestTimeout, Requester, Responder, parse_request
+from sbus.core.reqrep import RemoteError, RequestTimeout, Requester, Responder, error_text, parse_request
 from sbus.core.workqueue import Delivery, Membership, Refused, WorkerBase
 from sbus.interfaces import IPacketProtocol
 from sbus.seqpacket import SeqPacketTransport
@@ -381,11 +381,16 @@ class SbusProtocol(Protocol):
     def _replyReceived(self, key, payload):
         got = self._reqrep.receive(key, payload) if self._reqrep is not None else None
         if got is not None and not got[0].called:
-            got[0].callback(got[1])
+            if type(got[1]) is RemoteError:
+                got[0].errback(got[1])
+            else:
+                got[0].callback(got[1])
 
     def serve(self, pattern, handler) -> Responder:
         """Answer requests on `pattern`: ``handler(key, body)`` returns the reply (bytes, str,
-        a Deferred or a coroutine of one; None: no reply). Returns the `Responder` (counts)."""
+        a Deferred or a coroutine of one; None: no reply). A handler that fails is logged once
+        and answered with an error reply (the caller gets `RemoteError`). Returns the
+        `Responder` (counts: `answered`, `refused`, `failed`)."""
         responder = Responder(self.max_packet)
 
         def received(key, payload):
@@ -399,10 +404,15 @@ class SbusProtocol(Protocol):
                 if out is not None and self.connected:
                     self.sendPacket(responder.reply(reply_key, out))
 
+            def failed(f):
+                log.error("{text}", text=error_text(key, f.value))
+                out = responder.error(reply_key, f.value)
+                if out is not None and self.connected:
+                    self.sendPacket(out)
+
             d = defer.maybeDeferred(handler, key, body)
             d.addCallback(lambda r: defer.ensureDeferred(r) if hasattr(r, "__await__") else r)
-            d.addCallback(send)
-            d.addErrback(lambda f: log.failure("request handler {h!r} failed on {key!r}", f, h=handler, key=key))
+            d.addCallbacks(send, failed)
 
         self.subscribe(pattern, received)
         return responder

@@ -9,7 +9,12 @@ The wire convention (docs/request-reply.md):
   the requester's connection can receive the reply: ``<whoami>/sbus/reply/<NONCE>/<ID>``;
   NONCE is random per `Requester` (two in one process never meet), ID counts requests;
 * a **reply** is ``MSG REPLY_KEY\\0BODY``; a responder replies only to a valid secret key
-  (`parse_request`), so nobody can make a responder publish on a key of their choosing.
+  (`parse_request`), so nobody can make a responder publish on a key of their choosing;
+* **error replies**, an extension a requester asks for: its REPLY_KEY ends in ``/r``
+  (``.../<NONCE>/<ID>/r``); a responder whose handler raised then publishes the error's text
+  on the same key with ``/e`` instead of ``/r``, and the requester raises `RemoteError`. A
+  reply key without ``/r`` (a requester from before) gets no error reply: its reply body could
+  not say "error" in a way it can tell apart from an answer.
 
 `Requester` makes request packets and matches replies: the first reply to a request wins,
 later ones are counted in `late` and dropped. `Interest` follows the server's
@@ -30,6 +35,11 @@ from sbus.core.patterns import matches
 REPLY_SEGMENT = b"sbus/reply/"
 #: A reply key longer than this is refused by responders (it would only cost them).
 MAX_REPLY_KEY = 1024
+#: The last segment of a reply key whose requester understands error replies, and of the error reply.
+ASKS_ERRORS = b"/r"
+ERROR_SUFFIX = b"/e"
+#: An error reply's text is cut to this many bytes.
+MAX_ERROR_TEXT = 2000
 
 
 class RequestError(Exception):
@@ -42,6 +52,15 @@ class NoResponders(RequestError):
     def __init__(self, key: bytes):
         super().__init__(f"no responders: nobody is subscribed to {key.decode('utf-8', 'replace')}")
         self.key = key
+
+
+class RemoteError(RequestError):
+    """The responder's handler failed: the text is its error (type and message)."""
+
+    def __init__(self, key: bytes, text: str):
+        super().__init__(text)
+        self.key = key
+        self.text = text
 
 
 class RequestTimeout(RequestError, TimeoutError):
@@ -151,6 +170,8 @@ class Requester:
         self.late = 0
         self.sent = 0
         self.answered = 0
+        #: Error replies received (`RemoteError`s).
+        self.errors = 0
 
     @property
     def subscribe_packet(self) -> bytes:
@@ -172,7 +193,7 @@ class Requester:
         body = body.encode() if isinstance(body, str) else bytes(body)
         self._next += 1
         rid = b"%x" % self._next
-        packet = codec.encode_msg(key, encode_request(self.inbox + rid, body), self.max_packet)
+        packet = codec.encode_msg(key, encode_request(self.inbox + rid + ASKS_ERRORS, body), self.max_packet)
         self._pending[rid] = waiter
         self.sent += 1
         return rid, packet
@@ -181,14 +202,20 @@ class Requester:
         return key.startswith(self.inbox)
 
     def receive(self, key: bytes, payload: bytes):
+        """(waiter, body) for the first reply to a pending request, (waiter, `RemoteError`) for
+        an error reply; None for anything else."""
         if not key.startswith(self.inbox):
             return None
-        rid = key[len(self.inbox):]
-        if rid not in self._pending:
+        rid, _, kind = key[len(self.inbox):].partition(b"/")
+        if rid not in self._pending or kind not in (b"r", b"e"):
             self.late += 1
             return None
         self.answered += 1
-        return self._pending.pop(rid), payload
+        waiter = self._pending.pop(rid)
+        if kind == b"e":
+            self.errors += 1
+            return waiter, RemoteError(key, payload.decode("utf-8", "replace"))
+        return waiter, payload
 
     def forget(self, rid: bytes) -> None:
         self._pending.pop(rid, None)
@@ -210,18 +237,27 @@ class Responder:
         self.max_packet = max_packet
         self.answered = 0
         self.refused = 0
+        #: Requests whose handler raised (each answered with an error reply when the requester
+        #: asked for them, and logged once by the client).
+        self.failed = 0
 
-    def handle(self, payload: bytes, handler, key: bytes = b""):
+    def handle(self, payload: bytes, handler, key: bytes = b"", log=None):
         """Run ``handler(key, body)`` for a request; the reply packet to send, or None.
 
         A payload without a valid secret reply key is refused (counted), the handler not run;
-        a handler that returns None sends no reply."""
+        a handler that returns None sends no reply; one that raises is answered with an error
+        reply (`error`), after ``log(key, exc)`` if given."""
         parsed = parse_request(payload)
         if parsed is None:
             self.refused += 1
             return None
         reply_key, body = parsed
-        out = handler(key, body)
+        try:
+            out = handler(key, body)
+        except Exception as e:
+            if log is not None:
+                log(key, e)
+            return self.error(reply_key, e)
         if out is None:
             return None
         return self.reply(reply_key, out)
@@ -230,3 +266,17 @@ class Responder:
         out = out.encode() if isinstance(out, str) else bytes(out)
         self.answered += 1
         return reply_packet(reply_key, out, self.max_packet)
+
+    def error(self, reply_key: bytes, exc: BaseException) -> bytes | None:
+        """The error reply for a handler that raised `exc` (counted in `failed`), or None when
+        the requester did not ask for error replies (its key lacks the ``/r`` ending)."""
+        self.failed += 1
+        if not reply_key.endswith(ASKS_ERRORS):
+            return None
+        text = f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")[:MAX_ERROR_TEXT]
+        return reply_packet(reply_key[:-len(ASKS_ERRORS)] + ERROR_SUFFIX, text, self.max_packet)
+
+
+def error_text(key: bytes, exc: BaseException) -> str:
+    """The one log line for a handler that raised."""
+    return f"request handler failed on {key.decode('utf-8', 'replace')}: {type(exc).__name__}: {exc}"
