@@ -322,6 +322,8 @@ class SeqPacketTransport:
         self.outbox.writable()
         self.stopWriting()
         if self.disconnecting:
+            if self._closing is not None or self._drainReason is not None:
+                return None  # a failed send (or an abort) finishes it, after reading what is left
             return main.CONNECTION_DONE if self.connected else None
         producer = self._producer
         if producer is not None and (self._producerPaused or not self._streaming):
@@ -840,11 +842,14 @@ class BatchSeqPacketTransport(SeqPacketTransport):
         anything still in the kernel), then up to `count` packets by batch."""
         stash, self._stash = self._stash, None
         packets = stash if stash is not None else []
-        if len(packets) < count:
+        for _ in range(2):  # ECONNRESET comes once, before what the peer sent: read again
+            if len(packets) >= count:
+                break
             try:
                 packets += self.recvBatch(count - len(packets))
+                break
             except (InterruptedError, ConnectionResetError):
-                pass
+                continue
             except OSError:
                 return self._routeDrained(packets), True
         if not packets:

@@ -46,23 +46,25 @@ class Holds:
     __slots__ = ("_held",)
 
     def __init__(self):
-        self._held: set[Pauses] | None = None
+        #: A dict as an ordered set: released in the order held (the same run twice is the same
+        #: run: the simulator replays a seed exactly).
+        self._held: dict[Pauses, None] | None = None
 
     def add(self, pauses: Pauses) -> bool:
         """Hold `pauses` (no-op if already held); True if this is a new hold."""
         held = self._held
         if held is None:
-            held = self._held = set()
+            held = self._held = {}
         elif pauses in held:
             return False
-        held.add(pauses)
+        held[pauses] = None
         pauses.hold()
         return True
 
     def discard(self, pauses: Pauses) -> None:
         """Let one go (it went away, or needs releasing early)."""
         if self._held and pauses in self._held:
-            self._held.remove(pauses)
+            del self._held[pauses]
             pauses.release()
 
     def release(self) -> int:

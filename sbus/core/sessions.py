@@ -81,6 +81,11 @@ class Lingering:
         #: The shell's expiry call.
         self.timer = None
 
+    def __hash__(self):
+        # By what it is, not where it lives in memory: sets of recipients iterate in the same
+        # order in every run (the simulator replays a seed exactly). Equality stays identity.
+        return hash((self.uid, self.name))
+
     def deliver(self, packet: bytes, feeder=None, key: bytes = b"") -> None:
         self.missed += 1
 

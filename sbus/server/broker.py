@@ -830,6 +830,9 @@ class BrokerProtocol(protocol.Protocol):
         been told everything; then the replies that waited for that are queued."""
         table = self.factory.interest
         if self.transport.disconnecting:
+            if self._waitingReplies is not None:  # nobody to answer: what held its reading goes
+                self._waitingReplies = None
+                self.pauses.release()
             return True
         if table is None or not table.watching(self):
             return not self._watching  # asked while its uid was in debt: the listing waits
