@@ -568,7 +568,8 @@ class Client:
                     raise membership.timeout_error(timeout) from None
                 if membership.joined(m):
                     break
-                held.append(m)
+                if not membership.held(m):
+                    held.append(m)
         except BaseException:
             if not self.closed:
                 await self.send_packet(membership.unsubscribe_packet)

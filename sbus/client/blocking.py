@@ -681,7 +681,7 @@ class Client:
 
     def join(self, group, timeout: float = 5.0) -> "Worker":
         """Join a work-queue group of `twistd sbus-queue`; returns a `Worker` once the service
-        said hello. Raises `Refused` (unknown group, uid not allowed) or `TimeoutError` (no
+        said hello. Raises `Refused` (uid not allowed) or `NoService`, a `TimeoutError` (no
         service answered). Use a connection of its own for a worker."""
         membership = Membership(self.whoami(timeout), group, self.max_packet)
         self.send_packet(membership.subscribe_packet)
@@ -698,7 +698,8 @@ class Client:
                     raise membership.timeout_error(timeout) from None
                 if membership.joined(m):
                     break
-                held.append(m)
+                if not membership.held(m):
+                    held.append(m)
         except BaseException:
             if not self.closed:
                 try:

@@ -40,7 +40,7 @@ from sbus.core.codec import MAX_PACKET, Control, Message, ProtocolError
 from sbus.core.credentials import CredentialError, Credentials, SECRET_ROOT, check_pattern
 from sbus.core.patterns import reaches
 from sbus.core.reqrep import RemoteError, RequestTimeout, Requester, Responder, error_text, parse_request
-from sbus.core.workqueue import Delivery, Membership, Refused, WorkerBase
+from sbus.core.workqueue import Delivery, Membership, WorkerBase
 from sbus.interfaces import IPacketProtocol
 from sbus.seqpacket import SeqPacketTransport
 from zope.interface import implementer
@@ -439,7 +439,9 @@ class SbusProtocol(Protocol):
             elif what == "hello" and not ready.called:
                 ready.callback(worker)
             elif what == "refused" and not ready.called:
-                ready.errback(Refused(f"group {membership.group.decode()}: {membership.refused}"))
+                err = membership.refusal()
+                if err is not None:
+                    ready.errback(err)
 
         self.subscribe(membership.prefix, received)
         call = self._reactor().callLater(

@@ -7,8 +7,14 @@ The wire protocol (docs/queues.md), all ordinary sbus traffic:
   that pattern appear: the server filled in and checked the credentials, so the member's
   identity (uid, pid, relay chain) is the pattern's, never something a payload claims.
   Leaving is dropping the pattern (UNSUB, or the connection ending: ``kill -9`` included).
-* **hello** / **refused**: the service answers on the member's key: ``MSG <member>hello\\0JSON``
-  (group, pattern, window) or ``MSG <member>refused\\0REASON``.
+* **hello** / **refused**: the service that serves GROUP answers on the member's key:
+  ``MSG <member>hello\\0JSON`` (group, pattern, window, and ``service``: its id) or
+  ``MSG <member>refused\\0REASON`` (uid not allowed). A service that does not serve GROUP
+  says nothing: several services share a bus, each with its own groups; a member hears
+  from none only when no service serves its group.
+* **serves**: each service holds ``sbus/services/queue/serves/GROUP/ID`` for each of its
+  groups (ID: its start time and a random part), so a second service for a group sees the
+  first in the interest feed and gives the group up (the earlier ID keeps it).
 * **delivery**: ``MSG <member>m\\0TOKEN N\\0KEY\\0PAYLOAD``: TOKEN is random per delivery (only
   the member can read it), N the delivery count (1 first, 2+ redelivered), KEY and PAYLOAD
   the original message.
@@ -26,6 +32,7 @@ import json
 import os
 import re
 import secrets
+import time
 from collections import deque
 from typing import NamedTuple
 
@@ -36,6 +43,7 @@ from sbus.core.patterns import matches
 QUEUE_ROOT = b"sbus/services/queue/"
 ACK_KEY = b"sbus/services/queue/ack"
 FULL_ROOT = b"sbus/services/queue/full/"
+SERVES_ROOT = b"sbus/services/queue/serves/"
 MODES = ("block", "discard", "error")
 _NAME = re.compile(rb"[A-Za-z0-9_.-]{1,64}\Z")
 _MEMBER_PATTERN = re.compile(rb"((?:!/cred/\d+/\d+/\d+/)+)sbus/services/queue/([^/*]+)/([^/*]+)/\Z")
@@ -68,7 +76,11 @@ class Delivery(NamedTuple):
 
 
 class Refused(Exception):
-    """The queue service refused the join (unknown group, uid not allowed)."""
+    """The queue service refused the join (uid not allowed)."""
+
+
+class NoService(TimeoutError):
+    """No sbus-queue service answered for the group: none serves it on this bus."""
 
 
 class WorkerBase:
@@ -95,6 +107,9 @@ class Membership:
         self.max_packet = max_packet
         self.info: dict | None = None
         self.refused: str | None = None
+        #: "unknown group" refusals from services of before several services per bus (ignored:
+        #: another service may serve the group).
+        self.unknown = 0
 
     @property
     def subscribe_packet(self) -> bytes:
@@ -134,9 +149,21 @@ class Membership:
         """While joining: True for the service's hello; raises `Refused` for its refusal;
         False for anything else (to be kept for the application)."""
         what = self.receive(packet.key, packet.payload) if type(packet) is codec.Message else None
-        if what == "refused":
-            raise Refused(f"group {self.group.decode()}: {self.refused}")
+        if what == "refused" and (err := self.refusal()) is not None:
+            raise err
         return what == "hello"
+
+    def refusal(self) -> Refused | None:
+        """The `Refused` for the refusal just received; None for an "unknown group" from a
+        service of before several services per bus (counted in `unknown`: another may serve it)."""
+        if self.refused.startswith("unknown group"):
+            self.unknown += 1
+            return None
+        return Refused(f"group {self.group.decode()}: {self.refused}")
+
+    def held(self, packet) -> bool:
+        """While joining: True for a packet of the join protocol that the application must not see."""
+        return type(packet) is codec.Message and packet.key.startswith(self.prefix)
 
     def delivery(self, packet) -> Delivery | None:
         """The `Delivery` a received packet is, or None."""
@@ -145,8 +172,8 @@ class Membership:
         d = self.receive(packet.key, packet.payload)
         return d if type(d) is Delivery else None
 
-    def timeout_error(self, timeout: float) -> TimeoutError:
-        return TimeoutError(f"no sbus-queue service answered for group {self.group.decode()} within {timeout:g} s")
+    def timeout_error(self, timeout: float) -> NoService:
+        return NoService(f"no sbus-queue service answered for group {self.group.decode()} within {timeout:g} s")
 
     def ack_packet(self, *deliveries) -> bytes:
         tokens = b" ".join(d.token if isinstance(d, Delivery) else bytes(d) for d in deliveries)
@@ -249,6 +276,33 @@ class QueueCore:
         self.acks_unknown = 0
         self.ignored_keys = 0
         self.lost_intake = 0
+        #: This service's id (start time, random part: the earlier one keeps a contested group).
+        self.service_id = b"%020d-%s" % (time.time_ns(), secrets.token_hex(4).encode())
+        #: Joins for groups this service does not serve (another service's, or none's): unanswered.
+        self.joins_elsewhere = 0
+        #: Groups given up to an earlier service that serves them too: name -> (its id, pattern).
+        self.conflicts: dict[bytes, tuple[bytes, bytes]] = {}
+
+    def serves_patterns(self) -> list[bytes]:
+        """The keys that tell other services which groups this one serves."""
+        return [SERVES_ROOT + name + b"/" + self.service_id for name in self.groups]
+
+    def _serves(self, pattern: bytes) -> None:
+        """Another service's `serves` key: if it serves one of our groups and started first, give
+        the group up. Its members (subscribed once, seen by both services) and its work (both
+        intakes received it) stay with the other service: nothing of it is lost here."""
+        name, _, other = pattern[len(SERVES_ROOT):].partition(b"/")
+        g = self.groups.get(name)
+        if g is None or not other or other >= self.service_id:
+            return
+        self.conflicts[name] = (other, g.pattern)
+        del self.groups[name]
+        for member in g.ring:
+            self.members.pop(member.key, None)
+            for token in member.inflight:
+                self.tokens.pop(token, None)
+        g.ring.clear()
+        g.backlog.clear()
 
     # -- intake
 
@@ -298,7 +352,9 @@ class QueueCore:
                     self._pump(g, out)
             return out
         sign, _, pattern = payload.partition(b"\0")
-        if sign == b"+":
+        if sign == b"+" and pattern.startswith(SERVES_ROOT):
+            self._serves(pattern)
+        elif sign == b"+":
             if self._listing is not None:
                 self._listing.add(pattern)
             if pattern not in self.members:
@@ -331,7 +387,7 @@ class QueueCore:
         pid = int(creds[-1][2])
         g = self.groups.get(group)
         if g is None:
-            out.append(codec.encode_msg(pattern + b"refused", b"unknown group " + group[:64], self.max_packet))
+            self.joins_elsewhere += 1  # another service's group (or nobody's: the member times out)
             return
         bad = [u for u in uids if u not in self.allowed]
         if bad:
@@ -344,7 +400,8 @@ class QueueCore:
         g.ring.append(member)
         g.joined += 1
         hello = json.dumps({"group": group.decode(), "pattern": g.pattern.decode("utf-8", "replace"),
-                            "window": g.window, "window_bytes": g.window_bytes}).encode()
+                            "window": g.window, "window_bytes": g.window_bytes,
+                            "service": self.service_id.decode()}).encode()
         out.append(codec.encode_msg(pattern + b"hello", hello, self.max_packet))
         self._pump(g, out)
 
@@ -425,4 +482,6 @@ class QueueCore:
     def stats(self) -> dict:
         return {"groups": {g.name.decode(): g.stats() for g in self.groups.values()},
                 "acks_unknown": self.acks_unknown, "lost_intake": self.lost_intake,
-                "ignored_keys": self.ignored_keys}
+                "ignored_keys": self.ignored_keys, "joins_elsewhere": self.joins_elsewhere,
+                "service": self.service_id.decode(),
+                "given_up": {n.decode(): o.decode() for n, (o, _) in self.conflicts.items()}}

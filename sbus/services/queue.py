@@ -26,7 +26,7 @@ from twisted.python import usage
 
 from sbus.core import codec
 from sbus.core.codec import MAX_PACKET
-from sbus.core.workqueue import ACK_KEY, MODES, QueueCore, check_group
+from sbus.core.workqueue import ACK_KEY, MODES, SERVES_ROOT, QueueCore, check_group
 from sbus.services.shutdown import exit_zero_on_sigterm
 from sbus.options import METRICS_OPTION
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
@@ -59,6 +59,8 @@ class QueueService(service.Service):
                                         lambda: {"groups": sorted(g.decode() for g in self.core.groups)})
         self._loop = None
         self._last = None
+        #: Groups given up to an earlier service for the same group (logged once each).
+        self.given_up: set[bytes] = set()
         #: What the bus counted for the intake's session while no intake was connected (a
         #: restart of this service, a reconnection): lost, reason `restart`.
         self.restart_lost = 0
@@ -97,6 +99,8 @@ class QueueService(service.Service):
             def unsolicitedControl(self, key, payload):
                 if key == codec.INTEREST:
                     svc.sendAll(svc.core.interest(payload))
+                    if len(svc.core.conflicts) > len(svc.given_up):
+                        svc.giveUp()
                     if payload == b"=":
                         log.info("control: following the members ({n} now)", n=len(svc.core.members))
 
@@ -138,6 +142,8 @@ class QueueService(service.Service):
         self.control.echo(False)
         self.control.subscribe(ACK_KEY)
         self.control.subscribe(STATS_REQUEST)
+        for key in self.core.serves_patterns():  # tells a later service for our groups to give them up
+            self.control.subscribe(key)
         self.intake = IntakeClient(self.reactor, self.bus, Intake, max_packet=self.max_packet)
         self.intake.echo(False)
         if self.full == "block":
@@ -172,6 +178,23 @@ class QueueService(service.Service):
         self.following = True
         self.core.relisting()
         self.control.protocol.sendControl(codec.INTEREST)
+
+    def giveUp(self) -> None:
+        """Another service serves a group of ours and started first: stop serving it here (one
+        error line); with no group left, stop the process."""
+        served = {g.pattern for g in self.core.groups.values()}
+        for name, (other, pattern) in self.core.conflicts.items():
+            if name in self.given_up:
+                continue
+            self.given_up.add(name)
+            log.error("group {g} is already served by another sbus-queue service ({other}) on this bus: "
+                      "not serving it here (one service per group)", g=name.decode(), other=other.decode())
+            self.control.unsubscribe(SERVES_ROOT + name + b"/" + self.core.service_id)
+            if pattern not in served:
+                self.intake.unsubscribe(pattern)
+        if not self.core.groups and self.running:
+            log.error("sbus-queue: no group left to serve; stopping")
+            self.reactor.stop()
 
     def stopService(self):
         from twisted.internet import defer
