@@ -56,6 +56,9 @@ DISCONNECT_HARD = 5  # (`hard_error`)
 FLUSH = -1
 #: The queue is closed (`clear`): the packet goes nowhere, and nothing is counted.
 CLOSED = -2
+#: `hard/block`, over a limit: not queued (the caps hold exactly); the caller holds it back,
+#: beside the queue, with its publisher paused, until the queue has room (`sbus.server.broker`).
+HELD_BACK = 6
 DROPPED = DROPPED_SOFT  # any value <= DROPPED_HARD and >= DROPPED is a drop
 DISCONNECT = DISCONNECT_SOFT  # any value >= DISCONNECT is a disconnection
 
@@ -270,6 +273,10 @@ class Outbox:
             if hard is ERROR:
                 self.reason = HARD_ERROR
                 return DISCONNECT_HARD
+            if self.nbytes != self.ctl_bytes:
+                return HELD_BACK  # it goes in when what is queued has gone
+            # No message queued: nothing would drain to make room, so it goes in alone (one
+            # message larger than the limit, or the uid's or server's caps taken by others).
             self.push(packet)
             return QUEUED_BLOCK
         if blocked:

@@ -67,11 +67,18 @@ class Holds:
             del self._held[pauses]
             pauses.release()
 
-    def release(self) -> int:
-        """Let every held producer go; return how many there were."""
-        held, self._held = self._held, None
+    def release(self, keep=()) -> int:
+        """Let every held producer go but those in `keep`; return how many went."""
+        held = self._held
         if not held:
             return 0
+        if keep:
+            gone = [p for p in held if p not in keep]
+            for pauses in gone:
+                del held[pauses]
+                pauses.release()
+            return len(gone)
+        self._held = None
         for pauses in held:
             pauses.release()
         return len(held)

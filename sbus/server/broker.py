@@ -16,7 +16,7 @@ import json
 import os
 import select
 import time
-from collections import Counter
+from collections import Counter, deque
 
 from twisted.internet import protocol
 from twisted.logger import Logger
@@ -55,6 +55,7 @@ TOO_MANY_SUBSCRIPTIONS = "too_many_subscriptions"
 STALLED = "stalled"
 SHUTDOWN = "shutdown"
 CLOSED = "closed"
+INTERNAL_ERROR = "internal_error"
 
 #: What a drop or a disconnect decided by `Outbox.offer` is counted as.
 _OFFER_REASON = {
@@ -96,7 +97,7 @@ class BrokerProtocol(protocol.Protocol):
         "owner", "_cached", "_prefix", "_secret_root", "charge", "_workWait",
         "dropped", "_dropFirst", "_dropLast", "_queuedSinceNotice",
         "_replyHeld", "statsWanted", "_watching", "outbox", "dirty", "extensions", "_waitingReplies",
-        "_run", "_lastClients",
+        "_run", "_lastClients", "waiting",
     )
 
     def __init__(self, factory: "BrokerFactory", cred):
@@ -153,6 +154,9 @@ class BrokerProtocol(protocol.Protocol):
         #: (`_startRun`, `flushRun`); and the recipients of its last message in this batch.
         self._run: _Run | None = None
         self._lastClients = None
+        #: `hard/block`: messages over a limit, held back beside the queue until it has room, with
+        #: their publishers held (`_holdBack`): (packet, its publisher's `Pauses`, the budget charged).
+        self.waiting: deque | None = None
 
     def __repr__(self):
         return f"<client {self.label}>"
@@ -446,7 +450,9 @@ class BrokerProtocol(protocol.Protocol):
 
     def _decided(self, action: int, feeder, packets) -> None:
         """Act on what the queue decided for `packets` (not plainly queued)."""
-        if action == flood.QUEUED_BLOCK:
+        if action == flood.HELD_BACK:
+            self._holdBack(packets[0], feeder)
+        elif action == flood.QUEUED_BLOCK:
             self._queuedSinceNotice = True
             self._markDirty()
             if feeder is not None:
@@ -567,6 +573,8 @@ class BrokerProtocol(protocol.Protocol):
 
     def _drained(self) -> None:
         """The queue is empty: release what waited for that, and queue what the room allows."""
+        if self.waiting:
+            self._placeWaiting()
         self._releaseFeeders()
         if self._replyHeld:
             self._replyHeld = False
@@ -613,7 +621,65 @@ class BrokerProtocol(protocol.Protocol):
                                  f"{'its uid' if self._budget.shared else 'it'} let them run "
                                  f"({len(self.outbox)} packets queued)")
 
+    def _holdBack(self, packet: bytes, feeder) -> None:
+        """`hard/block`, and `packet` is over a limit: it waits beside the queue, charged to its
+        publisher's uid (the one that sends into a full queue pays), and the publisher is held
+        until the queue has room for it. A publisher is held after its first such packet, so at
+        most one waits per publisher. With nobody to hold (`feeder` None) it is queued."""
+        pauses = getattr(feeder, "pauses", None)
+        if pauses is None:
+            self.outbox.push(packet)
+            self._queuedSinceNotice = True
+            self._markDirty()
+            return
+        budget = _budgetOf(feeder, self.outbox)
+        budget.used += len(packet)
+        budget.parent.used += len(packet)
+        waiting = self.waiting
+        if waiting is None:
+            waiting = self.waiting = deque()
+        waiting.append((packet, pauses, budget))
+        self._block(feeder)
+
+    def _placeWaiting(self) -> None:
+        """The queue drained: what waits beside it goes in, in the order it came, as far as the
+        limits let it; the publishers of what still waits stay held (`_releaseFeeders`)."""
+        waiting = self.waiting
+        out = self.outbox
+        while waiting:
+            packet, pauses, budget = waiting[0]
+            action = out.decide(packet)
+            if action == flood.HELD_BACK:
+                break
+            waiting.popleft()
+            budget.used -= len(packet)
+            budget.parent.used -= len(packet)
+            if action == flood.QUEUED:
+                self._queuedSinceNotice = True
+                self._markDirty()
+            elif action != flood.CLOSED:
+                self._decided(action, None, (packet,))
+                if out.closed:
+                    break
+
+    def _dropWaiting(self) -> int:
+        """The connection is going: what waited beside its queue is let go; how many."""
+        waiting, self.waiting = self.waiting, None
+        for packet, _, budget in waiting or ():
+            budget.used -= len(packet)
+            budget.parent.used -= len(packet)
+        return len(waiting) if waiting else 0
+
     def _releaseFeeders(self):
+        waiting = self.waiting
+        if waiting:
+            transport = self.transport
+            if transport.connected and not transport.disconnecting:
+                # Publishers whose message still waits stay held: let the others go.
+                keep = {pauses for _, pauses, _ in waiting}
+                self.holds.release(keep)
+                return
+            self.outbox.lost += self._dropWaiting()
         stall = self._stall
         if stall is not None:
             self._stall = None
@@ -965,6 +1031,13 @@ def _pidfd_of_old_process(pid: int, accepted: float) -> int:
     return fd
 
 
+def _budgetOf(feeder, outbox) -> "flood.Budget":
+    """The budget a held-back message is charged to: its publisher's uid's (else the
+    subscriber's, for a feeder that is no client, such as a relay's master)."""
+    charge = getattr(feeder, "charge", None)
+    return charge.queue if charge is not None else outbox.budget
+
+
 def _show(name: bytes) -> str:
     """A session name for a log line: printable, and short."""
     return repr(name[:60])[1:]
@@ -1121,7 +1194,23 @@ class BrokerFactory(protocol.Factory):
         while self.dirty:  # a queue emptied here may queue more (notices, interest): again
             dirty, self.dirty = self.dirty, []
             for client in dirty:
-                client.flush(feeder)
+                try:
+                    client.flush(feeder)
+                except Exception:
+                    # One client's fault costs that client, never the others later in the list
+                    # (as Twisted's reactor disconnects the one selectable that raised).
+                    self.clientFailed(client)
+
+    def clientFailed(self, client: BrokerProtocol) -> None:
+        """Handling `client` raised: one log line with the traceback, and it is let go."""
+        log.failure("internal error while serving client {client}; disconnecting it", client=client.label)
+        client.dirty = False
+        client.reason = INTERNAL_ERROR
+        try:
+            client.outbox.clear()
+            client.transport.abortConnection()
+        except Exception:
+            log.failure("could not disconnect client {client}", client=client.label)
 
     def clientGone(self, client: BrokerProtocol):
         uid = client.cred.uid
