@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 
 from twisted.application import service
 from twisted.internet.task import LoopingCall
@@ -31,6 +32,8 @@ from sbus.services.shutdown import exit_zero_on_sigterm
 from sbus.options import METRICS_OPTION
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
 
+#: Seconds between looks for a hangup of the paused intake (see `_watchHangup`).
+HANGUP_CHECK = 0.2
 #: How long the bus counts for an intake that went away (`server/session`; the bus caps it).
 SESSION_LINGER = 60.0
 
@@ -59,6 +62,9 @@ class QueueService(service.Service):
                                         lambda: {"groups": sorted(g.decode() for g in self.core.groups)})
         self._loop = None
         self._last = None
+        self._hangup = None  # LoopingCall: watches a paused intake for the bus closing it
+        #: Disconnections of the intake by the bus, by the reason it gave (e.g. `stalled`).
+        self.intake_disconnects: dict[str, int] = {}
         #: Groups given up to an earlier service for the same group (logged once each).
         self.given_up: set[bytes] = set()
         #: What the bus counted for the intake's session while no intake was connected (a
@@ -92,6 +98,15 @@ class QueueService(service.Service):
                 svc.core.intake_dropped(count)
                 log.warn("intake: the server dropped {n} messages for us (counted lost)", n=count)
 
+            def connectionLost(self, reason=None):
+                notice = self.disconnectReason
+                if notice is not None:
+                    svc.intake_disconnects[notice.reason] = svc.intake_disconnects.get(notice.reason, 0) + 1
+                    log.warn("intake: the bus disconnected it ({reason}: {text}); what it still held "
+                             "for us is lost, counted in lost.restart once the intake is back",
+                             reason=notice.reason, text=notice.text)
+                SbusProtocol.connectionLost(self, reason)
+
         class Control(SbusProtocol):
             def messageReceived(self, key, payload, packet):
                 svc.controlMessage(self, key, payload)
@@ -109,6 +124,7 @@ class QueueService(service.Service):
                 svc.intake_connects += 1
                 if svc.paused:
                     protocol.transport.pauseProducing()
+                    svc._watchHangup()
                 protocol.sync().addCallbacks(lambda _: svc.intakeReady(), lambda f: None)
 
             def sessionClaimed(self, reply):
@@ -200,8 +216,9 @@ class QueueService(service.Service):
         from twisted.internet import defer
 
         super().stopService()
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
+        for loop in (self._loop, self._hangup):
+            if loop is not None and loop.running:
+                loop.stop()
         ds = [c.stop() for c in (self.intake, self.control) if c is not None]
         return defer.DeferredList(ds, consumeErrors=True).addCallback(lambda _: self._report(True))
 
@@ -224,13 +241,40 @@ class QueueService(service.Service):
             proto = self.intake.protocol
             if proto is not None and proto.connected:
                 proto.transport.pauseProducing()
+                self._watchHangup()
 
     def _maybeResume(self) -> None:
         if self.paused and self.core.may_resume():
             self.paused = False
+            if self._hangup is not None and self._hangup.running:
+                self._hangup.stop()
             proto = self.intake.protocol
             if proto is not None and proto.connected:
                 proto.transport.resumeProducing()
+
+    def _watchHangup(self) -> None:
+        """A paused intake is not read, so the reactor would not see the bus close it (a stall):
+        look for the hangup itself, every `HANGUP_CHECK` seconds while paused."""
+        if self._hangup is None:
+            self._hangup = LoopingCall(self._checkHangup)
+            self._hangup.clock = self.reactor
+        if not self._hangup.running:
+            self._hangup.start(HANGUP_CHECK, now=False)
+
+    def _checkHangup(self) -> None:
+        proto = self.intake.protocol if self.intake is not None else None
+        if proto is None or not proto.connected:
+            return
+        poller = select.poll()
+        poller.register(proto.transport.fileno(), select.POLLRDHUP)
+        if poller.poll(0):
+            # Read what the socket still holds (kept, in block mode), then the end: the intake
+            # reconnects, and its session claim tells what the bus lost (lost.restart).
+            log.warn("intake: the bus closed it while paused (a stall: the server's --stall-timeout; its "
+                     "notice cannot pass a full socket); reading what it holds, then reconnecting; what the "
+                     "bus still held for us is lost, counted in lost.restart once the intake is back")
+            self.intake_disconnects["closed_while_paused"] = self.intake_disconnects.get("closed_while_paused", 0) + 1
+            proto.transport.resumeProducing()
 
     def controlMessage(self, proto, key: bytes, payload: bytes) -> None:
         if key == ACK_KEY:
@@ -249,6 +293,7 @@ class QueueService(service.Service):
                           {"restart": self.restart_lost})
         st["intake_paused"] = self.paused
         st["pauses"] = self.pauses
+        st["intake_disconnects"] = dict(self.intake_disconnects)
         st["bus"] = {"connected": bool(self.control and self.control.connected
                                        and self.intake and self.intake.connected),
                      "reconnects": max(0, self.intake_connects - 1) + max(0, self.control_connects - 1)}
