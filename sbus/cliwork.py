@@ -135,10 +135,16 @@ def cmd_work(args, cli) -> int:
                                                  SBUS_REDELIVERED="1" if delivery.redelivered else "0"),
                      capture=False)
             if r.returncode != 0:
-                # not acknowledged: leaving hands it (and anything else unacknowledged) to another member
-                raise cli.error(f"{cmd[0]} exited {r.returncode} on {os.fsdecode(delivery.key)}: leaving the group "
-                               "(the message goes to another member, marked redelivered)")
-            worker.ack(delivery)
+                error = f"{cmd[0]} exited {r.returncode} on {os.fsdecode(delivery.key)}"
+                if args.reject:
+                    worker.reject(delivery, error)
+                    what = "rejected (to the dead letters)"
+                else:
+                    worker.nack(delivery, args.nack_delay, error)
+                    what = "nacked (redelivered" + (f" after {args.nack_delay:g} s)" if args.nack_delay else ")")
+                print(f"sbus: {cli.printable(error)}: {what}", file=sys.stderr, flush=True)
+            else:
+                worker.ack(delivery)
             done += 1
             if args.count is not None and done >= args.count:
                 bus.sync(10.0)  # the acks have reached the bus before we leave
@@ -179,12 +185,17 @@ def add_commands(sub, common, cli) -> None:
     p = sub.add_parser("work", parents=[common], help="take messages of a work-queue group",
                        description="Join GROUP of twistd sbus-queue and run CMD once per message "
                                    "(payload on stdin; $SBUS_KEY, $SBUS_DELIVERIES, $SBUS_REDELIVERED "
-                                   "set); exit 0 acknowledges it; another status ends sbus work "
-                                   "(status 1), and the message goes to another member.")
+                                   "set); exit 0 acknowledges it; another status nacks it (the service "
+                                   "redelivers it, up to its --max-deliveries) or, with --reject, "
+                                   "sends it to the dead letters; sbus work goes on.")
     p.add_argument("group", metavar="GROUP")
     p.add_argument("command_line", metavar="-- CMD", nargs=argparse.REMAINDER)
     p.add_argument("-n", "--count", type=COUNT, metavar="N", help="exit after N messages")
     p.add_argument("-t", "--timeout", type=SECONDS, default=5.0, metavar="S",
                    help="seconds to wait for the service to answer the join (default 5)")
     p.add_argument("--ready-file", metavar="PATH", help="once joined, write 'ready' to PATH")
+    p.add_argument("--reject", action="store_true",
+                   help="a command that fails rejects the message (to the dead letters) instead of nacking it")
+    p.add_argument("--nack-delay", type=SECONDS, default=0.0, metavar="S",
+                   help="a failed message is redelivered after S seconds (default 0)")
     p.set_defaults(func=functools.partial(cmd_work, cli=cli))

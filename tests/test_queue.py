@@ -240,7 +240,7 @@ def test_core_a_delivery_that_would_not_fit_a_packet_is_counted_too_big():
     _join(core)
     assert _deliveries(core.message(b"j/big", b"x" * 150)) == []
     assert len(_deliveries(core.message(b"j/small", b"x"))) == 1
-    assert core.groups[b"jobs"].stats()["lost"] == {"full": 0, "too_big": 1}
+    assert core.groups[b"jobs"].stats()["lost"] == {"full": 0, "too_big": 1, "max_deliveries": 0}
 
 
 def test_membership_reads_only_its_own_keys():
@@ -275,7 +275,7 @@ def test_kill9_member_under_load_loses_nothing_and_marks_the_redelivered(bus, st
         for p in members:
             p.kill()
             p.wait()
-    assert st["received"] == MESSAGES and st["lost"] == {"full": 0, "too_big": 0}, st
+    assert st["received"] == MESSAGES and st["lost"] == {"full": 0, "too_big": 0, "max_deliveries": 0}, st
     assert st["backlog"] == 0 and st["left"] == 1 and st["redelivered"] > 0, st
     handled = [lines(out) for out in outs]
     keys = {k for recs in handled for k, _ in recs}
@@ -306,7 +306,7 @@ def test_member_that_never_acks_holds_only_its_window(bus, start_queue, tmp_path
                            capture_output=True, timeout=60, cwd=REPO)
         (answer,) = [a for a in json.loads(r.stdout) if a["service"] == "sbus-queue"]
         jobs = answer["stats"]["groups"]["jobs"]
-        assert (jobs["redelivered"], jobs["lost"], jobs["acked"]) == (8, {"full": 0, "too_big": 0}, 500), jobs
+        assert (jobs["redelivered"], jobs["lost"], jobs["acked"]) == (8, {"full": 0, "too_big": 0, "max_deliveries": 0}, 500), jobs
     finally:
         for p in (stuck, good):
             p.kill()
@@ -565,28 +565,34 @@ def test_a_member_behind_a_relay(start_bus, start_queue, tmp_path):
         relay.stop()
 
 
-def test_sbus_work_a_failing_command_leaves_and_its_message_goes_to_another(bus, start_queue, tmp_path):
-    start_queue(bus, "--group", "jobs=jobs/")
-    failing = subprocess.Popen([sys.executable, "-m", "sbus.cli", "-s", bus.address, "work", "--ready-file",
-                                str(tmp_path / "ready"), "jobs", "--", "sh", "-c", "cat >/dev/null; exit 3"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
-    try:
-        wait_until(lambda: (tmp_path / "ready").exists() or failing.poll() is not None, "sbus work joined")
-        publish(bus.address, [b"jobs/1"])
-        out, err = failing.communicate(timeout=30)
-        assert failing.returncode == 1, err
-        assert err == (b"sbus: sh exited 3 on jobs/1: leaving the group (the message goes to another member, "
-                       b"marked redelivered)\n"), err
-    finally:
-        if failing.poll() is None:
-            failing.kill()
-            failing.wait()
-    r = subprocess.run([sys.executable, "-m", "sbus.cli", "-s", bus.address, "work", "-n", "1", "jobs", "--", "sh",
-                        "-c", 'echo "$SBUS_KEY $(cat) $SBUS_DELIVERIES $SBUS_REDELIVERED"'],
-                       capture_output=True, timeout=30, cwd=REPO)
-    assert r.returncode == 0 and r.stdout == b"jobs/1 x 2 1\n", r.stderr
+def test_sbus_work_a_failing_command_nacks_then_the_job_is_a_dead_letter(bus, start_queue, tmp_path):
+    """`sbus work`: a command that exits non-zero nacks its message (redelivered, here to the same
+    member); after --max-deliveries it is published on --dead-letter with its headers."""
+    start_queue(bus, "--group", "jobs=jobs/", "--max-deliveries", "2", "--dead-letter", "dead/jobs")
+    with Client(bus.address) as dead:
+        dead.subscribe(b"dead/")
+        dead.sync(5)
+        failing = subprocess.Popen([sys.executable, "-m", "sbus.cli", "-s", bus.address, "work", "-n", "2",
+                                    "--ready-file", str(tmp_path / "ready"), "jobs", "--", "sh", "-c",
+                                    'cat >/dev/null; echo "$SBUS_DELIVERIES" >&2; exit 3'],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+        try:
+            wait_until(lambda: (tmp_path / "ready").exists() or failing.poll() is not None, "sbus work joined")
+            publish(bus.address, [b"jobs/1"])
+            out, err = failing.communicate(timeout=30)
+            assert failing.returncode == 0, err
+            assert err == (b"1\nsbus: sh exited 3 on jobs/1: nacked (redelivered)\n"
+                           b"2\nsbus: sh exited 3 on jobs/1: nacked (redelivered)\n"), err
+        finally:
+            if failing.poll() is None:
+                failing.kill()
+                failing.wait()
+        m = dead.receive(timeout=30)
+        head, _, payload = m.payload.partition(b"\0")
+        assert m.key == b"dead/jobs" and payload == b"x"
+        assert json.loads(head) == {"group": "jobs", "key": "jobs/1", "attempts": 2, "error": "sh exited 3 on jobs/1"}
     st = group_stats(bus.address)
-    assert st["redelivered"] == 1 and st["acked"] == 1
+    assert (st["nacked"], st["redelivered"], st["dead_lettered"], st["backlog"], st["in_flight"]) == (2, 1, 1, 0, 0)
 
 
 def test_the_bus_restarted_under_the_service(start_bus, start_queue, tmp_path):

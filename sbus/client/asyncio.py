@@ -604,6 +604,19 @@ class AsyncWorker(WorkerBase):
         if deliveries:
             await self.client.send_packet(self.membership.ack_packet(*deliveries))
 
+    async def nack(self, delivery, delay: float = 0.0, error="") -> None:
+        """Redeliver after `delay` seconds (see the blocking `Worker.nack`)."""
+        await self.client.send_packet(self.membership.nack_packet(delivery, delay, error))
+
+    async def reject(self, delivery, error="") -> None:
+        """Straight to the dead letters."""
+        await self.client.send_packet(self.membership.reject_packet(delivery, error))
+
+    async def progress(self, *deliveries) -> None:
+        """Still working on these: their ack deadlines start again."""
+        if deliveries:
+            await self.client.send_packet(self.membership.progress_packet(*deliveries))
+
     async def leave(self) -> None:
         await self.client.send_packet(self.membership.unsubscribe_packet)
 

@@ -737,6 +737,20 @@ class Worker(WorkerBase):
         if deliveries:
             self.client.send_packet(self.membership.ack_packet(*deliveries))
 
+    def nack(self, delivery, delay: float = 0.0, error="") -> None:
+        """Not done: the service redelivers it (to any member) after `delay` seconds; `error`
+        is kept as its last error (in its dead letter after `--max-deliveries`)."""
+        self.client.send_packet(self.membership.nack_packet(delivery, delay, error))
+
+    def reject(self, delivery, error="") -> None:
+        """Never to be done: straight to the group's dead letters."""
+        self.client.send_packet(self.membership.reject_packet(delivery, error))
+
+    def progress(self, *deliveries) -> None:
+        """Still working on these: their `--ack-wait` deadlines start again."""
+        if deliveries:
+            self.client.send_packet(self.membership.progress_packet(*deliveries))
+
     def leave(self) -> None:
         """Leave the group: what is not acknowledged goes to another member, redelivered."""
         self.client.send_packet(self.membership.unsubscribe_packet)

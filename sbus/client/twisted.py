@@ -485,6 +485,19 @@ class TwistedWorker(WorkerBase):
         if deliveries:
             self.client.sendPacket(self.membership.ack_packet(*deliveries))
 
+    def nack(self, delivery, delay: float = 0.0, error="") -> None:
+        """Redeliver after `delay` seconds (see the blocking `Worker.nack`)."""
+        self.client.sendPacket(self.membership.nack_packet(delivery, delay, error))
+
+    def reject(self, delivery, error="") -> None:
+        """Straight to the dead letters."""
+        self.client.sendPacket(self.membership.reject_packet(delivery, error))
+
+    def progress(self, *deliveries) -> None:
+        """Still working on these: their ack deadlines start again."""
+        if deliveries:
+            self.client.sendPacket(self.membership.progress_packet(*deliveries))
+
     def leave(self) -> None:
         """Leave the group: what is not acknowledged goes to another member, redelivered."""
         self.client.unsubscribe(self.membership.prefix)

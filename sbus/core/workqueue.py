@@ -21,6 +21,13 @@ The wire protocol (docs/queues.md), all ordinary sbus traffic:
 * **ack**: ``MSG sbus/services/queue/ack\\0TOKEN[ TOKEN...]``. Knowing a token proves the
   delivery reached you: nobody else could read it. A token is good once; an unknown one is
   counted and ignored.
+* **nack**: ``MSG sbus/services/queue/nack\\0TOKEN DELAY\\0ERROR``: redeliver (after DELAY
+  seconds, 0: now); **reject**: ``MSG sbus/services/queue/reject\\0TOKEN\\0ERROR``: straight to
+  the dead letters; **progress**: ``MSG sbus/services/queue/progress\\0TOKEN[ TOKEN...]``: the
+  member is still at it, its ack deadline starts again (the token stays good).
+* **dead letter**: a job nacked, expired or left behind `max_deliveries` times, or rejected,
+  is published as ``MSG DEAD_LETTER_KEY\\0JSON\\0PAYLOAD`` (JSON: group, key, attempts,
+  error), or dropped and counted when the group has no dead-letter key.
 
 `QueueCore` takes the events (intake messages, interest notices, acks) and returns the
 packets to publish; the Twisted service (`sbus.services.queue`) only moves packets.
@@ -31,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import heapq
 import secrets
 import time
 from collections import deque
@@ -42,6 +50,13 @@ from sbus.core.patterns import matches
 
 QUEUE_ROOT = b"sbus/services/queue/"
 ACK_KEY = b"sbus/services/queue/ack"
+NACK_KEY = b"sbus/services/queue/nack"
+REJECT_KEY = b"sbus/services/queue/reject"
+PROGRESS_KEY = b"sbus/services/queue/progress"
+#: Keys the service's control connection receives from members, besides `ACK_KEY`.
+MEMBER_KEYS = (NACK_KEY, REJECT_KEY, PROGRESS_KEY)
+#: A member's error text is cut to this many bytes.
+MAX_ERROR = 1000
 FULL_ROOT = b"sbus/services/queue/full/"
 SERVES_ROOT = b"sbus/services/queue/serves/"
 MODES = ("block", "discard", "error")
@@ -176,20 +191,45 @@ class Membership:
         return NoService(f"no sbus-queue service answered for group {self.group.decode()} within {timeout:g} s")
 
     def ack_packet(self, *deliveries) -> bytes:
-        tokens = b" ".join(d.token if isinstance(d, Delivery) else bytes(d) for d in deliveries)
-        return codec.encode_msg(ACK_KEY, tokens, self.max_packet)
+        return codec.encode_msg(ACK_KEY, _tokens(deliveries), self.max_packet)
+
+    def progress_packet(self, *deliveries) -> bytes:
+        """Still working on these: their ack deadlines start again."""
+        return codec.encode_msg(PROGRESS_KEY, _tokens(deliveries), self.max_packet)
+
+    def nack_packet(self, delivery, delay: float = 0.0, error="") -> bytes:
+        """Not done: redeliver after `delay` seconds (to any member); `error` is kept as the
+        job's last error (in its dead letter, if it comes to that)."""
+        if not delay >= 0:
+            raise ValueError(f"delay must be >= 0, not {delay!r}")
+        return codec.encode_msg(NACK_KEY, _tokens((delivery,)) + b" %g\0" % delay + _error(error), self.max_packet)
+
+    def reject_packet(self, delivery, error="") -> bytes:
+        """Never to be done: straight to the dead letters."""
+        return codec.encode_msg(REJECT_KEY, _tokens((delivery,)) + b"\0" + _error(error), self.max_packet)
+
+
+def _tokens(deliveries) -> bytes:
+    return b" ".join(d.token if isinstance(d, Delivery) else bytes(d) for d in deliveries)
+
+
+def _error(error) -> bytes:
+    return (error.encode("utf-8", "replace") if isinstance(error, str) else bytes(error))[:MAX_ERROR]
 
 
 # -- the service's side --------------------------------------------------------------------
 
 
 class _Entry:
-    __slots__ = ("key", "payload", "deliveries", "size")
+    __slots__ = ("key", "payload", "deliveries", "size", "deadline", "error", "avoid")
 
     def __init__(self, key: bytes, payload: bytes):
         self.key = key
         self.payload = payload
         self.deliveries = 0
+        self.deadline = None  # while delivered, with an ack deadline: when it expires
+        self.error = b""      # the last error a member gave (nack, reject), or why it came back
+        self.avoid = None     # the member that let its ack wait expire: another, if one has room
 
 
 class _Member:
@@ -205,7 +245,13 @@ class _Member:
 
 
 class _Group:
-    def __init__(self, name: bytes, pattern: bytes, limit: int, full: str, window: int, window_bytes: int):
+    def __init__(self, name: bytes, pattern: bytes, limit: int, full: str, window: int, window_bytes: int,
+                 ack_wait: float | None = None, max_deliveries: int | None = None,
+                 dead_letter: bytes | None = None):
+        self.ack_wait = ack_wait
+        self.max_deliveries = max_deliveries
+        self.dead_letter = dead_letter
+        self.expired = self.nacked = self.rejected = self.dead_lettered = 0
         self.name = name
         self.pattern = pattern
         self.limit = limit
@@ -218,7 +264,7 @@ class _Group:
         self.full_episode = False
         self.received = self.delivered = self.acked = self.redelivered = 0
         self.joined = self.left = self.refused = 0
-        self.lost = {"full": 0, "too_big": 0}
+        self.lost = {"full": 0, "too_big": 0, "max_deliveries": 0}
 
     def next_member(self) -> _Member | None:
         """Round robin over the members whose window has room: fewer than `window` deliveries
@@ -239,6 +285,10 @@ class _Group:
                 "backlog": len(self.backlog), "in_flight": sum(len(m.inflight) for m in self.ring),
                 "received": self.received, "delivered": self.delivered, "acked": self.acked,
                 "redelivered": self.redelivered, "lost": dict(self.lost),
+                "ack_wait": self.ack_wait, "max_deliveries": self.max_deliveries,
+                "dead_letter": self.dead_letter.decode("utf-8", "replace") if self.dead_letter else None,
+                "expired": self.expired, "nacked": self.nacked, "rejected": self.rejected,
+                "dead_lettered": self.dead_lettered,
                 "joined": self.joined, "left": self.left, "refused": self.refused}
 
 
@@ -252,10 +302,15 @@ class QueueCore:
     service to stop reading its intake; discard: dropped and counted; error: dropped,
     counted, and ``MSG sbus/services/queue/full/GROUP\\0COUNT`` published once per episode).
     ``allowed_uids``: uids that may join (every uid of a member's credential chain must be
-    one)."""
+    one). ``ack_wait``: seconds a member has to ack (or send progress) before the job goes to
+    another; ``max_deliveries``: after that many, a job that comes back goes to
+    ``dead_letter`` (a key; None: dropped, counted ``lost.max_deliveries``). ``clock``: seconds,
+    for the deadlines (`tick` is called with nothing, at least every `tick_interval`)."""
 
     def __init__(self, groups, *, limit: int = 10000, full: str = "block", window: int = 64,
-                 window_bytes: int = 1 << 20, allowed_uids=(), max_packet: int = MAX_PACKET):
+                 window_bytes: int = 1 << 20, allowed_uids=(), max_packet: int = MAX_PACKET,
+                 ack_wait: float | None = None, max_deliveries: int | None = None,
+                 dead_letter: bytes | None = None, clock=time.monotonic):
         if full not in MODES:
             raise ValueError(f"unknown mode {full!r}; one of {', '.join(MODES)}")
         self.groups: dict[bytes, _Group] = {}
@@ -264,11 +319,18 @@ class QueueCore:
             pattern = pattern.encode() if isinstance(pattern, str) else bytes(pattern)
             if name in self.groups:
                 raise ValueError(f"group {name.decode()} given twice")
-            self.groups[name] = _Group(name, pattern, limit, full, window, window_bytes)
+            self.groups[name] = _Group(name, pattern, limit, full, window, window_bytes, ack_wait,
+                                       max_deliveries, dead_letter)
+        self.clock = clock
+        #: (due, seq, group, entry): nacked with a delay, or delivered with an ack deadline
+        #: (stale ones are skipped: an entry's `deadline` says whether it is still due).
+        self._timers: list = []
+        self._seq = 0
         self.allowed = set(allowed_uids) | {os.getuid(), 0}
         self.max_packet = max_packet
         self.members: dict[bytes, _Member] = {}
         self.tokens: dict[bytes, _Member] = {}
+        self._dead: list = []  # (group, entry) to dead-letter at the next packet-returning call
         self._listing: set[bytes] | None = None
         #: Deliveries go out only while the control connection is up and its first interest
         #: listing is complete (until then work waits in the backlogs).
@@ -428,9 +490,15 @@ class QueueCore:
         member.inflight_bytes = 0
         for token, _ in back:
             self.tokens.pop(token, None)
+        dead = []
         for _, entry in reversed(back):
+            entry.deadline = None
+            if g.max_deliveries is not None and entry.deliveries >= g.max_deliveries:
+                dead.append(entry)
+                continue
             g.backlog.appendleft(entry)
-        g.redelivered += len(back)
+        g.redelivered += len(back) - len(dead)
+        self._dead.extend((g, e) for e in reversed(dead))
 
     # -- acknowledgements
 
@@ -438,13 +506,10 @@ class QueueCore:
         out: list[bytes] = []
         touched = []
         for token in payload.split(b" "):
-            member = self.tokens.pop(token, None)
-            if member is None:
-                if token:
-                    self.acks_unknown += 1
+            got = self._take(token)
+            if got is None:
                 continue
-            member.inflight_bytes -= member.inflight.pop(token).size
-            g = member.group
+            g = got[0].group
             g.acked += 1
             if not touched or touched[-1] is not g:
                 touched.append(g)
@@ -452,15 +517,148 @@ class QueueCore:
             self._pump(g, out)
         return out
 
+    def _take(self, token: bytes):
+        """(member, entry) of a delivery still out, its token now dead; None if unknown."""
+        member = self.tokens.pop(token, None)
+        if member is None:
+            if token:
+                self.acks_unknown += 1
+            return None
+        entry = member.inflight.pop(token)
+        member.inflight_bytes -= entry.size
+        entry.deadline = None
+        return member, entry
+
+    def progress(self, payload: bytes) -> list[bytes]:
+        """Members still at work on these deliveries: their ack deadlines start again."""
+        now = self.clock()
+        for token in payload.split(b" "):
+            member = self.tokens.get(token)
+            if member is None:
+                continue
+            entry = member.inflight[token]
+            if member.group.ack_wait is not None:
+                self._arm(member.group, entry, token, now + member.group.ack_wait)
+        return []
+
+    def nack(self, payload: bytes) -> list[bytes]:
+        """``TOKEN DELAY\\0ERROR``: redeliver after DELAY seconds (the front of the queue at once
+        with 0), unless it has had `max_deliveries`."""
+        head, _, error = payload.partition(b"\0")
+        token, _, delay = head.partition(b" ")
+        try:
+            delay = max(0.0, float(delay or b"0"))
+        except ValueError:
+            delay = 0.0
+        got = self._take(token)
+        out: list[bytes] = []
+        if got is None:
+            return out
+        member, entry = got
+        g = member.group
+        g.nacked += 1
+        entry.error = error[:MAX_ERROR]
+        self._again(g, entry, out, delay)
+        self._pump(g, out)
+        return out
+
+    def reject(self, payload: bytes) -> list[bytes]:
+        """``TOKEN\\0ERROR``: straight to the dead letters."""
+        token, _, error = payload.partition(b"\0")
+        got = self._take(token)
+        out: list[bytes] = []
+        if got is None:
+            return out
+        member, entry = got
+        g = member.group
+        g.rejected += 1
+        entry.error = error[:MAX_ERROR]
+        self._dead_letter(g, entry, out)
+        self._pump(g, out)
+        return out
+
+    def _again(self, g: _Group, entry: _Entry, out: list, delay: float = 0.0) -> None:
+        """A job that came back: to the dead letters after `max_deliveries`, else to the front
+        of the queue (now, or when `delay` has passed)."""
+        if g.max_deliveries is not None and entry.deliveries >= g.max_deliveries:
+            self._dead_letter(g, entry, out)
+            return
+        g.redelivered += 1
+        if delay > 0:
+            self._arm(g, entry, None, self.clock() + delay)
+        else:
+            g.backlog.appendleft(entry)
+
+    def _arm(self, g: _Group, entry: _Entry, token, due: float) -> None:
+        entry.deadline = due
+        self._seq += 1
+        heapq.heappush(self._timers, (due, self._seq, g, entry, token))
+
+    def _dead_letter(self, g: _Group, entry: _Entry, out: list) -> None:
+        if g.dead_letter is None:
+            g.lost["max_deliveries"] += 1
+            return
+        head = json.dumps({"group": g.name.decode(), "key": entry.key.decode("utf-8", "replace"),
+                           "attempts": entry.deliveries,
+                           "error": entry.error.decode("utf-8", "replace")}).encode()
+        try:
+            out.append(codec.encode_msg(g.dead_letter, head + b"\0" + entry.payload, self.max_packet))
+        except codec.ProtocolError:
+            g.lost["too_big"] += 1
+            return
+        g.dead_lettered += 1
+
+    def tick(self) -> list[bytes]:
+        """Deadlines that passed: deliveries not acked in `ack_wait` go back (to another member,
+        or the dead letters), nacked jobs whose delay is over go to the front of the queue."""
+        out: list[bytes] = []
+        now = self.clock()
+        timers = self._timers
+        touched = set()
+        while timers and timers[0][0] <= now:
+            due, _, g, entry, token = heapq.heappop(timers)
+            if entry.deadline != due:
+                continue  # acked, extended or already back
+            entry.deadline = None
+            if token is None:  # a nack's delay is over
+                g.backlog.appendleft(entry)
+            else:
+                member = self.tokens.pop(token, None)
+                if member is None:
+                    continue
+                member.inflight.pop(token, None)
+                member.inflight_bytes -= entry.size
+                entry.avoid = member
+                g.expired += 1
+                entry.error = b"ack wait of %g s expired" % g.ack_wait
+                self._again(g, entry, out)
+            touched.add(g)
+        for g in touched:
+            if g.name in self.groups:
+                self._pump(g, out)
+        return out
+
+    def next_deadline(self) -> float | None:
+        return self._timers[0][0] if self._timers else None
+
     # -- delivery
 
     def _pump(self, g: _Group, out: list) -> None:
+        if self._dead:
+            dead, self._dead = self._dead, []
+            for dg, entry in dead:
+                self._dead_letter(dg, entry, out)
         backlog = g.backlog
         while backlog and self.online:
             member = g.next_member()
             if member is None:
                 break
-            entry = backlog.popleft()
+            entry = backlog[0]
+            if entry.avoid is not None:
+                if entry.avoid is member:
+                    member = g.next_member() or member
+                entry.avoid = None
+            backlog.popleft()
             entry.deliveries += 1
             token = secrets.token_hex(8).encode()
             payload = b"%s %d\0%s\0%s" % (token, entry.deliveries, entry.key, entry.payload)
@@ -469,6 +667,8 @@ class QueueCore:
                 g.lost["too_big"] += 1
                 continue
             entry.size = len(key) + len(payload) + 5
+            if g.ack_wait is not None:
+                self._arm(g, entry, token, self.clock() + g.ack_wait)
             member.inflight[token] = entry
             member.inflight_bytes += entry.size
             self.tokens[token] = member

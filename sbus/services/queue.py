@@ -27,11 +27,14 @@ from twisted.python import usage
 
 from sbus.core import codec
 from sbus.core.codec import MAX_PACKET
-from sbus.core.workqueue import ACK_KEY, MODES, SERVES_ROOT, QueueCore, check_group
+from sbus.core.patterns import matches
+from sbus.core.workqueue import ACK_KEY, MEMBER_KEYS, MODES, NACK_KEY, PROGRESS_KEY, REJECT_KEY, SERVES_ROOT, QueueCore, check_group
 from sbus.services.shutdown import exit_zero_on_sigterm
 from sbus.options import METRICS_OPTION
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
 
+#: Seconds between looks at the deadlines (ack wait, nack delays): their resolution.
+TICK = 0.1
 #: Seconds between looks for a hangup of the paused intake (see `_watchHangup`).
 HANGUP_CHECK = 0.2
 #: How long the bus counts for an intake that went away (`server/session`; the bus caps it).
@@ -43,14 +46,17 @@ log = Logger()
 class QueueService(service.Service):
     def __init__(self, bus, groups, *, limit: int = 10000, full: str = "block", window: int = 64,
                  window_bytes: int = 1 << 20, allowed_uids=(), max_packet: int = MAX_PACKET,
-                 stats_interval: float = 60.0, reactor=None):
+                 stats_interval: float = 60.0, ack_wait: float | None = None,
+                 max_deliveries: int | None = None, dead_letter: bytes | None = None, reactor=None):
         self.bus = bus
+        self._reactor = reactor
         self.core = QueueCore(groups, limit=limit, full=full, window=window, window_bytes=window_bytes,
-                              allowed_uids=allowed_uids, max_packet=max_packet)
+                              allowed_uids=allowed_uids, max_packet=max_packet, ack_wait=ack_wait,
+                              max_deliveries=max_deliveries, dead_letter=dead_letter,
+                              clock=lambda: self.reactor.seconds())
         self.full = full
         self.max_packet = max_packet
         self.stats_interval = stats_interval
-        self._reactor = reactor
         self.intake = self.control = None
         self.paused = False
         self.pauses = 0
@@ -61,6 +67,7 @@ class QueueService(service.Service):
         self.responder = StatsResponder("sbus-queue", self._name, self.stats,
                                         lambda: {"groups": sorted(g.decode() for g in self.core.groups)})
         self._loop = None
+        self._ticker = None
         self._last = None
         self._hangup = None  # LoopingCall: watches a paused intake for the bus closing it
         #: Disconnections of the intake by the bus, by the reason it gave (e.g. `stalled`).
@@ -157,6 +164,8 @@ class QueueService(service.Service):
         self.control = ControlClient(self.reactor, self.bus, Control, max_packet=self.max_packet)
         self.control.echo(False)
         self.control.subscribe(ACK_KEY)
+        for key in MEMBER_KEYS:
+            self.control.subscribe(key)
         self.control.subscribe(STATS_REQUEST)
         for key in self.core.serves_patterns():  # tells a later service for our groups to give them up
             self.control.subscribe(key)
@@ -175,6 +184,9 @@ class QueueService(service.Service):
         self._loop = LoopingCall(self._report, False)
         self._loop.clock = self.reactor
         self._loop.start(self.stats_interval, now=False)
+        self._ticker = LoopingCall(lambda: self.sendAll(self.core.tick()))  # ack deadlines, nack delays
+        self._ticker.clock = self.reactor
+        self._ticker.start(TICK, now=False)
         exit_zero_on_sigterm(self.reactor)
 
     def intakeReady(self) -> None:
@@ -216,7 +228,7 @@ class QueueService(service.Service):
         from twisted.internet import defer
 
         super().stopService()
-        for loop in (self._loop, self._hangup):
+        for loop in (self._loop, self._hangup, self._ticker):
             if loop is not None and loop.running:
                 loop.stop()
         ds = [c.stop() for c in (self.intake, self.control) if c is not None]
@@ -280,6 +292,13 @@ class QueueService(service.Service):
         if key == ACK_KEY:
             self.sendAll(self.core.ack(payload))
             self._maybeResume()
+        elif key == NACK_KEY:
+            self.sendAll(self.core.nack(payload))
+        elif key == REJECT_KEY:
+            self.sendAll(self.core.reject(payload))
+            self._maybeResume()
+        elif key == PROGRESS_KEY:
+            self.core.progress(payload)
         elif key == STATS_REQUEST:
             packet = self.responder.answer(payload)
             if packet is not None and len(packet) <= self.max_packet:
@@ -335,6 +354,15 @@ class Options(usage.Options):
         ["max-packet", None, str(MAX_PACKET), "The bus's packet size limit (a delivery that would "
                                               "not fit is dropped and counted too_big)."],
         ["stats-interval", None, "60", "Seconds between stats lines in the log (only if changed)."],
+        ["ack-wait", None, None, "Seconds a member has to ack a delivery (or send progress) before it "
+                                 "goes to another member (default: no deadline; a member's work "
+                                 "comes back only when it leaves)."],
+        ["max-deliveries", None, None, "Deliveries of a job at most: one that comes back after that "
+                                       "(nack, ack wait, its member gone) goes to --dead-letter "
+                                       "(default: no limit)."],
+        ["dead-letter", None, None, "The key dead letters are published on (JSON header with group, "
+                                    "key, attempts, error; a NUL; the payload). Without it, they are "
+                                    "dropped and counted lost.max_deliveries."],
     ]
 
     def __init__(self):
@@ -389,6 +417,20 @@ class Options(usage.Options):
         self["window-bytes"] = positive_int("window-bytes", self["window-bytes"])
         self["max-packet"] = positive_int("max-packet", self["max-packet"])
         self["stats-interval"] = positive_float("stats-interval", self["stats-interval"])
+        if self["ack-wait"] is not None:
+            self["ack-wait"] = positive_float("ack-wait", self["ack-wait"])
+        if self["max-deliveries"] is not None:
+            self["max-deliveries"] = positive_int("max-deliveries", self["max-deliveries"])
+        if self["dead-letter"] is not None:
+            key = os.fsencode(self["dead-letter"])
+            try:
+                codec.encode_msg(key, b"")
+            except codec.ProtocolError as e:
+                raise usage.UsageError(f"--dead-letter: bad key: {e}") from None
+            if any(matches(p, key) for _, p in self["groups"]) or key.startswith(b"sbus/services/"):
+                raise usage.UsageError("--dead-letter: the key may not match a group's pattern "
+                                       "(a dead letter would be queued again) nor be under sbus/services/")
+            self["dead-letter"] = key
         if self["bus"]:
             from sbus.client.address import AddressError, parse
             try:
@@ -400,4 +442,6 @@ class Options(usage.Options):
 def makeService(options) -> QueueService:
     return QueueService(options["bus"], options["groups"], limit=options["limit"], full=options["full"],
                         window=options["window"], window_bytes=options["window-bytes"], allowed_uids=options["allow-uids"],
-                        max_packet=options["max-packet"], stats_interval=options["stats-interval"])
+                        max_packet=options["max-packet"], stats_interval=options["stats-interval"],
+                        ack_wait=options["ack-wait"], max_deliveries=options["max-deliveries"],
+                        dead_letter=options["dead-letter"])

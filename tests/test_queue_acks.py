@@ -1,0 +1,104 @@
+"""Ack deadlines, progress, nack, reject and dead letters (docs/queues.md "Acks, deadlines and
+dead letters"): the core's rules with a clock of the test's, then the real service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from sbus.client import Client
+from sbus.core import codec
+from sbus.core.workqueue import Membership
+from test_queue import _deliveries, _join, group_stats, online, publish, start_queue  # noqa: F401
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_core_ack_wait_progress_nack_delay_and_reject():
+    clock = Clock()
+    core = online([(b"jobs", b"jobs/")], ack_wait=5, max_deliveries=3, dead_letter=b"dead/jobs", clock=clock)
+    a, _ = _join(core, member=b"a")
+    [(to, key, token, n)] = _deliveries(core.message(b"jobs/1", b"x"))
+    assert (to, n) == (a, 1)
+    b, _ = _join(core, member=b"b")
+    clock.now += 3
+    assert core.progress(token) == []    # a is still at it: its deadline starts again
+    clock.now += 3
+    assert core.tick() == []
+    clock.now += 2.5                     # 5.5 s after the progress: gone to b
+    [(to, _, token2, n)] = _deliveries(core.tick())
+    assert (to, n) == (b, 2) and core.groups[b"jobs"].expired == 1
+    assert core.ack(token) == [] and core.acks_unknown == 1  # a's late ack is worth nothing
+    assert core.nack(token2 + b" 2\0disk full") == []        # redeliver in 2 s, not now
+    clock.now += 1
+    assert core.tick() == []
+    clock.now += 1.5
+    [(to, _, token3, n)] = _deliveries(core.tick())
+    assert n == 3
+    # the third delivery nacked: max_deliveries reached, a dead letter with its headers
+    [dead] = core.nack(token3 + b" 0\0still full")
+    m = codec.parse(dead)
+    head, _, payload = m.payload.partition(b"\0")
+    assert (m.key, payload) == (b"dead/jobs", b"x")
+    assert json.loads(head) == {"group": "jobs", "key": "jobs/1", "attempts": 3, "error": "still full"}
+    # reject: straight to the dead letters, whatever the count
+    [(_, _, token4, n)] = _deliveries(core.message(b"jobs/2", b"y"))
+    [dead] = core.reject(token4 + b"\0bad input")
+    assert json.loads(codec.parse(dead).payload.partition(b"\0")[0])["attempts"] == 1
+    st = core.groups[b"jobs"].stats()
+    assert (st["nacked"], st["rejected"], st["dead_lettered"], st["in_flight"], st["backlog"]) == (2, 1, 2, 0, 0)
+
+
+def test_core_without_a_dead_letter_key_the_loss_is_counted():
+    core = online([(b"jobs", b"jobs/")], max_deliveries=1)
+    _join(core)
+    [(_, _, token, _)] = _deliveries(core.message(b"jobs/1", b"x"))
+    assert core.nack(token + b" 0\0e") == []
+    assert core.groups[b"jobs"].lost["max_deliveries"] == 1
+
+
+def test_membership_packets():
+    m = Membership(b"!/cred/1/2/3", "jobs")
+    assert codec.parse(m.nack_packet(b"tok", 1.5, "why")).payload == b"tok 1.5\0why"
+    assert codec.parse(m.reject_packet(b"tok", b"no")).payload == b"tok\0no"
+    assert codec.parse(m.progress_packet(b"t1", b"t2")).payload == b"t1 t2"
+
+
+def test_a_member_that_does_not_ack_in_time_loses_the_job_to_another(bus, start_queue):
+    """--ack-wait 1: a member that holds a job (stopped, stuck) without acking: the job goes to
+    another member, marked redelivered; progress keeps it; asyncio nack and reject work."""
+    import sbus.client.asyncio as aio
+
+    start_queue(bus, "--group", "jobs=jobs/", "--ack-wait", "1", "--dead-letter", "dead/jobs")
+    with Client(bus.address) as slow_conn, Client(bus.address) as dead:
+        dead.subscribe(b"dead/")
+        dead.sync(5)
+        slow = slow_conn.join("jobs", timeout=20)
+        publish(bus.address, [b"jobs/1"])
+        d = slow.next(timeout=20)
+
+        async def other():
+            c = await aio.connect(bus.address)
+            w = await c.join("jobs", timeout=20)
+            got = await w.next(timeout=30)        # after slow's deadline
+            await w.reject(got, "cannot")
+            await c.sync()
+            c.close()
+            return got
+
+        got = asyncio.run(other())
+        assert (got.key, got.deliveries, got.redelivered) == (b"jobs/1", 2, True)
+        m = dead.receive(timeout=30)
+        assert json.loads(m.payload.partition(b"\0")[0]) == {"group": "jobs", "key": "jobs/1", "attempts": 2,
+                                                             "error": "cannot"}
+        slow.ack(d)  # too late: its token died at the deadline
+        slow_conn.sync(5)
+    st = group_stats(bus.address)
+    assert (st["expired"], st["rejected"], st["dead_lettered"], st["acked"]) == (1, 1, 1, 0)
