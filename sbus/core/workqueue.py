@@ -221,7 +221,7 @@ def _error(error) -> bytes:
 
 
 class _Entry:
-    __slots__ = ("key", "payload", "deliveries", "size", "deadline", "error", "avoid")
+    __slots__ = ("key", "payload", "deliveries", "size", "deadline", "error", "avoid", "jid")
 
     def __init__(self, key: bytes, payload: bytes):
         self.key = key
@@ -230,6 +230,7 @@ class _Entry:
         self.deadline = None  # while delivered, with an ack deadline: when it expires
         self.error = b""      # the last error a member gave (nack, reject), or why it came back
         self.avoid = None     # the member that let its ack wait expire: another, if one has room
+        self.jid = 0          # its id in the group's journal (with a store)
 
 
 class _Member:
@@ -252,6 +253,7 @@ class _Group:
         self.max_deliveries = max_deliveries
         self.dead_letter = dead_letter
         self.expired = self.nacked = self.rejected = self.dead_lettered = 0
+        self.replayed = 0
         self.name = name
         self.pattern = pattern
         self.limit = limit
@@ -288,7 +290,7 @@ class _Group:
                 "ack_wait": self.ack_wait, "max_deliveries": self.max_deliveries,
                 "dead_letter": self.dead_letter.decode("utf-8", "replace") if self.dead_letter else None,
                 "expired": self.expired, "nacked": self.nacked, "rejected": self.rejected,
-                "dead_lettered": self.dead_lettered,
+                "dead_lettered": self.dead_lettered, "replayed": self.replayed,
                 "joined": self.joined, "left": self.left, "refused": self.refused}
 
 
@@ -310,7 +312,7 @@ class QueueCore:
     def __init__(self, groups, *, limit: int = 10000, full: str = "block", window: int = 64,
                  window_bytes: int = 1 << 20, allowed_uids=(), max_packet: int = MAX_PACKET,
                  ack_wait: float | None = None, max_deliveries: int | None = None,
-                 dead_letter: bytes | None = None, clock=time.monotonic):
+                 dead_letter: bytes | None = None, clock=time.monotonic, store=None):
         if full not in MODES:
             raise ValueError(f"unknown mode {full!r}; one of {', '.join(MODES)}")
         self.groups: dict[bytes, _Group] = {}
@@ -322,6 +324,16 @@ class QueueCore:
             self.groups[name] = _Group(name, pattern, limit, full, window, window_bytes, ack_wait,
                                        max_deliveries, dead_letter)
         self.clock = clock
+        #: A `sbus.core.queuestore.QueueStore`, or None (in memory only).
+        self.store = store
+        if store is not None:
+            for g in self.groups.values():
+                _, jobs = store.open(g.name)
+                for jid, key, payload in jobs:  # replayed: may have been delivered before
+                    entry = _Entry(key, payload)
+                    entry.jid, entry.deliveries = jid, 1
+                    g.backlog.append(entry)
+                g.replayed = len(jobs)
         #: (due, seq, group, entry): nacked with a delay, or delivered with an ack deadline
         #: (stale ones are skipped: an entry's `deadline` says whether it is still due).
         self._timers: list = []
@@ -384,7 +396,10 @@ class QueueCore:
                     g.full_episode = True
                     out.append(codec.encode_msg(FULL_ROOT + g.name, b"%d" % g.limit, self.max_packet))
                 continue
-            g.backlog.append(_Entry(key, payload))
+            entry = _Entry(key, payload)
+            if self.store is not None:
+                entry.jid = self.store.add(g.name, key, payload)
+            g.backlog.append(entry)
             self._pump(g, out)
         return out
 
@@ -510,6 +525,7 @@ class QueueCore:
             if got is None:
                 continue
             g = got[0].group
+            self._finish(g, got[1])
             g.acked += 1
             if not touched or touched[-1] is not g:
                 touched.append(g)
@@ -594,7 +610,13 @@ class QueueCore:
         self._seq += 1
         heapq.heappush(self._timers, (due, self._seq, g, entry, token))
 
+    def _finish(self, g: _Group, entry: _Entry) -> None:
+        """The job is done with (acked, dead-lettered, dropped): out of the journal."""
+        if self.store is not None and entry.jid:
+            self.store.done(g.name, entry.jid)
+
     def _dead_letter(self, g: _Group, entry: _Entry, out: list) -> None:
+        self._finish(g, entry)
         if g.dead_letter is None:
             g.lost["max_deliveries"] += 1
             return
@@ -665,6 +687,7 @@ class QueueCore:
             key = member.key + b"m"
             if len(key) + len(payload) + 5 > self.max_packet:
                 g.lost["too_big"] += 1
+                self._finish(g, entry)
                 continue
             entry.size = len(key) + len(payload) + 5
             if g.ack_wait is not None:

@@ -47,13 +47,16 @@ class QueueService(service.Service):
     def __init__(self, bus, groups, *, limit: int = 10000, full: str = "block", window: int = 64,
                  window_bytes: int = 1 << 20, allowed_uids=(), max_packet: int = MAX_PACKET,
                  stats_interval: float = 60.0, ack_wait: float | None = None,
-                 max_deliveries: int | None = None, dead_letter: bytes | None = None, reactor=None):
+                 max_deliveries: int | None = None, dead_letter: bytes | None = None, store=None,
+                 reactor=None):
         self.bus = bus
         self._reactor = reactor
         self.core = QueueCore(groups, limit=limit, full=full, window=window, window_bytes=window_bytes,
                               allowed_uids=allowed_uids, max_packet=max_packet, ack_wait=ack_wait,
                               max_deliveries=max_deliveries, dead_letter=dead_letter,
-                              clock=lambda: self.reactor.seconds())
+                              clock=lambda: self.reactor.seconds(), store=store)
+        self.store = store
+        self._flush = None  # the call that writes this turn's journal records
         self.full = full
         self.max_packet = max_packet
         self.stats_interval = stats_interval
@@ -184,10 +187,25 @@ class QueueService(service.Service):
         self._loop = LoopingCall(self._report, False)
         self._loop.clock = self.reactor
         self._loop.start(self.stats_interval, now=False)
-        self._ticker = LoopingCall(lambda: self.sendAll(self.core.tick()))  # ack deadlines, nack delays
+        self._ticker = LoopingCall(self._tick)  # ack deadlines, nack delays, fsync of the journals
         self._ticker.clock = self.reactor
         self._ticker.start(TICK, now=False)
         exit_zero_on_sigterm(self.reactor)
+
+    def _tick(self) -> None:
+        self.sendAll(self.core.tick())
+        if self.store is not None:
+            self.store.flush(sync=True)
+
+    def journalled(self) -> None:
+        """Records were added this turn: write them to the kernel at its end (one write per
+        journal per turn), so a kill -9 loses none."""
+        if self.store is not None and self.store.dirty and self._flush is None:
+            self._flush = self.reactor.callLater(0, self._flushStore)
+
+    def _flushStore(self) -> None:
+        self._flush = None
+        self.store.flush()
 
     def intakeReady(self) -> None:
         log.info("intake: subscribed to {p}", p=", ".join(repr(g.pattern) for g in self.core.groups.values()))
@@ -232,7 +250,13 @@ class QueueService(service.Service):
             if loop is not None and loop.running:
                 loop.stop()
         ds = [c.stop() for c in (self.intake, self.control) if c is not None]
-        return defer.DeferredList(ds, consumeErrors=True).addCallback(lambda _: self._report(True))
+
+        def stopped(_):
+            if self.store is not None:
+                self.store.flush(sync=True)
+                self.store.close()
+            self._report(True)
+        return defer.DeferredList(ds, consumeErrors=True).addCallback(stopped)
 
     # -- traffic
 
@@ -247,6 +271,7 @@ class QueueService(service.Service):
 
     def intakeMessage(self, key: bytes, payload: bytes) -> None:
         self.sendAll(self.core.message(key, payload))
+        self.journalled()
         if not self.paused and self.core.should_pause():
             self.paused = True
             self.pauses += 1
@@ -289,6 +314,10 @@ class QueueService(service.Service):
             proto.transport.resumeProducing()
 
     def controlMessage(self, proto, key: bytes, payload: bytes) -> None:
+        self._controlMessage(proto, key, payload)
+        self.journalled()
+
+    def _controlMessage(self, proto, key: bytes, payload: bytes) -> None:
         if key == ACK_KEY:
             self.sendAll(self.core.ack(payload))
             self._maybeResume()
@@ -360,6 +389,9 @@ class Options(usage.Options):
         ["max-deliveries", None, None, "Deliveries of a job at most: one that comes back after that "
                                        "(nack, ack wait, its member gone) goes to --dead-letter "
                                        "(default: no limit)."],
+        ["store", None, None, "A directory for the groups' journals (DIR/GROUP.journal): what the "
+                              "service took and has not seen done survives a kill -9 and is "
+                              "delivered again after a restart (default: in memory only)."],
         ["dead-letter", None, None, "The key dead letters are published on (JSON header with group, "
                                     "key, attempts, error; a NUL; the payload). Without it, they are "
                                     "dropped and counted lost.max_deliveries."],
@@ -421,6 +453,12 @@ class Options(usage.Options):
             self["ack-wait"] = positive_float("ack-wait", self["ack-wait"])
         if self["max-deliveries"] is not None:
             self["max-deliveries"] = positive_int("max-deliveries", self["max-deliveries"])
+        if self["store"]:
+            from sbus.core.queuestore import JournalError, QueueStore
+            try:
+                self["store"] = QueueStore(self["store"])
+            except JournalError as e:
+                raise usage.UsageError(str(e)) from None
         if self["dead-letter"] is not None:
             key = os.fsencode(self["dead-letter"])
             try:
@@ -444,4 +482,4 @@ def makeService(options) -> QueueService:
                         window=options["window"], window_bytes=options["window-bytes"], allowed_uids=options["allow-uids"],
                         max_packet=options["max-packet"], stats_interval=options["stats-interval"],
                         ack_wait=options["ack-wait"], max_deliveries=options["max-deliveries"],
-                        dead_letter=options["dead-letter"])
+                        dead_letter=options["dead-letter"], store=options["store"])
