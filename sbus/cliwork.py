@@ -17,7 +17,7 @@ import sys
 
 from sbus.core.codec import ProtocolError, encode_sub
 from sbus.core.reqrep import NoResponders, RemoteError, RequestTimeout
-from sbus.core.workqueue import Refused
+from sbus.core.workqueue import NoService, QueueFull, Refused
 
 
 def _command(args, cli) -> list[str]:
@@ -82,6 +82,22 @@ def cmd_request(args, cli) -> int:
     out = sys.stdout.buffer
     out.write((reply if args.raw else cli.escape(reply)) + b"\n")
     out.flush()
+    return 0
+
+
+# -- submit --------------------------------------------------------------------------------
+
+
+def cmd_submit(args, cli) -> int:
+    key = os.fsencode(args.key)
+    body = sys.stdin.buffer.read() if args.payload == "-" else os.fsencode(args.payload or "")
+    with cli.connect(args) as bus:
+        try:
+            bus.submit(args.group, [(key, body)], timeout=args.timeout)
+        except RequestTimeout as e:
+            raise cli.error(f"not confirmed: {e}", cli.EXIT_TIMEOUT) from None
+        except (NoService, QueueFull, ValueError, ProtocolError) as e:
+            raise cli.error(f"not held: {e}") from None
     return 0
 
 
@@ -171,6 +187,18 @@ def add_commands(sub, common, cli) -> None:
                         "another uid is invisible to you unless you are root or the bus owner)")
     p.add_argument("--raw", action="store_true", help="print the reply as it is (no escaping)")
     p.set_defaults(func=functools.partial(cmd_request, cli=cli))
+
+    p = sub.add_parser("submit", parents=[common], help="hand a job to a work queue, confirmed",
+                       description="Hand the message KEY PAYLOAD to the sbus-queue service of GROUP "
+                                   "and exit 0 once it holds it (journalled, with --store); status 1 "
+                                   "when no service serves GROUP or the group is full, 124 with no "
+                                   "answer within the timeout (docs/queues.md).")
+    p.add_argument("group", metavar="GROUP")
+    p.add_argument("key", metavar="KEY")
+    p.add_argument("payload", metavar="PAYLOAD", nargs="?", help="the job's payload, or - for stdin")
+    p.add_argument("-t", "--timeout", type=SECONDS, default=5.0, metavar="S",
+                   help="seconds to wait for the confirmation (default 5; status 124 after)")
+    p.set_defaults(func=functools.partial(cmd_submit, cli=cli))
 
     p = sub.add_parser("serve", parents=[common], help="answer requests with a command",
                        description="Answer requests on PATTERN: CMD runs once per request with the "

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from helpers import wait_until
+from helpers import REPO, wait_until
 from sbus.client import Client
 from sbus.core import codec
 from sbus.core.workqueue import Membership
@@ -161,3 +161,47 @@ def test_a_journal_replays_what_is_not_done_and_cuts_a_torn_record(tmp_path):
     assert jobs == [(ids[0], b"k0", b"p0"), (ids[2], b"k2", b"p2")]
     assert again.add(b"jobs", b"k3", b"") == ids[2] + 1  # ids are never reused
     again.close()
+
+
+def test_confirmed_submissions(bus, tmp_path):
+    """submit(): returns once the service holds the jobs (journalled, with --store); all or
+    none: QueueFull over --limit; NoService for a group no service serves; survives kill -9."""
+    import signal
+
+    import pytest
+
+    from sbus.client import NoService, QueueFull
+    from test_queue import QueueProcess
+
+    argv = ["--group", "jobs=jobs/", "--limit", "100", "--store", str(tmp_path / "store")]
+    first = QueueProcess(bus.address, tmp_path / "q1.log", argv)
+    try:
+        with Client(bus.address) as c:
+            assert c.submit("jobs", [(b"jobs/%d" % i, b"p") for i in range(50)]) == 50
+            with pytest.raises(QueueFull, match="group jobs: full: 50 waiting, limit 100"):
+                c.submit("jobs", [(b"jobs/x%d" % i, b"p") for i in range(51)])
+            with pytest.raises(ValueError, match="does not match"):
+                c.submit("jobs", [(b"other/1", b"")])
+            with pytest.raises(NoService, match="no sbus-queue service serves group nothere"):
+                c.submit("nothere", [(b"a", b"")])
+        r = sbus_cli(bus.address, "submit", "jobs", "jobs/cli", "x")
+        assert (r.returncode, r.stderr) == (0, b""), r
+        r = sbus_cli(bus.address, "submit", "nothere", "a/1")
+        assert (r.returncode, r.stderr) == (1, b"sbus: not held: no sbus-queue service serves group nothere\n"), r
+        first.stop(signal.SIGKILL)  # at once after the confirmation: nothing confirmed is lost
+    finally:
+        first.stop()
+    st = None
+    second = QueueProcess(bus.address, tmp_path / "q2.log", argv)
+    try:
+        st = group_stats(bus.address)
+        assert (st["replayed"], st["backlog"]) == (51, 51), st
+    finally:
+        second.stop()
+
+
+def sbus_cli(address, *args):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "sbus.cli", "-s", address, *args], capture_output=True,
+                          timeout=60, cwd=REPO)

@@ -11,7 +11,7 @@ from sbus.core.codec import MAX_PACKET, Control, DisconnectNotice, DropNotice, M
 
 from .address import DEFAULT_ADDRESS, ENV_VAR, Address, AddressError, open_socket, parse, resolve
 from sbus.core.reqrep import NoResponders, RemoteError, RequestError, RequestTimeout
-from sbus.core.workqueue import Delivery, NoService, Refused
+from sbus.core.workqueue import Delivery, NoService, QueueFull, Refused
 
 from .blocking import Client, ConnectionClosed, PacketTooLarge, SbusError, Worker, connect
 
@@ -28,6 +28,7 @@ __all__ = [
     "Delivery",
     "NoResponders",
     "NoService",
+    "QueueFull",
     "Refused",
     "RemoteError",
     "RequestError",

@@ -33,8 +33,9 @@ from collections import deque
 from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, Control, Message, ProtocolError
 from sbus.core.patterns import reaches
-from sbus.core.reqrep import RemoteError, RequestTimeout, Requester, Responder, parse_request
-from sbus.core.workqueue import Delivery, Membership, WorkerBase
+from sbus.core.reqrep import NoResponders, RemoteError, RequestTimeout, Requester, Responder, parse_request
+from sbus.core.workqueue import (SUBMIT_ROOT, Delivery, Membership, NoService, WorkerBase, check_group, encode_jobs,
+                                 submit_result)
 
 from .address import open_socket
 from .blocking import (DEFAULT_BATCH, ConnectionClosed, PacketTooLarge, batch_io_calls, check_count, echo_packet,
@@ -549,6 +550,15 @@ class Client:
         return handled
 
     # -- shared work queues (docs/queues.md; the core: sbus.core.workqueue)
+
+    async def submit(self, group, jobs, timeout: float = 5.0) -> int:
+        """Confirmed submission (see the blocking client's `submit`)."""
+        group = check_group(group)
+        try:
+            answer = await self.request(SUBMIT_ROOT + group, encode_jobs(jobs), timeout=timeout)
+        except NoResponders:
+            raise NoService(f"no sbus-queue service serves group {group.decode()}") from None
+        return submit_result(group, answer)
 
     async def join(self, group, timeout: float = 5.0) -> "AsyncWorker":
         """Join a work-queue group of `twistd sbus-queue`; an `AsyncWorker` once the service said

@@ -36,8 +36,9 @@ from collections import deque
 from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, Control, DisconnectNotice, DropNotice, Message, ProtocolError
 from sbus.core.patterns import reaches
-from sbus.core.reqrep import RemoteError, RequestTimeout, Requester, Responder, error_text
-from sbus.core.workqueue import Delivery, Membership, WorkerBase
+from sbus.core.reqrep import NoResponders, RemoteError, RequestTimeout, Requester, Responder, error_text
+from sbus.core.workqueue import (SUBMIT_ROOT, Delivery, Membership, NoService, WorkerBase, check_group, encode_jobs,
+                                 submit_result)
 from sbus import speedups
 
 from .address import open_socket, size_buffers
@@ -678,6 +679,18 @@ class Client:
         return handled
 
     # -- shared work queues (docs/queues.md; the core: sbus.core.workqueue)
+
+    def submit(self, group, jobs, timeout: float = 5.0) -> int:
+        """Hand `jobs` ((key, payload) pairs; keys matching the group's pattern) to the queue
+        service of `group`, confirmed: returns once it holds them all (in its journal, fsynced,
+        with ``--store``): the count. All or none: `QueueFull` when they would pass the group's
+        limit, `NoService` when no service serves the group, `RequestTimeout` after `timeout`."""
+        group = check_group(group)
+        try:
+            answer = self.request(SUBMIT_ROOT + group, encode_jobs(jobs), timeout=timeout)
+        except NoResponders:
+            raise NoService(f"no sbus-queue service serves group {group.decode()}") from None
+        return submit_result(group, answer)
 
     def join(self, group, timeout: float = 5.0) -> "Worker":
         """Join a work-queue group of `twistd sbus-queue`; returns a `Worker` once the service

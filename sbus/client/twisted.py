@@ -39,8 +39,10 @@ from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, Control, Message, ProtocolError
 from sbus.core.credentials import CredentialError, Credentials, SECRET_ROOT, check_pattern
 from sbus.core.patterns import reaches
-from sbus.core.reqrep import RemoteError, RequestTimeout, Requester, Responder, error_text, parse_request
-from sbus.core.workqueue import Delivery, Membership, WorkerBase
+from sbus.core.reqrep import (NoResponders, RemoteError, RequestTimeout, Requester, Responder, error_text,
+                              parse_request)
+from sbus.core.workqueue import (SUBMIT_ROOT, Delivery, Membership, NoService, WorkerBase, check_group, encode_jobs,
+                                 submit_result)
 from sbus.interfaces import IPacketProtocol
 from sbus.seqpacket import SeqPacketTransport
 from zope.interface import implementer
@@ -418,6 +420,17 @@ class SbusProtocol(Protocol):
         return responder
 
     # -- shared work queues (docs/queues.md; the core: sbus.core.workqueue)
+
+    def submit(self, group, jobs, timeout: float = 5.0) -> defer.Deferred:
+        """Deferred[int]: confirmed submission (see the blocking client's `submit`)."""
+        group = check_group(group)
+
+        def failed(f):
+            if f.check(NoResponders):
+                raise NoService(f"no sbus-queue service serves group {group.decode()}")
+            return f
+        d = self.request(SUBMIT_ROOT + group, encode_jobs(jobs), timeout=timeout)
+        return d.addCallbacks(lambda answer: submit_result(group, answer), failed)
 
     def join(self, group, callback, timeout: float = 5.0) -> defer.Deferred:
         """Deferred[TwistedWorker]: join a work-queue group of `twistd sbus-queue`.

@@ -40,6 +40,7 @@ import os
 import re
 import heapq
 import secrets
+import struct
 import time
 from collections import deque
 from typing import NamedTuple
@@ -59,6 +60,9 @@ MEMBER_KEYS = (NACK_KEY, REJECT_KEY, PROGRESS_KEY)
 MAX_ERROR = 1000
 FULL_ROOT = b"sbus/services/queue/full/"
 SERVES_ROOT = b"sbus/services/queue/serves/"
+#: A confirmed submission is a request (sbus.core.reqrep) on SUBMIT_ROOT + GROUP.
+SUBMIT_ROOT = b"sbus/services/queue/submit/"
+_JOB = struct.Struct(">HI")
 MODES = ("block", "discard", "error")
 _NAME = re.compile(rb"[A-Za-z0-9_.-]{1,64}\Z")
 _MEMBER_PATTERN = re.compile(rb"((?:!/cred/\d+/\d+/\d+/)+)sbus/services/queue/([^/*]+)/([^/*]+)/\Z")
@@ -96,6 +100,45 @@ class Refused(Exception):
 
 class NoService(TimeoutError):
     """No sbus-queue service answered for the group: none serves it on this bus."""
+
+
+class QueueFull(Exception):
+    """A confirmed submission was refused: the group holds its `--limit` of jobs."""
+
+
+def encode_jobs(jobs) -> bytes:
+    """The body of a submission: per job KEYLEN(2) PAYLOADLEN(4) KEY PAYLOAD."""
+    parts = []
+    for key, payload in jobs:
+        key = key.encode() if isinstance(key, str) else bytes(key)
+        payload = payload.encode() if isinstance(payload, str) else bytes(payload)
+        parts.append(_JOB.pack(len(key), len(payload)) + key + payload)
+    return b"".join(parts)
+
+
+def decode_jobs(body: bytes) -> list | None:
+    jobs, i, n = [], 0, len(body)
+    while i < n:
+        if i + 6 > n:
+            return None
+        klen, plen = _JOB.unpack_from(body, i)
+        i += 6
+        if i + klen + plen > n or klen == 0:
+            return None
+        jobs.append((body[i:i + klen], body[i + klen:i + klen + plen]))
+        i += klen + plen
+    return jobs
+
+
+def submit_result(group: bytes, answer: bytes) -> int:
+    """The service's answer to a submission: the count held, or `QueueFull`/`ValueError`."""
+    word, _, rest = answer.partition(b" ")
+    if word == b"ok" and rest.isdigit():
+        return int(rest)
+    text = answer.decode("utf-8", "replace")[:300]
+    if word == b"full:":
+        raise QueueFull(f"group {group.decode()}: {text}")
+    raise ValueError(f"group {group.decode()}: {text}")
 
 
 class WorkerBase:
@@ -254,6 +297,7 @@ class _Group:
         self.dead_letter = dead_letter
         self.expired = self.nacked = self.rejected = self.dead_lettered = 0
         self.replayed = 0
+        self.submitted = self.submit_refused = 0
         self.name = name
         self.pattern = pattern
         self.limit = limit
@@ -291,6 +335,7 @@ class _Group:
                 "dead_letter": self.dead_letter.decode("utf-8", "replace") if self.dead_letter else None,
                 "expired": self.expired, "nacked": self.nacked, "rejected": self.rejected,
                 "dead_lettered": self.dead_lettered, "replayed": self.replayed,
+                "submitted": self.submitted, "submit_refused": self.submit_refused,
                 "joined": self.joined, "left": self.left, "refused": self.refused}
 
 
@@ -662,6 +707,36 @@ class QueueCore:
 
     def next_deadline(self) -> float | None:
         return self._timers[0][0] if self._timers else None
+
+    # -- confirmed submissions
+
+    def submit(self, name: bytes, body: bytes) -> tuple[bytes, list[bytes]]:
+        """A batch of jobs a producer wants confirmed: all held (the answer ``ok N``; with a
+        store, written to the journal, which the service fsyncs before answering) or none
+        (``full: ...`` when they would pass the group's limit, counted ``submit_refused``)."""
+        g = self.groups.get(name)
+        if g is None:
+            return b"error: this service does not serve group " + name[:64], []
+        jobs = decode_jobs(body)
+        if jobs is None:
+            return b"error: malformed batch", []
+        for key, _ in jobs:
+            if key.startswith(b"sbus/services/") or key.startswith(b"!") or not matches(g.pattern, key):
+                return b"error: key %s does not match the group's pattern" % key[:200], []
+        if len(g.backlog) + len(jobs) > g.limit:
+            g.submit_refused += len(jobs)
+            return b"full: %d waiting, limit %d" % (len(g.backlog), g.limit), []
+        out: list[bytes] = []
+        store = self.store
+        for key, payload in jobs:
+            entry = _Entry(key, payload)
+            if store is not None:
+                entry.jid = store.add(g.name, key, payload)
+            g.backlog.append(entry)
+        g.received += len(jobs)
+        g.submitted += len(jobs)
+        self._pump(g, out)
+        return b"ok %d" % len(jobs), out
 
     # -- delivery
 

@@ -27,8 +27,9 @@ from twisted.python import usage
 
 from sbus.core import codec
 from sbus.core.codec import MAX_PACKET
+from sbus.core.reqrep import parse_request, reply_packet
 from sbus.core.patterns import matches
-from sbus.core.workqueue import ACK_KEY, MEMBER_KEYS, MODES, NACK_KEY, PROGRESS_KEY, REJECT_KEY, SERVES_ROOT, QueueCore, check_group
+from sbus.core.workqueue import ACK_KEY, MEMBER_KEYS, MODES, NACK_KEY, PROGRESS_KEY, REJECT_KEY, SERVES_ROOT, SUBMIT_ROOT, QueueCore, check_group
 from sbus.services.shutdown import exit_zero_on_sigterm
 from sbus.options import METRICS_OPTION
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
@@ -170,6 +171,8 @@ class QueueService(service.Service):
         for key in MEMBER_KEYS:
             self.control.subscribe(key)
         self.control.subscribe(STATS_REQUEST)
+        for name in self.core.groups:  # confirmed submissions (requests)
+            self.control.subscribe(SUBMIT_ROOT + name)
         for key in self.core.serves_patterns():  # tells a later service for our groups to give them up
             self.control.subscribe(key)
         self.intake = IntakeClient(self.reactor, self.bus, Intake, max_packet=self.max_packet)
@@ -236,6 +239,7 @@ class QueueService(service.Service):
             log.error("group {g} is already served by another sbus-queue service ({other}) on this bus: "
                       "not serving it here (one service per group)", g=name.decode(), other=other.decode())
             self.control.unsubscribe(SERVES_ROOT + name + b"/" + self.core.service_id)
+            self.control.unsubscribe(SUBMIT_ROOT + name)
             if pattern not in served:
                 self.intake.unsubscribe(pattern)
         if not self.core.groups and self.running:
@@ -279,6 +283,18 @@ class QueueService(service.Service):
             if proto is not None and proto.connected:
                 proto.transport.pauseProducing()
                 self._watchHangup()
+
+    def _submit(self, proto, name: bytes, payload: bytes) -> None:
+        """A confirmed submission: held (in the journal, fsynced, with a store) before the
+        answer goes out."""
+        parsed = parse_request(payload)
+        if parsed is None:
+            return
+        answer, packets = self.core.submit(name, parsed[1])
+        if self.store is not None and answer.startswith(b"ok"):
+            self.store.flush(sync=True)
+        self.sendAll(packets)
+        proto.sendPacket(reply_packet(parsed[0], answer, self.max_packet))
 
     def _maybeResume(self) -> None:
         if self.paused and self.core.may_resume():
@@ -328,6 +344,8 @@ class QueueService(service.Service):
             self._maybeResume()
         elif key == PROGRESS_KEY:
             self.core.progress(payload)
+        elif key.startswith(SUBMIT_ROOT):
+            self._submit(proto, key[len(SUBMIT_ROOT):], payload)
         elif key == STATS_REQUEST:
             packet = self.responder.answer(payload)
             if packet is not None and len(packet) <= self.max_packet:
