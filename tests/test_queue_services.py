@@ -13,7 +13,7 @@ import sys
 from helpers import REPO
 from sbus.client import Client, NoService
 from sbus.core import codec
-from sbus.core.workqueue import QueueCore, SERVES_ROOT
+from sbus.core.workqueue import SERVES_ROOT
 from sbus.services.svcstats import STATS_REQUEST
 from test_queue import _join, online, publish, start_queue  # noqa: F401  (a fixture)
 
