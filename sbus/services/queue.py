@@ -36,7 +36,7 @@ from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
 
 #: Seconds between looks at the deadlines (ack wait, nack delays): their resolution.
 TICK = 0.1
-#: Seconds between looks for a hangup of the paused intake (see `_watchHangup`).
+#: Seconds between looks for a hangup of the paused intake (see `watchHangup`).
 HANGUP_CHECK = 0.2
 #: How long the bus counts for an intake that went away (`server/session`; the bus caps it).
 SESSION_LINGER = 60.0
@@ -135,7 +135,7 @@ class QueueService(service.Service):
                 svc.intake_connects += 1
                 if svc.paused:
                     protocol.transport.pauseProducing()
-                    svc._watchHangup()
+                    svc.watchHangup()
                 protocol.sync().addCallbacks(lambda _: svc.intakeReady(), lambda f: None)
 
             def sessionClaimed(self, reply):
@@ -282,7 +282,7 @@ class QueueService(service.Service):
             proto = self.intake.protocol
             if proto is not None and proto.connected:
                 proto.transport.pauseProducing()
-                self._watchHangup()
+                self.watchHangup()
 
     def _submit(self, proto, name: bytes, payload: bytes) -> None:
         """A confirmed submission: held (in the journal, fsynced, with a store) before the
@@ -305,7 +305,7 @@ class QueueService(service.Service):
             if proto is not None and proto.connected:
                 proto.transport.resumeProducing()
 
-    def _watchHangup(self) -> None:
+    def watchHangup(self) -> None:
         """A paused intake is not read, so the reactor would not see the bus close it (a stall):
         look for the hangup itself, every `HANGUP_CHECK` seconds while paused."""
         if self._hangup is None:
