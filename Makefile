@@ -7,7 +7,7 @@ SOCKET ?= sbus.socket
 # extra pytest arguments, e.g. `make test PYTEST_ARGS='-m slow'` (the slow tests: install paths)
 PYTEST_ARGS ?=
 
-.PHONY: run test bench clean
+.PHONY: run test sim bench clean
 
 # An editable install of this tree (PEP 660; setup.py says why the twistd plugins stay
 # visible). The markers are remade when setup.py or pyproject.toml (extras, entry points)
@@ -44,6 +44,13 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.test-installed
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# The server's simulator (docs/reliability.md): SEEDS scenarios of 300 steps on each I/O path,
+# from a random first seed (printed); e.g. `make sim SEEDS=100000 SIM_ARGS='--budget 600'`.
+SEEDS ?= 1000
+SIM_ARGS ?=
+sim: $(VENV)/.installed
+	$(BIN)/python -m sbus.simulator --seeds 0:$(SEEDS) --random-start $(SIM_ARGS)
 
 bench: $(VENV)/.installed bench/out/loadgen bench/out/forwarder
 	$(BIN)/python bench/run.py $(BENCH_ARGS)

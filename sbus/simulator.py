@@ -239,6 +239,18 @@ class SimReactor(Clock):
         self.readers: dict = {}
         self.writers: dict = {}
 
+    def advance(self, amount: float) -> None:
+        """Run the calls due now, but not those they schedule for now: those wait for the next
+        turn, as in Twisted's reactor (`task.Clock` would run them at once, in a loop)."""
+        self.rightNow += amount
+        now = self.seconds()
+        for call in [c for c in self.calls if c.getTime() <= now]:
+            if call.cancelled or call.called or call not in self.calls:
+                continue
+            self.calls.remove(call)
+            call.called = 1
+            call.func(*call.args, **call.kw)
+
     def addReader(self, r):
         self.readers[id(r)] = r
 
@@ -418,6 +430,7 @@ class Simulation:
         self.factory = BrokerFactory(self.config, reactor=self.reactor, owners=SimOwners(self),
                                      work_clock=self.work)
         self.factory.protocol = SimBrokerProtocol
+        self.factory.interest_slice = rng.choice([1, 3, 10_000])
         self.transport_class = SimBatchTransport if path == "batch" else SeqPacketTransport
         self.clients: list[Client] = []
         self.by_server_sock: dict[int, Client] = {}
@@ -432,7 +445,8 @@ class Simulation:
 
     # -- the server's side of a connection
 
-    def connect(self, proc: Proc) -> Client | None:
+    def connect(self, proc: Proc, capacity: int | None = None) -> Client | None:
+        """Connect `proc`; `capacity`: both sockets' receive queues (else drawn by the seed)."""
         cred = Credentials(proc.pid, proc.uid, proc.gid)
         proto = self.factory.buildProtocol(SeqPacketAddress(None, cred))
         if proto is None:
@@ -440,7 +454,8 @@ class Simulation:
             return None
         proto.sim_n = len(self.clients)
         rng = self.rng
-        ours, theirs = self.kernel.pair(rng.choice([300, 3000, 1 << 20]), rng.choice([200, 1500, 20000, 1 << 20]))
+        ours, theirs = self.kernel.pair(capacity or rng.choice([300, 3000, 1 << 20]),
+                                        capacity or rng.choice([200, 1500, 20000, 1 << 20]))
         client = Client(len(self.clients), proc, theirs, proto, cred)
         observed = Observed(proto, self, client)
         cfg = self.config

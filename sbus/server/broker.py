@@ -879,9 +879,10 @@ class BrokerProtocol(protocol.Protocol):
     def _startListing(self) -> None:
         clock = self.factory.work_clock
         t0 = clock()
-        self.factory.watchInterest(self)  # O(patterns held): charged like routing work
+        ready = self.factory.watchInterest(self)  # its first slice is charged like routing work
         self.spent(clock() - t0)
-        self.tellInterest()
+        if ready:
+            self.tellInterest()
 
     def _extensions(self):
         """`CMSG server/extensions`: from now on send this client the server's notices
@@ -1070,6 +1071,8 @@ class BrokerFactory(protocol.Factory):
 
     protocol = BrokerProtocol
     noisy = False
+    #: Patterns listed per reactor turn while the interest table is first built.
+    interest_slice = 10_000
     #: An `IUpstream` (a relay's link to its master), told about local traffic it must carry.
     upstream = None
 
@@ -1116,6 +1119,13 @@ class BrokerFactory(protocol.Factory):
         #: up to date for the life of the server (building it is O(patterns held): once, not per
         #: watcher that comes and goes).
         self.interest: InterestTable | None = None
+        #: While it is being built: the holders and patterns not listed yet, who waits for it,
+        #: who pays, and the next slice's call (`_buildInterest`).
+        self._unlisted: deque | None = None
+        self._unlistedPatterns = None
+        self._listWaiters: list | None = None
+        self._listBuilder = None
+        self._listCall = None
         #: Clients whose queues got packets since they were last sent from (`flushDirty`).
         self.dirty: list[BrokerProtocol] = []
         self._interest_room = self.config.max_packet - len(_INTEREST) - 2
@@ -1127,6 +1137,8 @@ class BrokerFactory(protocol.Factory):
         for ghost in self.sessions.lingering():  # nothing lingers past the server
             if ghost.timer is not None and ghost.timer.active():
                 ghost.timer.cancel()
+        if self._listCall is not None and self._listCall.active():
+            self._listCall.cancel()
         notice = _DISCONNECT + SHUTDOWN.encode() + b"\0the server is shutting down"
         for client in list(self.clients):
             transport = client.transport
@@ -1344,20 +1356,80 @@ class BrokerFactory(protocol.Factory):
         the empty pattern, which matches every key (more interest, never less)."""
         return pattern if len(pattern) <= self._interest_room else b""
 
-    def watchInterest(self, client: BrokerProtocol) -> None:
+    def watchInterest(self, client: BrokerProtocol) -> bool:
+        """Start telling `client` the interest; False while the table is still being built (it
+        is then told when the build is done, `_buildInterest`)."""
         table = self.interest
         if table is None:
+            # Built once, in slices of `interest_slice` patterns, one slice per reactor turn: a
+            # first watcher (of any uid) over 300,000 patterns must not stop the bus for the
+            # build (issue 32 fault 8). Changes meanwhile go into the table as they happen.
             table = self.interest = InterestTable()
-            form = self.interestForm
-            for c in self.clients:
-                uid = c.cred.uid
-                for pattern in self.router.patterns_of(c):
-                    table.held(c, uid, form(pattern))
-            for ghost in self.sessions.lingering():  # still held for a successor
-                for pattern in self.router.patterns_of(ghost):
-                    table.held(ghost, ghost.uid, form(pattern))
+            self._unlisted = deque(list(self.clients) + list(self.sessions.lingering()))
+            self._unlistedPatterns = None
+            self._listWaiters = [client]
+            self._listBuilder = client
+            self._buildInterest()
+            return self.interest_ready
+        if not self.interest_ready:
+            if client not in self._listWaiters:
+                self._listWaiters.append(client)
+            return False
         uid = client.cred.uid
         table.watch(client, uid, self.seesAllInterest(uid))
+        return True
+
+    @property
+    def interest_ready(self) -> bool:
+        return self.interest is not None and self._listWaiters is None
+
+    def _buildInterest(self) -> None:
+        """One slice of the interest table's build; the next in the next reactor turn."""
+        self._listCall = None
+        table = self.interest
+        router = self.router
+        form = self.interestForm
+        clock = self.work_clock
+        t0 = clock()
+        left = self.interest_slice
+        while left > 0:
+            patterns = self._unlistedPatterns
+            if not patterns:
+                if not self._unlisted:
+                    break
+                holder = self._unlisted.popleft()
+                if isinstance(holder, BrokerProtocol):
+                    if holder not in self.clients:
+                        continue  # gone meanwhile
+                    uid = holder.cred.uid
+                elif holder.timer is None:
+                    continue  # a stand-in that ended meanwhile
+                else:
+                    uid = holder.uid
+                patterns = self._unlistedPatterns = (holder, uid, list(router.patterns_of(holder)))
+            holder, uid, pending = patterns
+            while pending and left > 0:
+                pattern = pending.pop()
+                left -= 1
+                if router.holds(holder, pattern):  # (not released since the build began)
+                    table.held(holder, uid, form(pattern))
+            if not pending:
+                self._unlistedPatterns = None
+        builder = self._listBuilder
+        if builder is not None and builder.transport is not None and builder.transport.connected:
+            builder.spent(clock() - t0)  # the first watcher's uid pays for the build
+        if self._unlisted or self._unlistedPatterns:
+            self._listCall = self.reactor.callLater(0, self._buildInterest)
+            return
+        waiters, self._listWaiters = self._listWaiters, None
+        self._listBuilder = self._unlisted = None
+        for client in waiters:
+            transport = client.transport
+            if transport is not None and transport.connected and not transport.disconnecting:
+                uid = client.cred.uid
+                table.watch(client, uid, self.seesAllInterest(uid))
+                client.tellInterest()
+        self.flushDirty()
 
     def tellInterest(self, watchers) -> None:
         for client in watchers:
