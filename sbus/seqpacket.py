@@ -867,7 +867,7 @@ class BatchSeqPacketTransport(SeqPacketTransport):
 
     def _finish(self, reason):
         self._stash = None
-        SeqPacketTransport._finish(self, reason)
+        super()._finish(reason)
 
 
 #: The class the server's port uses for the connections it accepts.

@@ -181,21 +181,24 @@ class DropCounter:
                 pass
 
             def onQueryProgress(self, event):
-                counter._progress(event.progress)
+                counter.progress(event.progress)
 
             def onQueryIdle(self, event):
                 pass
 
             def onQueryTerminated(self, event):
-                with counter._cond:
-                    counter.ended.add(str(event.id))
-                    counter._cond.notify_all()
+                counter.terminated(str(event.id))
 
         self.listener = Listener()
         self.spark = spark
         spark.streams.addListener(self.listener)
 
-    def _progress(self, p) -> None:
+    def terminated(self, qid: str) -> None:
+        with self._cond:
+            self.ended.add(qid)
+            self._cond.notify_all()
+
+    def progress(self, p) -> None:
         n = sum(int(getattr(op, "numRowsDroppedByWatermark", 0) or 0) for op in (p.stateOperators or []))
         qid = str(p.id)
         with self._cond:
