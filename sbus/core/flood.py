@@ -36,6 +36,8 @@ from functools import lru_cache
 from itertools import islice
 from typing import NamedTuple
 
+from sbus.core.reasons import Disconnect, Drop
+
 # Modes, as named by the protocol's control keys.
 QUEUE, DISCARD, BLOCK, ERROR = "queue", "discard", "block", "error"
 FIFO, STACK, LARGEST = "queue", "stack", "random"
@@ -62,11 +64,11 @@ HELD_BACK = 6
 DROPPED = DROPPED_SOFT  # any value <= DROPPED_HARD and >= DROPPED is a drop
 DISCONNECT = DISCONNECT_SOFT  # any value >= DISCONNECT is a disconnection
 
-# Reasons, as they appear in statistics.
-SOFT_DISCARD = "soft_discard"
-HARD_DISCARD = "hard_discard"
-SOFT_ERROR = "soft_error"
-HARD_ERROR = "hard_error"
+# Reasons, as they appear in statistics (`sbus.core.reasons`).
+SOFT_DISCARD = Drop.SOFT_DISCARD
+HARD_DISCARD = Drop.HARD_DISCARD
+SOFT_ERROR = Disconnect.SOFT_ERROR
+HARD_ERROR = Disconnect.HARD_ERROR
 
 _COMPACT_SLACK = 64
 

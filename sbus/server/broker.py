@@ -27,6 +27,7 @@ from sbus.core.accounting import UserCharge
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key, check_pattern, secret_prefix, whoami
 from sbus.core.interest import InterestTable
 from sbus.core.pausing import HoldBudget, Holds, Pauses
+from sbus.core.reasons import Disconnect, Drop, Refusal
 from sbus.core.router import Router
 from sbus.core.runs import extent as run_extent
 from sbus.core.sessions import REFUSED, Lingering, SessionRefused, SessionTable, parse_request
@@ -45,22 +46,22 @@ _INTEREST = b"CMSG " + codec.INTEREST + b"\0"
 _SESSION = b"CMSG " + codec.SESSION
 _SESSION_CONFIRM = b"CMSG " + codec.SESSION_CONFIRM
 
-# Disconnect reasons, as they appear in statistics.
-PROTOCOL_ERROR = "protocol_error"
-OVERSIZE = "oversize"
-FORBIDDEN = "forbidden_subscription"
-INVALID_BANG = "invalid_bang"
-OWNER_GONE = "owner_exited"
-TOO_MANY_SUBSCRIPTIONS = "too_many_subscriptions"
-STALLED = "stalled"
-SHUTDOWN = "shutdown"
-CLOSED = "closed"
-INTERNAL_ERROR = "internal_error"
+# Disconnect reasons, as they appear in statistics (`sbus.core.reasons`, the one vocabulary).
+PROTOCOL_ERROR = Disconnect.PROTOCOL_ERROR
+OVERSIZE = Disconnect.OVERSIZE
+FORBIDDEN = Disconnect.FORBIDDEN
+INVALID_BANG = Disconnect.INVALID_BANG
+OWNER_GONE = Disconnect.OWNER_GONE
+TOO_MANY_SUBSCRIPTIONS = Disconnect.TOO_MANY_SUBSCRIPTIONS
+STALLED = Disconnect.STALLED
+SHUTDOWN = Disconnect.SHUTDOWN
+CLOSED = Disconnect.CLOSED
+INTERNAL_ERROR = Disconnect.INTERNAL_ERROR
 
 #: What a drop or a disconnect decided by `Outbox.offer` is counted as.
 _OFFER_REASON = {
-    flood.DROPPED_SOFT: flood.SOFT_DISCARD, flood.DROPPED_HARD: flood.HARD_DISCARD,
-    flood.DISCONNECT_SOFT: flood.SOFT_ERROR, flood.DISCONNECT_HARD: flood.HARD_ERROR,
+    flood.DROPPED_SOFT: Drop.SOFT_DISCARD, flood.DROPPED_HARD: Drop.HARD_DISCARD,
+    flood.DISCONNECT_SOFT: Disconnect.SOFT_ERROR, flood.DISCONNECT_HARD: Disconnect.HARD_ERROR,
 }
 
 #: Rendering statistics may take at most this share of the reactor's time (see `BrokerFactory._statsFor`).
@@ -1150,13 +1151,13 @@ class BrokerFactory(protocol.Factory):
     def buildProtocol(self, addr):
         cred = addr.cred
         if self.allowed_uids is not None and cred.uid not in self.allowed_uids:
-            self.refused["user_not_allowed"] += 1
+            self.refused[Refusal.USER_NOT_ALLOWED] += 1
             log.warn("refused connection from pid={pid} uid={uid}: user not allowed", pid=cred.pid, uid=cred.uid)
             return None
         limit = self.config.max_uid_connections
         user = self.users.get(cred.uid)
         if user is not None and user.connections >= limit:
-            self.refused["too_many_connections"] += 1
+            self.refused[Refusal.TOO_MANY_CONNECTIONS] += 1
             log.warn("refused connection from pid={pid} uid={uid}: uid has {n} connections, the limit",
                      pid=cred.pid, uid=cred.uid, n=limit)
             return None
