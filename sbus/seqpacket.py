@@ -854,7 +854,9 @@ class BatchSeqPacketTransport(SeqPacketTransport):
                 return self._routeDrained(packets), True
         if not packets:
             return 0, True
-        return self._routeDrained(packets), not packets[-1] and packets[-1].__class__ is bytes
+        got = self._routeDrained(packets)
+        # Done at end of file, unless held in the middle: the rest (with its end) waits.
+        return got, self._stash is None and not packets[-1] and packets[-1].__class__ is bytes
 
     def _routeDrained(self, packets: list) -> int:
         if packets:

@@ -386,6 +386,7 @@ class Client:
     hung_up: bool = False
     gone: bool = False  # the server let it go
     sent_packets: int = 0  # what its socket took
+    subscriptions_before: int = 0  # the server's count before its packet being processed
     processed: int = 0  # what the server handled of it
     drops_untold: int = 0  # drops before it asked for extensions (no notice tells those)
     claimed: dict = field(default_factory=dict)  # session name -> missed count the model expects
@@ -478,6 +479,7 @@ class Simulation:
     def processing(self, client: Client, packet: bytes):
         """Before the server processes `packet` from `client`: a message's recipients."""
         if packet[:4] != b"MSG ":
+            client.subscriptions_before = client.proto.subscriptions
             return None
         end = packet.find(b"\0", 4)
         if end < 0:
@@ -502,9 +504,8 @@ class Simulation:
 
     def processed(self, client: Client, packet: bytes) -> None:
         """After the server processed `packet` from `client`."""
-        cut = client.proto.transport.disconnecting
         kind = packet[:4]
-        if kind == b"SUB " and not cut:
+        if kind == b"SUB " and client.proto.subscriptions > client.subscriptions_before:  # taken
             try:
                 pattern = check_pattern(packet[4:], client.cred)
             except CredentialError:

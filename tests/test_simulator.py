@@ -28,6 +28,8 @@ REGRESSIONS = [
     (659, "pure", "a watcher's held replies kept a closing connection paused for ever"),
     (917, "batch", "the batch drain stopped at the peer's ECONNRESET and lost what it sent"),
     (982, "pure", "a send failure met in doWrite closed at once without reading the peer's packets"),
+    (951464251630, "batch", "a drain that met end of file while held lost the held-back rest of its batch"),
+    (951464249804, "batch", "(the model) a SUB taken during a drain was counted as refused"),
 ]
 
 
