@@ -90,6 +90,12 @@ def _half(limit: int) -> int:
 DEFAULT_CONTROL_BYTES = 1 << 20
 
 
+def _heap_size(packet: bytes) -> int:
+    """A packet's key in the largest-first heap: a message by its size (the largest first); a
+    control packet after every message, in the order queued (seq breaks the tie)."""
+    return 0 if packet.__class__ is Control else -len(packet)
+
+
 class Control(bytes):
     """A server reply or notice in a client's queue: flood control never drops it."""
 
@@ -133,9 +139,10 @@ class Outbox:
 
     This class serves `queue` and `stack` from one deque of packets; the first switch to
     `random` turns the instance into a `_DualOutbox` (same slots) for the rest of its life.
-    Control packets (`Control`) share the deque in `queue` order, keeping their place, and
-    in `random` and `stack` order they wait in `_ctl` (in the order they came) and go out
-    before any message (the newest first is the client's choice)."""
+    Control packets (`Control`) share the deque in `queue` order, keeping their place; in
+    `random` order they are in the heap after every message, in the order they came; in
+    `stack` order they wait in `_ctl` (in the order they came) and go out before any message
+    (the newest first is the client's choice)."""
 
     __slots__ = ("soft", "hard", "order", "max_bytes", "max_packets", "nbytes", "_items", "_heap",
                  "_seq", "_n", "_dead_items", "_dead_heap", "reason", "budget", "_server", "_charged",
@@ -203,10 +210,11 @@ class Outbox:
         return (self.nbytes - self.ctl_bytes >= self.max_bytes or len(self) >= self.max_packets
                 or self.budget.used >= self.budget.limit or self._server.used >= self._server.limit)
 
-    def control_packets(self) -> int:
-        """How many of the queued packets are replies and notices (O(n): for checks, not the hot path)."""
-        items = self._live_items() + list(self._ctl or ())
-        return sum(1 for p in items if p.__class__ is Control)
+    def controls(self) -> tuple[int, int]:
+        """How many of the queued packets are replies and notices, and their bytes, counted
+        afresh (O(n): for checks and closing, not the hot path)."""
+        items = [p for p in self._live_items() + list(self._ctl or ()) if p.__class__ is Control]
+        return len(items), sum(map(len, items))
 
     def state(self) -> QueueState:
         return QueueState(len(self), self.nbytes, self.soft, self.hard, self.order)
@@ -319,8 +327,10 @@ class Outbox:
         if packet.__class__ is not Control:
             packet = Control(packet)
         n = len(packet)
-        if self.order is FIFO and not self._ctl:
-            self.push(packet)  # in `queue` order it keeps its place among the messages
+        if not self._ctl and (self.order is FIFO or (self.order is LARGEST and self._heap is not None)):
+            # In `queue` order it keeps its place among the messages; in `random` it goes after
+            # every message queued (a sync is a barrier), in the order of the requests.
+            self.push(packet)
         else:
             nbytes = self.nbytes + n
             self.nbytes = nbytes
@@ -489,21 +499,21 @@ class Outbox:
         if order not in ORDERS:
             raise ValueError(f"unknown order {order!r}")
         order = ORDERS_BY_NAME[order]
-        if order is not FIFO:
+        if order is STACK:
             self._controls_ahead()
         if order is LARGEST and self._heap is None:
             # Once per outbox: from now on it keeps both views.
             entries = deque([p] for p in self._items)
-            heap = [(-len(entry[0]), seq, entry) for seq, entry in enumerate(entries, 1)]
+            heap = [(_heap_size(entry[0]), seq, entry) for seq, entry in enumerate(entries, 1)]
             heapq.heapify(heap)
             self._items, self._heap, self._seq, self._n = entries, heap, len(entries), len(entries)
             self.__class__ = _DualOutbox
         self.order = order
 
     def _controls_ahead(self) -> None:
-        """Leaving `queue` order: control packets leave the messages' deque for `_ctl`, in the
-        order they came and ahead of those already there (in the other orders they go before
-        every message, and in the order of the requests: a reply is never sorted by size)."""
+        """Into `stack` order: control packets leave the messages' deque for `_ctl`, in the
+        order they came and ahead of those already there (there they go before every message,
+        and in the order of the requests: a reply is never sorted like a message)."""
         if self.ctl_bytes and self._items:
             ctl = deque(p for p in self._items if p.__class__ is Control)
             if ctl:
@@ -527,7 +537,7 @@ class Outbox:
         return how many packets were queued."""
         n = len(self)
         if n:
-            self.lost += n - self.control_packets()
+            self.lost += n - self.controls()[0]
         self._items = deque()
         self._ctl = None
         if self._heap is not None:
@@ -541,7 +551,8 @@ class Outbox:
 class _DualOutbox(Outbox):
     """An `Outbox` that has used `random`: a deque of entries in arrival order plus a heap of
     the same entries by size; what one of them sends is dead in the other. Control packets
-    are entries like messages in `queue` order only; in the others they wait in `_ctl`."""
+    are entries like messages, in the heap after every message (`_heap_size`); in `stack`
+    order they wait in `_ctl`."""
 
     __slots__ = ()
 
@@ -565,7 +576,7 @@ class _DualOutbox(Outbox):
         entry = [packet]
         self._items.append(entry)
         self._seq += 1
-        heapq.heappush(self._heap, (-n, self._seq, entry))
+        heapq.heappush(self._heap, (_heap_size(packet), self._seq, entry))
 
     def peek(self) -> bytes:
         if self._ctl:
@@ -628,7 +639,7 @@ class _DualOutbox(Outbox):
         if order not in ORDERS:
             raise ValueError(f"unknown order {order!r}")
         self.order = ORDERS_BY_NAME[order]
-        if self.order is not FIFO:
+        if self.order is STACK:
             self._controls_ahead()
 
     def _controls_ahead(self) -> None:
