@@ -41,6 +41,8 @@ PEERS = {"allowed": (ALLOWED, [0, SERVICE_GROUP]), "other uid": (OTHER_UID, [0, 
          "other group": (OTHER_GROUP, [SERVICE_GROUP])}
 KINDS = ["path", "abstract", "fd", "systemd"]
 TIMEOUT = 20.0
+#: Nine processes start at once: on a loaded 2-core machine that takes its time.
+START_TIMEOUT = 120.0
 
 
 def _abstract() -> str:
@@ -70,10 +72,14 @@ class _Services:
         os.mkdir(self.open)
         os.chown(self.open, 0, SERVICE_GROUP)
         os.chmod(self.open, 0o2775)
-        self.relays = {kind: self._relay(kind) for kind in KINDS}
-        self.gateways = {kind: self._gateway(kind) for kind in KINDS}
-        for proc, _ in [*self.relays.values(), *self.gateways.values()]:
-            proc.wait_log("admits root", timeout=TIMEOUT)
+        try:
+            self.relays = {kind: self._relay(kind) for kind in KINDS}
+            self.gateways = {kind: self._gateway(kind) for kind in KINDS}
+            for proc, _ in [*self.relays.values(), *self.gateways.values()]:
+                proc.wait_log("admits root", timeout=START_TIMEOUT)
+        except BaseException:
+            self.stop()  # none left behind for the rest of the run
+            raise
 
     def _start(self, kind: str, args: list, handed: socket.socket | None) -> LoggedProcess:
         twistd = [sys.executable, "-m", "twisted", "--log-format", "text"]

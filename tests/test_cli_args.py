@@ -25,6 +25,7 @@ CASES = {
     "request": (["svc/echo", "body"], [["-t", "3"], ["--raw"]], []),
     "serve": (["svc/"], [["-n", "2"], ["--ready-file", "/tmp/r"]], ["cat", "-n"]),
     "work": (["jobs"], [["-n", "2"], ["-t", "3"]], ["sh", "-c", "cat -n"]),
+    "submit": (["jobs", "jobs/1", "body"], [["-t", "3"], ["--socket", "/tmp/x.socket"]], []),
 }
 
 
