@@ -487,7 +487,7 @@ class Simulation:
         key = packet[4:end]
         secret = key.startswith(SECRET_ROOT)
         for d in self.clients:
-            if d.gone or d.proto.outbox.closed:
+            if d.gone:
                 continue
             if d is client and not d.echo:
                 continue

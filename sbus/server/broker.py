@@ -448,6 +448,10 @@ class BrokerProtocol(protocol.Protocol):
                 return
         if action != flood.CLOSED:
             self._decided(action, feeder, (packet,))
+        else:
+            # Its connection is going (a failed send, a drain held): nobody receives it, and a
+            # session it holds counts it as missed when the stand-in takes over.
+            out.lost += 1
 
     def _decided(self, action: int, feeder, packets) -> None:
         """Act on what the queue decided for `packets` (not plainly queued)."""
