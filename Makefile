@@ -20,6 +20,11 @@ ifneq ($(INSTALLED_HERE),yes)
 .PHONY: $(VENV)/.installed $(VENV)/.test-installed
 endif
 
+# Twisted's plugin cache, made once after install: without it the first twistd run imports
+# every plugin module to make it, Twisted's endpoints among them, which take systemd's
+# LISTEN_FDS from the environment before `twistd sbus-relay --socket systemd` can.
+PLUGIN_CACHE = $(BIN)/python -c 'from twisted.plugin import IPlugin, getPlugins; list(getPlugins(IPlugin))'
+
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
@@ -29,11 +34,13 @@ $(BIN)/python:
 $(VENV)/.installed: setup.py pyproject.toml | $(BIN)/python
 	@echo "make: installing sbus into $(VENV) (the first time: a minute or so)"
 	$(BIN)/pip install -e .
+	$(PLUGIN_CACHE)
 	touch $@
 
 $(VENV)/.test-installed: setup.py pyproject.toml | $(BIN)/python
 	@echo "make: installing sbus and the test dependencies into $(VENV) (the first time: about 900 MB, a few minutes)"
 	$(BIN)/pip install -e '.[test]'
+	$(PLUGIN_CACHE)
 	touch $@
 
 # No pid file (--pidfile=): nothing left in the clone, and a second `make run` is refused only
