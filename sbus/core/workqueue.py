@@ -611,31 +611,27 @@ class QueueCore:
             delay = max(0.0, float(delay or b"0"))
         except ValueError:
             delay = 0.0
-        got = self._take(token)
-        out: list[bytes] = []
-        if got is None:
-            return out
-        member, entry = got
-        g = member.group
-        g.nacked += 1
-        entry.error = error[:MAX_ERROR]
-        self._again(g, entry, out, delay)
-        self._pump(g, out)
-        return out
+        return self._settle(token, error, lambda g, entry, out: self._again(g, entry, out, delay), "nacked")
 
     def reject(self, payload: bytes) -> list[bytes]:
         """``TOKEN\\0ERROR``: straight to the dead letters."""
         token, _, error = payload.partition(b"\0")
+        return self._settle(token, error, self._dead_letter, "rejected")
+
+    def _settle(self, token: bytes, error: bytes, then, counter: str) -> list[bytes]:
+        """A member gives a delivery back (nack, reject): count it, keep its error, `then` decides
+        where the job goes, and the group is pumped."""
         got = self._take(token)
         out: list[bytes] = []
         if got is None:
             return out
         member, entry = got
         g = member.group
-        g.rejected += 1
+        setattr(g, counter, getattr(g, counter) + 1)
         entry.error = error[:MAX_ERROR]
-        self._dead_letter(g, entry, out)
+        then(g, entry, out)
         self._pump(g, out)
+        return out
         return out
 
     def _again(self, g: _Group, entry: _Entry, out: list, delay: float = 0.0) -> None:
