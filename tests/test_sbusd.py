@@ -266,7 +266,7 @@ def test_c_is_not_stopped_by_a_probe_of_its_path(start_bus):
     (a health check) does the same. Either used to be the -c bus's first and
     last client: it exited before any real client came. A connection that
     sent nothing does not count now; a real client still ends it."""
-    bus = start_bus("-c")
+    bus = start_bus("-c", "--log-connections")
     res = run("-f", "-a", bus.address)
     assert res.returncode == 1 and error_line(res) == f"sbusd: another server is listening on {bus.address}"
     connect(bus.address).close()
@@ -489,7 +489,7 @@ def test_daemon_holds_no_descriptor_of_its_caller(tmp_path, logfile):
     path = str(tmp_path / "d.sock")
     pidfile = tmp_path / "d.pid"
     log = tmp_path / "d.log"
-    extra = ["-l", str(log)] if logfile else []
+    extra = ["-l", str(log), "--log-connections"] if logfile else []
     res = subprocess.run([*SBUSD, "-a", path, "-p", str(pidfile), *extra], capture_output=True,
                          stdin=subprocess.DEVNULL, timeout=TIMEOUT)
     assert res.returncode == 0 and res.stdout == b"" and res.stderr == b"", res

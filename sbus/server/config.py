@@ -92,6 +92,10 @@ class ServerConfig:
     #: Seconds the reactor polls before it sleeps, right after a wait this short (`sbus.pollloop`,
     #: applied by `sbus.reactor`).
     busy_poll: float = DEFAULT_BUSY_POLL
+    #: A log line per connect and ordinary disconnect (``--log-connections``); otherwise one
+    #: summary line per `connection_log_interval` seconds (`sbus.core.churn`).
+    log_connections: bool = False
+    connection_log_interval: float = 60.0
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):

@@ -84,6 +84,10 @@ The sbus message bus server (a drop-in for the reference C sbusd).
               Twisted endpoint: tcp:9464 (loopback unless interface= is given) or
               unix:/run/sbus/metrics.sock (mode 0600 unless mode= is given); it shows
               what root's server/stats shows (not in the C sbusd)
+  --log-connections
+              log a line per client connect and ordinary disconnect (default: one
+              summary line a minute; a disconnect for a fault is always logged; not
+              in the C sbusd)
   --service-uid=USER
               grant this user (name or uid) of a service that carries other users'
               traffic (sbus-nats) root's view of server/interest: every uid's
@@ -198,6 +202,7 @@ class Args:
         self.logfile: str | None = None
         self.busy_poll: float | None = None  # seconds; None: the server's default
         self.metrics: str | None = None  # a server endpoint for OpenMetrics (sbus.metrics)
+        self.log_connections = False  # a line per connection, not a summary a minute
 
     def allowed_uids(self) -> frozenset[int] | None:
         from sbus.server.config import allowed_uid_set
@@ -208,7 +213,7 @@ class Args:
 def parse_args(argv: list[str]) -> Args:
     """Parse the command line; bad usage prints the usage line and exits 1."""
     try:
-        opts, rest = getopt.getopt(argv, "a:cfghl:op:ru:", ["help", "busy-poll=", "service-uid=", "metrics="])
+        opts, rest = getopt.getopt(argv, "a:cfghl:op:ru:", ["help", "busy-poll=", "service-uid=", "metrics=", "log-connections"])
     except getopt.GetoptError as e:
         if e.opt and not e.msg.startswith("option --"):
             what = f"option -{e.opt} needs an argument" if "requires argument" in e.msg else \
@@ -255,6 +260,8 @@ def parse_args(argv: list[str]) -> Args:
                 raise Fatal(f"--service-uid: {e}") from None
         elif opt == "--metrics":
             args.metrics = _metrics_address(val)
+        elif opt == "--log-connections":
+            args.log_connections = True
         elif opt == "--busy-poll":
             from sbus.server.config import busy_poll_us
 
@@ -368,7 +375,8 @@ def serve(args: Args, listener: Listener, ready, log_observer=None) -> int:
         if bus.factory is not None and bus.factory.stats()["packets_in"]:
             stop()
 
-    config = ServerConfig(allowed_uids=args.allowed_uids(), service_uids=frozenset(args.service_uids))
+    config = ServerConfig(allowed_uids=args.allowed_uids(), service_uids=frozenset(args.service_uids),
+                          log_connections=args.log_connections)
     if args.busy_poll is not None:
         config.busy_poll = args.busy_poll
     bus = BusService(

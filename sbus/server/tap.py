@@ -77,6 +77,8 @@ class BusOptions(usage.Options):
     optFlags = [
         ["reuse", "r", "Also remove an empty file at the socket path (a stale socket is removed "
                        "anyway; a live server's never)."],
+        ["log-connections", None, "Log a line per client connect and ordinary disconnect (default: one "
+                                  "summary line a minute; a disconnect for a fault is always logged)."],
     ]
     optParameters = [
         METRICS_OPTION,
@@ -199,6 +201,7 @@ def config_from_options(options: BusOptions) -> ServerConfig:
     users = options["users"]
     settings = {name.replace("-", "_"): options[name] for name in ("max-packet", "stall-timeout", "max-session-linger", "busy-poll", *_LIMITS)}
     settings["cred_prefix"] = options.get("cred-prefix", b"")
+    settings["log_connections"] = bool(options.get("log-connections"))
     return ServerConfig(allowed_uids=allowed_uid_set(users or None),
                         service_uids=frozenset(options["service-uids"]), **settings)
 
