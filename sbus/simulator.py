@@ -791,7 +791,7 @@ class Simulation:
                 continue  # going (its peer is gone, or it is cut off): what it held is lost with it
             # conservation: matched = received by its socket + counted as dropped + still queued
             drops = sum(proto.drops.values()) if proto.drops else 0
-            queued = len(out) - n_ctl + (len(proto.waiting) if proto.waiting else 0)
+            queued = len(out) - n_ctl + len(out.waiting or ())
             if c.expected != c.sent_msgs + drops + queued:
                 self.fail(2, f"client {c.n}: {c.expected} messages matched, {c.sent_msgs} sent + {drops} dropped "
                              f"+ {queued} queued")

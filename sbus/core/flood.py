@@ -146,7 +146,8 @@ class Outbox:
 
     __slots__ = ("soft", "hard", "order", "max_bytes", "max_packets", "nbytes", "_items", "_heap",
                  "_seq", "_n", "_dead_items", "_dead_heap", "reason", "budget", "_server", "_charged",
-                 "blocked", "_ctl", "ctl_bytes", "ctl_limit", "_batch_bytes", "_batch_packets", "closed", "lost")
+                 "blocked", "_ctl", "ctl_bytes", "ctl_limit", "_batch_bytes", "_batch_packets", "closed", "lost",
+                 "waiting")
 
     def __init__(self, max_bytes: int, max_packets: int, ctl_limit: int = DEFAULT_CONTROL_BYTES):
         self.soft = QUEUE
@@ -180,6 +181,9 @@ class Outbox:
         self.closed = False
         #: Messages `clear` threw away (a session's stand-in counts them as missed).
         self.lost = 0
+        #: `hard/block`: messages over a limit that wait beside the queue for room, each
+        #: ``(packet, holder, budget)`` (`hold_back`); None while there are none.
+        self.waiting: deque | None = None
         #: Control packets waiting ahead of every message (orders other than `queue`).
         self._ctl: deque | None = None
         #: Bytes of control packets queued, and how many may be before the client is not read.
@@ -532,9 +536,50 @@ class Outbox:
             raise ValueError(f"unknown hard mode {mode!r}")
         self.hard = {DISCARD: DISCARD, BLOCK: BLOCK, ERROR: ERROR}[mode]
 
+    # -- `hard/block`: messages that wait beside the queue, charged like it
+
+    def hold_back(self, packet: bytes, holder, budget: Budget) -> None:
+        """`hard/block`, and `packet` is over a limit: it waits beside the queue until the queue
+        has room for it, charged to `budget` (its publisher's uid: the one that sends into a full
+        queue pays, and the caps still hold). `holder` stays held while it waits (`holders`)."""
+        n = len(packet)
+        budget.used += n
+        budget.parent.used += n
+        waiting = self.waiting
+        if waiting is None:
+            waiting = self.waiting = deque()
+        waiting.append((packet, holder, budget))
+
+    def next_waiting(self) -> bytes | None:
+        """The message that has waited longest beside the queue (to `decide` again), or None."""
+        waiting = self.waiting
+        return waiting[0][0] if waiting else None
+
+    def unwait(self) -> None:
+        """The message `next_waiting` gave was decided: it leaves the side, and its charge."""
+        packet, _, budget = self.waiting.popleft()
+        budget.used -= len(packet)
+        budget.parent.used -= len(packet)
+
+    def holders(self) -> set:
+        """Whose messages still wait: they stay held."""
+        return {holder for _, holder, _ in self.waiting or ()}
+
+    def drop_waiting(self) -> int:
+        """The connection is going: what waits is let go, uncharged and counted as `lost`."""
+        waiting, self.waiting = self.waiting, None
+        if not waiting:
+            return 0
+        for packet, _, budget in waiting:
+            budget.used -= len(packet)
+            budget.parent.used -= len(packet)
+        self.lost += len(waiting)
+        return len(waiting)
+
     def clear(self) -> int:
-        """Forget everything queued, and whatever is offered later (the connection is going);
-        return how many packets were queued."""
+        """Forget everything queued or waiting beside the queue, and whatever is offered later
+        (the connection is going); return how many packets were queued."""
+        self.drop_waiting()
         n = len(self)
         if n:
             self.lost += n - self.controls()[0]

@@ -24,6 +24,7 @@ from zope.interface import implementer
 
 from sbus.core import codec, flood
 from sbus.core.accounting import UserCharge
+from sbus.core.churn import ConnectionChurn
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key, check_pattern, secret_prefix, whoami
 from sbus.core.interest import InterestTable
 from sbus.core.pausing import HoldBudget, Holds, Pauses
@@ -98,7 +99,7 @@ class BrokerProtocol(protocol.Protocol):
         "owner", "_cached", "_prefix", "_secret_root", "charge", "_workWait",
         "dropped", "_dropFirst", "_dropLast", "_queuedSinceNotice",
         "_replyHeld", "statsWanted", "_watching", "outbox", "dirty", "extensions", "_waitingReplies",
-        "_run", "_lastClients", "waiting",
+        "_run", "_lastClients",
     )
 
     def __init__(self, factory: "BrokerFactory", cred):
@@ -155,9 +156,6 @@ class BrokerProtocol(protocol.Protocol):
         #: (`_startRun`, `flushRun`); and the recipients of its last message in this batch.
         self._run: _Run | None = None
         self._lastClients = None
-        #: `hard/block`: messages over a limit, held back beside the queue until it has room, with
-        #: their publishers held (`_holdBack`): (packet, its publisher's `Pauses`, the budget charged).
-        self.waiting: deque | None = None
 
     def __repr__(self):
         return f"<client {self.label}>"
@@ -578,7 +576,7 @@ class BrokerProtocol(protocol.Protocol):
 
     def _drained(self) -> None:
         """The queue is empty: release what waited for that, and queue what the room allows."""
-        if self.waiting:
+        if self.outbox.waiting:
             self._placeWaiting()
         self._releaseFeeders()
         if self._replyHeld:
@@ -637,28 +635,18 @@ class BrokerProtocol(protocol.Protocol):
             self._queuedSinceNotice = True
             self._markDirty()
             return
-        budget = _budgetOf(feeder, self.outbox)
-        budget.used += len(packet)
-        budget.parent.used += len(packet)
-        waiting = self.waiting
-        if waiting is None:
-            waiting = self.waiting = deque()
-        waiting.append((packet, pauses, budget))
+        self.outbox.hold_back(packet, pauses, _budgetOf(feeder, self.outbox))
         self._block(feeder)
 
     def _placeWaiting(self) -> None:
         """The queue drained: what waits beside it goes in, in the order it came, as far as the
         limits let it; the publishers of what still waits stay held (`_releaseFeeders`)."""
-        waiting = self.waiting
         out = self.outbox
-        while waiting:
-            packet, pauses, budget = waiting[0]
+        while (packet := out.next_waiting()) is not None:
             action = out.decide(packet)
             if action == flood.HELD_BACK:
                 break
-            waiting.popleft()
-            budget.used -= len(packet)
-            budget.parent.used -= len(packet)
+            out.unwait()
             if action == flood.QUEUED:
                 self._queuedSinceNotice = True
                 self._markDirty()
@@ -667,24 +655,14 @@ class BrokerProtocol(protocol.Protocol):
                 if out.closed:
                     break
 
-    def _dropWaiting(self) -> int:
-        """The connection is going: what waited beside its queue is let go; how many."""
-        waiting, self.waiting = self.waiting, None
-        for packet, _, budget in waiting or ():
-            budget.used -= len(packet)
-            budget.parent.used -= len(packet)
-        return len(waiting) if waiting else 0
-
     def _releaseFeeders(self):
-        waiting = self.waiting
-        if waiting:
+        if self.outbox.waiting:
             transport = self.transport
             if transport.connected and not transport.disconnecting:
                 # Publishers whose message still waits stay held: let the others go.
-                keep = {pauses for _, pauses, _ in waiting}
-                self.holds.release(keep)
+                self.holds.release(self.outbox.holders())
                 return
-            self.outbox.lost += self._dropWaiting()
+            self.outbox.drop_waiting()
         stall = self._stall
         if stall is not None:
             self._stall = None
@@ -1136,6 +1114,11 @@ class BrokerFactory(protocol.Factory):
         self._interest_room = self.config.max_packet - len(_INTEREST) - 2
         #: `server/session`: named sessions, and the stand-ins of closed ones (`sbus.core.sessions`).
         self.sessions = SessionTable()
+        #: Connections that came and went since the last summary line (`logChurn`).
+        self.churn = ConnectionChurn()
+        self._churnCall = None
+        self._churnSince = self.reactor.seconds()
+        self.stopping = False
 
     def stopFactory(self):
         """The server is stopping: tell every client why before the process closes them."""
@@ -1144,6 +1127,9 @@ class BrokerFactory(protocol.Factory):
                 ghost.timer.cancel()
         if self._listCall is not None and self._listCall.active():
             self._listCall.cancel()
+        self.stopping = True
+        if not self.clients:
+            self.logChurn()
         notice = _DISCONNECT + SHUTDOWN.encode() + b"\0the server is shutting down"
         for client in list(self.clients):
             transport = client.transport
@@ -1202,7 +1188,27 @@ class BrokerFactory(protocol.Factory):
         client.outbox.set_budget(user.queue)
         alive = client.watchOwner()
         self.router.add_client(client, secret_prefix(self.config.cred_prefix, client.cred) if alive else None)
-        log.info("client connected: {client}", client=client.label)
+        if self.config.log_connections:
+            log.info("client connected: {client}", client=client.label)
+        else:
+            self.churn.arrived()
+            self._churnLater()
+
+    def _churnLater(self) -> None:
+        """The summary of connections that came and went goes out one interval after the first."""
+        if self._churnCall is None:
+            self._churnCall = self.reactor.callLater(self.config.connection_log_interval, self.logChurn)
+
+    def logChurn(self) -> None:
+        """One line: how many clients connected and left (by reason) since the last such line."""
+        if self._churnCall is not None and self._churnCall.active():
+            self._churnCall.cancel()
+        self._churnCall = None
+        now = self.reactor.seconds()
+        line = self.churn.summary(len(self.clients), now - self._churnSince)
+        self._churnSince = now
+        if line is not None:
+            log.info("{line}", line=line)
 
     def flushDirty(self, feeder=None) -> None:
         """Send from every queue that got packets since it was last sent from: the end of a
@@ -1267,8 +1273,14 @@ class BrokerFactory(protocol.Factory):
         if client.drops:
             self.uid_drops.setdefault(uid, Counter()).update(client.drops)
         self.uid_disconnects.setdefault(uid, Counter())[client.reason] += 1
-        log.info("client disconnected: {client} ({reason})", client=client.label, reason=client.reason)
+        if self.config.log_connections or not self.churn.ordinary(client.reason):
+            log.info("client disconnected: {client} ({reason})", client=client.label, reason=client.reason)
+        else:
+            self.churn.left(client.reason)
+            self._churnLater()
         self.flushDirty()
+        if not self.clients and self.stopping:
+            self.logChurn()  # the last summary: who came and went up to the end
         if not self.clients and self.on_empty is not None:
             self.on_empty()
 
