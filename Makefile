@@ -49,8 +49,12 @@ run: $(VENV)/.installed
 	@echo "make: serving $(abspath $(SOCKET)); in another terminal: export SBUS_SOCKET=$(abspath $(SOCKET))"
 	$(BIN)/twistd -n --pidfile= sbus --socket $(SOCKET)
 
+# pytest-xdist: three worker processes, each taking whole test modules (a module's fixtures,
+# a Spark session among them, stay in one process). Most tests wait on real server processes,
+# so three workers fit two cores. `make test PYTEST_WORKERS=` runs in one process.
+PYTEST_WORKERS ?= -n 3 --dist loadfile
 test: $(VENV)/.test-installed
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # The server's simulator (docs/reliability.md): SEEDS scenarios of 300 steps on each I/O path,
 # from a random first seed (printed); e.g. `make sim SEEDS=100000 SIM_ARGS='--budget 600'`.

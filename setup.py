@@ -52,6 +52,8 @@ setup(
     extras_require={
         "test": [
             "pytest>=8", "pytest-twisted>=1.14", "hypothesis>=6", "pytest-timeout>=2",
+            # `make test` runs the suite in three worker processes (Makefile, PYTEST_WORKERS)
+            "pytest-xdist>=3",
             "pyspark>=4.2", "pyarrow>=15", "matplotlib>=3.8", "twisted[tls]>=24.3",
             # tests/test_install.py builds the project offline (--no-build-isolation)
             "setuptools>=70.1",
