@@ -99,7 +99,8 @@ def bus_metrics(stats: dict, out: Families) -> None:
     out.add("gauge", "sbus_clients", "Connected clients.", stats["clients"])
     out.add("gauge", "sbus_subscriptions", "Subscriptions held, all clients.", stats["subscriptions"])
     out.add("counter", "sbus_received_packets", "Packets received from clients.", stats["packets_in"])
-    out.add("counter", "sbus_sent_packets", "Packets sent to clients.", stats["packets_out"])
+    out.add("counter", "sbus_sent_packets", "Packets sent to clients: the messages delivered and the server's replies "
+            "(messages not delivered are sbus_drops).", stats["packets_out"])
     out.add("counter", "sbus_received_bytes", "Bytes received from clients.", stats["bytes_in"], unit="bytes")
     out.add("counter", "sbus_sent_bytes", "Bytes sent to clients.", stats["bytes_out"], unit="bytes")
     out.add("gauge", "sbus_queued_bytes", "Bytes queued for all clients.", stats["queued_bytes"], unit="bytes")
@@ -129,6 +130,15 @@ def bus_metrics(stats: dict, out: Families) -> None:
         out.declare("counter", f"sbus_{family}", doc, ("reason",))
         for reason, n in sorted(stats[family].items()):
             out.add("counter", f"sbus_{family}", doc, n, {"reason": reason})
+    cache = stats.get("router_cache")
+    if cache is not None:
+        out.add("counter", "sbus_router_cache_hits", "Message keys routed from the match cache.", cache["hits"])
+        out.add("counter", "sbus_router_cache_misses", "Message keys routed by walking the subscription trie.",
+                cache["misses"])
+        out.add("gauge", "sbus_router_cache_bytes", "Estimated memory the match cache holds.", cache["bytes"],
+                unit="bytes")
+        out.add("gauge", "sbus_router_cache_limit_bytes", "The match cache's memory bound.",
+                cache["limit_bytes"], unit="bytes")
     sessions = stats["sessions"]
     for state in ("held", "lingering"):
         out.add("gauge", "sbus_sessions", "Named sessions, live (held) or lingering after their client.",

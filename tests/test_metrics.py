@@ -158,9 +158,12 @@ def test_bus_metrics_count_known_traffic(tmp_path):
                              value(before, "sbus_sent_packets_total"), "a page after the traffic", True)
         delta = {name: value(after, name) - value(before, name) for name in (
             "sbus_received_packets_total", "sbus_received_bytes_total", "sbus_sent_packets_total",
-            "sbus_sent_bytes_total")}
+            "sbus_sent_bytes_total", "sbus_router_cache_hits_total", "sbus_router_cache_misses_total")}
+        # m/k is new to the cache: the first walks the trie, the other 4 (a run, most of them) are hits
         assert delta == {"sbus_received_packets_total": 5, "sbus_received_bytes_total": 5 * len(packet),
-                         "sbus_sent_packets_total": 5, "sbus_sent_bytes_total": 5 * len(packet)}
+                         "sbus_sent_packets_total": 5, "sbus_sent_bytes_total": 5 * len(packet),
+                         "sbus_router_cache_hits_total": 4, "sbus_router_cache_misses_total": 1}
+        assert 0 < value(after, "sbus_router_cache_bytes") <= value(after, "sbus_router_cache_limit_bytes")
         assert value(after, "sbus_connections", uid=ME) == value(before, "sbus_connections", uid=ME) + 1 == 2
         assert value(after, "sbus_clients") == 2 and value(after, "sbus_subscriptions") == 1
         assert ("sbus_uid_queued_bytes", (("uid", ME),)) in after   # all delivered: 0 queued
@@ -323,6 +326,9 @@ def test_a_real_prometheus_scrapes_the_bus_and_a_service(stack, tmp_path):
         by_uid = _query(api, f'sbus_connections{{job="sbus",uid="{ME}"}}')
         assert by_uid and float(by_uid[0]["value"][1]) >= 3   # us, the queue's intake and control
         assert _one(api, 'sbus_queue_group_backlog{group="prom"}') == 4
+        # the 4 keys were new to the bus: each walked the trie once, before Prometheus started
+        assert _one(api, 'sbus_router_cache_misses_total{job="sbus"}') >= 4
+        assert _one(api, 'sbus_router_cache_hits_total{job="sbus"}') is not None
     finally:
         prom.stop()
         s.close()

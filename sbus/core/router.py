@@ -206,6 +206,11 @@ class Router:
         #: trie nodes and table lookups of cache misses; lets tests check
         #: that non-matching subscriptions are not visited (not a timing test).
         self.visited = 0
+        #: `match`'s cache hits, and every miss (`match`'s and `miss`'s): plain integers, an
+        #: increment each, for `cache_stats` (the broker's own `cached` lookups it counts itself).
+        self.hits = 0
+        self.misses = 0
+        self._own_misses = 0  # the misses of keys a caller looked up in `cached` itself (`miss`)
 
     # -- clients -----------------------------------------------------------
 
@@ -319,15 +324,25 @@ class Router:
         """Every client with a matching pattern, once each, secrecy applied."""
         hit = self._cache.get(key)
         if hit is not None:
+            self.hits += 1
             return hit
         return self._miss(key)
 
     def miss(self, key: bytes) -> tuple:
         """`match` for a key `cached` did not know: the walk of the trie (the costly part, which
         the broker times and charges to the publisher's uid)."""
+        self._own_misses += 1
         return self._miss(key)
 
+    def cache_stats(self, looked_up: int) -> dict:
+        """The match cache's hits and misses, for ``server/stats``. `looked_up`: the keys callers
+        looked up in `cached` themselves (the broker's hot path, which cannot afford a call
+        per message); those `miss` did not see were hits."""
+        return {"hits": self.hits + looked_up - self._own_misses, "misses": self.misses,
+                "bytes": self._cached, "limit_bytes": self.cache_bytes}
+
     def _miss(self, key: bytes) -> tuple:
+        self.misses += 1
         found = self._walk(key)
         if found and key.startswith(SECRET_ROOT):
             prefix = self._prefix

@@ -235,8 +235,10 @@ class BrokerProtocol(protocol.Protocol):
                     self.factory.deliverSecret(packet, key, self)
                     return None
                 clients = self._cached(key)
+                self.factory.looked_up += 1
             else:
                 clients = self._cached(key)
+                self.factory.looked_up += 1
                 if run is not None and run.packets:
                     if clients is run.clients and run.nbytes + n <= run.room_bytes \
                             and len(run.packets) < run.room_packets:
@@ -307,6 +309,7 @@ class BrokerProtocol(protocol.Protocol):
             run.nbytes += nbytes
             self.packets_in += end - start
             self.bytes_in += nbytes
+            self.factory.looked_up += end - start
         return end
 
     def spent(self, seconds: float) -> None:
@@ -1088,6 +1091,8 @@ class BrokerFactory(protocol.Factory):
         self.uid_drops: dict[int, Counter] = {}
         self.uid_disconnects: dict[int, Counter] = {}
         self.refused = Counter()
+        #: Keys the clients' hot path looked up in the router's cache itself (`Router.cache_stats`).
+        self.looked_up = 0
         # Memory bound on queued bytes for the whole server; each uid's `UserCharge` holds its own
         # budget under it, and its connections, patterns and routing work.
         self.queue_budget = flood.Budget(self.config.max_queue_bytes)
@@ -1590,6 +1595,8 @@ class BrokerFactory(protocol.Factory):
         else:  # who may connect (the -u list; None: anyone the socket's mode lets in), for services
             result["allowed_uids"] = sorted(self.allowed_uids) if self.allowed_uids is not None else None
         result["sessions"] = self.sessions.stats(viewer_uid if private else None)
+        if not private:
+            result["router_cache"] = self.router.cache_stats(self.looked_up)
         upstream_stats = getattr(self.upstream, "stats", None)
         if upstream_stats is not None and not private:
             result["upstream"] = upstream_stats()
