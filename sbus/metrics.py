@@ -156,7 +156,7 @@ _GAUGES = frozenset({
     "last_gap_seconds", "limit", "window", "window_bytes", "members", "backlog", "in_flight",
     "intake_paused", "held_patterns", "importers", "exporters", "pending_bytes", "missed", "seen",
     "instance", "published_seq", "restart_standing_by", "enabled", "forwarding", "size", "active",
-    "standing_by", "state_seconds",
+    "standing_by", "state_seconds", "queued_bytes", "queue_limit_bytes", "degraded",
 })
 #: Dicts keyed by a reason, and the keys that are directions.
 _REASONS = frozenset({"drops", "lost", "drop_reasons", "refused"})

@@ -22,7 +22,8 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families as parse_text  # noqa: E402
 
 from helpers import (  # noqa: E402
-    REPO, SERVICE_TIMEOUT, LoggedProcess, SbusdProcess, connect, msg, recv, send, sub, sync, wait_until,
+    REPO, SERVICE_TIMEOUT, LoggedProcess, SbusdProcess, connect, msg, recv, send, sub, sync, wait_stats,
+    wait_until,
 )
 from sbus.metrics import MetricsAddressError, Families, metrics_address  # noqa: E402
 from sbus.server.config import DEFAULT_MAX_QUEUE_BYTES, DEFAULT_MAX_UID_QUEUE_BYTES, DEFAULT_QUEUE_BYTES  # noqa: E402
@@ -258,12 +259,17 @@ def _names(samples: dict) -> set[str]:
     return names
 
 
-def test_the_dashboard_parses_and_names_existing_metrics(stack):
+def dashboard_names() -> set[str]:
+    """The metric names the Grafana dashboard's queries use."""
     board = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", ())]
     assert len(exprs) >= 8 and board["title"]
+    return {n for e in exprs for n in re.findall(r"\bsbus_[a-z0-9_]+", e)}
+
+
+def test_the_dashboard_parses_and_names_existing_metrics(stack):
     known = _names(scrape(stack[1])) | _names(scrape(stack[3]))
-    named = {n for e in exprs for n in re.findall(r"\bsbus_[a-z0-9_]+", e)}
+    named = {n for n in dashboard_names() if not n.startswith("sbus_record_")}  # (the recorder's test)
     assert named and named <= known, named - known
 
 
@@ -363,3 +369,53 @@ def test_a_scraper_asking_in_a_loop_gets_the_same_page_until_its_share_has_passe
     now[0] += 0.002
     assert page.render_GET(DummyRequest([b"metrics"])) != first and len(calls) == 2
     assert b"sbus_renders_total 2.0" in page.render_GET(DummyRequest([b"metrics"]))
+
+
+def test_the_recorder_counts_rows_files_bytes_gaps_and_what_it_missed(start_bus, tmp_path):
+    """A real ``twistd sbus-record --metrics``: after known traffic its page counts the rows and
+    bytes it took, the files it published, a gap (an unclean stop before it started) and the
+    messages the bus counted for its session while no recorder ran (a drop row's count)."""
+    pytest.importorskip("pyarrow")
+    from pipeline_conftest import RecorderProcess
+
+    from sbus.core import codec
+
+    bus = start_bus()
+    out = tmp_path / "rec"
+    (out / "_tmp").mkdir(parents=True, mode=0o700)
+    (out / "_tmp" / "running").write_text("1\n")   # a writer's marker left behind: an unclean stop
+    # the session the recorder will claim, lingering with 5 messages counted for it
+    away = connect(bus.address)
+    send(away, codec.session_request(b"metrics-rec", 60), sub("metrics/rec/"))
+    sync(away)
+    away.close()
+    probe = connect(bus.address)
+    wait_stats(probe, lambda st: st["sessions"]["lingering"] == 1)
+    send(probe, *[msg(f"metrics/rec/away/{i}", b"a") for i in range(5)])
+    sync(probe)
+    rec = RecorderProcess(bus.address, out, ["--session", "metrics-rec", "--roll-age", "300ms",
+                                             "--metrics", "tcp:0"], log_path=str(tmp_path / "record.log"))
+    try:
+        rec.wait_ready()
+        url = endpoint(rec)
+        payloads = [(f"metrics/rec/{i}", b"r" * i) for i in range(10)]
+        send(probe, *[msg(k, p) for k, p in payloads])
+        sync(probe)
+        got = scrape_until(url, lambda x: value(x, "sbus_record_received_total") == 10 and
+                           value(x, "sbus_record_files_published_total") >= 1 and
+                           value(x, "sbus_record_published_rows_total") >= 10 + 2,
+                           "the recorder's page after the traffic", openmetrics=True)
+        assert value(got, "sbus_record_recorded_rows_total") == 10
+        assert value(got, "sbus_record_gaps_total") == 1
+        assert value(got, "sbus_service_lost_messages_total", service="record", reason="while_away") == 5
+        # every message's key and payload, and a row's overhead each, went into the writer's queue
+        assert value(got, "sbus_record_recorded_bytes_total") > sum(len(k) + len(p) for k, p in payloads)
+        assert got[("sbus_record_queued_bytes", "family")] == "gauge"
+        assert value(got, "sbus_record_queue_limit_bytes") == 64 * 2**20
+        assert value(got, "sbus_record_connected") == 1 and value(got, "sbus_metrics_up", service="record") == 1
+        assert value(got, "sbus_record_dropped_bytes_total") == 0 and ("sbus_record_gaps", "family") in got
+        on_dashboard = {n for n in dashboard_names() if n.startswith("sbus_record_")}
+        assert on_dashboard and on_dashboard <= _names(got), on_dashboard - _names(got)
+    finally:
+        rec.stop()
+        probe.close()

@@ -61,7 +61,7 @@ from twisted.python import usage
 from sbus.core import codec
 from sbus.core.credentials import SECRET_ROOT
 from sbus.core.patterns import matches
-from sbus.options import MISSING_BUS_HELP, session_name_option
+from sbus.options import METRICS_OPTION, MISSING_BUS_HELP, session_name_option
 from sbus.pipeline.schema import (
     DEFAULT_ROLL_AGE,
     DEFAULT_ROLL_BYTES,
@@ -136,6 +136,11 @@ class BoundedWriter:
     @property
     def queued_bytes(self) -> int:
         return self._enq_bytes - self._deq_bytes
+
+    @property
+    def taken_bytes(self) -> int:
+        """Bytes of every row taken into the queue since start (keys, payloads, row overhead)."""
+        return self._enq_bytes
 
     def start(self):
         self._thread.start()
@@ -635,6 +640,36 @@ class RecordService(service.Service):
         return d.addBoth(recovered).addBoth(flush).addCallback(done)
 
 
+    def stats(self) -> dict:
+        """The recorder's counts, for ``--metrics`` (`sbus.metrics.StatsCollector` reads them
+        when scraped: nothing more is counted per message). ``lost`` by reason, zeros left out,
+        as every service's; a gap (an unclean stop before this start) is of unknown size."""
+        sink, rec = self.sink, self.recorder
+        if sink is None:
+            return {"connected": False}
+        writer = sink.writer
+        lost = {"bus_dropped": rec.bus_dropped, "queue_full": sink.dropped, "write_error": sink.lost_rows,
+                "while_away": rec.missed_away}
+        return {
+            "connected": bool(self.client is not None and self.client.connected),
+            "received": rec.received,
+            "recorded_rows": sink.accepted - sink.lost_rows,
+            "recorded_bytes": sink.taken_bytes,
+            "published_rows": writer.rows_published,
+            "files_published": writer.files_published,
+            "gaps": rec.gaps,
+            "drop_notices": rec.notices,
+            "dropped_bytes": sink.dropped_bytes,
+            "write_errors": sink.write_errors,
+            "held_the_bus": sink.paused_times,
+            "filtered": rec.filtered,
+            "excluded": rec.excluded,
+            "queued_bytes": sink.queued_bytes,
+            "queue_limit_bytes": sink.max_bytes,
+            "degraded": self.degraded,
+            "lost": {reason: n for reason, n in lost.items() if n},
+        }
+
     def _lastSync(self) -> defer.Deferred:
         """Before leaving, one round trip with the bus: everything it routed to us before the stop
         (in our socket, or in its queue for us) is read and recorded first, so that what was
@@ -692,6 +727,7 @@ class Options(usage.Options):
                                 "marks what was published while none ran with a drop row."],
         ["session-linger", None, "60s", "How long the bus counts for a recorder that went away "
                                         "(0: not at all; the bus caps it, 60 s by default)."],
+        METRICS_OPTION,
     ]
 
     def __init__(self):
