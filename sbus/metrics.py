@@ -153,7 +153,8 @@ def bus_metrics(stats: dict, out: Families) -> None:
 _GAUGES = frozenset({
     "clients", "connected", "bus_connected", "peer_connected", "watching", "receiving", "held_up_patterns",
     "subscriptions_up", "queued_up_bytes", "blocked_publishers", "last_seconds", "now_seconds",
-    "last_gap_seconds", "limit", "window", "window_bytes", "members", "backlog", "in_flight",
+    "last_gap_seconds", "limit", "max_bytes", "window", "window_bytes", "members", "backlog", "backlog_bytes",
+    "in_flight",
     "intake_paused", "held_patterns", "importers", "exporters", "pending_bytes", "missed", "seen",
     "instance", "published_seq", "restart_standing_by", "enabled", "forwarding", "size", "active",
     "standing_by", "state_seconds", "queued_bytes", "queue_limit_bytes", "degraded",

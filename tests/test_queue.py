@@ -240,7 +240,7 @@ def test_core_a_delivery_that_would_not_fit_a_packet_is_counted_too_big():
     _join(core)
     assert _deliveries(core.message(b"j/big", b"x" * 150)) == []
     assert len(_deliveries(core.message(b"j/small", b"x"))) == 1
-    assert core.groups[b"jobs"].stats()["lost"] == {"full": 0, "too_big": 1, "max_deliveries": 0}
+    assert core.groups[b"jobs"].stats()["lost"] == {"full": 0, "too_big": 1, "max_deliveries": 0, "dropped": 0}
 
 
 def test_membership_reads_only_its_own_keys():
@@ -275,7 +275,7 @@ def test_kill9_member_under_load_loses_nothing_and_marks_the_redelivered(bus, st
         for p in members:
             p.kill()
             p.wait()
-    assert st["received"] == MESSAGES and st["lost"] == {"full": 0, "too_big": 0, "max_deliveries": 0}, st
+    assert st["received"] == MESSAGES and st["lost"] == {"full": 0, "too_big": 0, "max_deliveries": 0, "dropped": 0}, st
     assert st["backlog"] == 0 and st["left"] == 1 and st["redelivered"] > 0, st
     handled = [lines(out) for out in outs]
     keys = {k for recs in handled for k, _ in recs}
@@ -306,7 +306,7 @@ def test_member_that_never_acks_holds_only_its_window(bus, start_queue, tmp_path
                            capture_output=True, timeout=60, cwd=REPO)
         (answer,) = [a for a in json.loads(r.stdout) if a["service"] == "sbus-queue"]
         jobs = answer["stats"]["groups"]["jobs"]
-        assert (jobs["redelivered"], jobs["lost"], jobs["acked"]) == (8, {"full": 0, "too_big": 0, "max_deliveries": 0}, 500), jobs
+        assert (jobs["redelivered"], jobs["lost"], jobs["acked"]) == (8, {"full": 0, "too_big": 0, "max_deliveries": 0, "dropped": 0}, 500), jobs
     finally:
         for p in (stuck, good):
             p.kill()

@@ -178,7 +178,7 @@ def test_confirmed_submissions(bus, tmp_path):
     try:
         with Client(bus.address) as c:
             assert c.submit("jobs", [(b"jobs/%d" % i, b"p") for i in range(50)]) == 50
-            with pytest.raises(QueueFull, match="group jobs: full: 50 waiting, limit 100"):
+            with pytest.raises(QueueFull, match=r"group jobs: full: queue full \(50 jobs, \d+ bytes waiting; max 100 jobs\)"):
                 c.submit("jobs", [(b"jobs/x%d" % i, b"p") for i in range(51)])
             with pytest.raises(ValueError, match="does not match"):
                 c.submit("jobs", [(b"other/1", b"")])

@@ -64,6 +64,9 @@ SERVES_ROOT = b"sbus/services/queue/serves/"
 SUBMIT_ROOT = b"sbus/services/queue/submit/"
 _JOB = struct.Struct(">HI")
 MODES = ("block", "discard", "error")
+#: What a group at its `max_jobs`/`max_bytes` does with one more job: refuse it (a submission is
+#: told "full", a publish handled by the group's `full` mode) or drop the oldest waiting job.
+OVERFLOWS = ("reject-publish", "drop-oldest")
 _NAME = re.compile(rb"[A-Za-z0-9_.-]{1,64}\Z")
 _MEMBER_PATTERN = re.compile(rb"((?:!/cred/\d+/\d+/\d+/)+)sbus/services/queue/([^/*]+)/([^/*]+)/\Z")
 _CRED = re.compile(rb"!/cred/(\d+)/(\d+)/(\d+)/")
@@ -276,6 +279,31 @@ class _Entry:
         self.jid = 0          # its id in the group's journal (with a store)
 
 
+class _Backlog(deque):
+    """A group's waiting jobs, with the bytes of their keys and payloads (for ``max_bytes``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def append(self, entry: _Entry) -> None:
+        super().append(entry)
+        self.bytes += len(entry.key) + len(entry.payload)
+
+    def appendleft(self, entry: _Entry) -> None:
+        super().appendleft(entry)
+        self.bytes += len(entry.key) + len(entry.payload)
+
+    def popleft(self) -> _Entry:
+        entry = super().popleft()
+        self.bytes -= len(entry.key) + len(entry.payload)
+        return entry
+
+    def clear(self) -> None:
+        super().clear()
+        self.bytes = 0
+
+
 class _Member:
     __slots__ = ("key", "group", "uids", "pid", "inflight", "inflight_bytes")
 
@@ -291,7 +319,10 @@ class _Member:
 class _Group:
     def __init__(self, name: bytes, pattern: bytes, limit: int, full: str, window: int, window_bytes: int,
                  ack_wait: float | None = None, max_deliveries: int | None = None,
-                 dead_letter: bytes | None = None):
+                 dead_letter: bytes | None = None, max_bytes: int | None = None,
+                 overflow: str = "reject-publish"):
+        self.max_bytes = max_bytes
+        self.overflow = overflow
         self.ack_wait = ack_wait
         self.max_deliveries = max_deliveries
         self.dead_letter = dead_letter
@@ -304,13 +335,31 @@ class _Group:
         self.full = full
         self.window = window
         self.window_bytes = window_bytes
-        self.backlog: deque[_Entry] = deque()
+        self.backlog = _Backlog()
         self.ring: list[_Member] = []
         self.rr = 0
         self.full_episode = False
         self.received = self.delivered = self.acked = self.redelivered = 0
         self.joined = self.left = self.refused = 0
-        self.lost = {"full": 0, "too_big": 0, "max_deliveries": 0}
+        self.lost = {"full": 0, "too_big": 0, "max_deliveries": 0, "dropped": 0}
+
+    def over(self, jobs: int, size: int) -> bool:
+        """Would `jobs` more waiting jobs of `size` bytes pass `limit` (max jobs) or `max_bytes`?"""
+        return (len(self.backlog) + jobs > self.limit
+                or (self.max_bytes is not None and self.backlog.bytes + size > self.max_bytes))
+
+    def at_cap(self) -> bool:
+        return self.over(1, 1)
+
+    def below_half(self) -> bool:
+        """Far enough under the caps to read the intake again (half of each)."""
+        return (len(self.backlog) < max(1, self.limit // 2)
+                and (self.max_bytes is None or self.backlog.bytes < max(1, self.max_bytes // 2)))
+
+    def holds_publishers(self) -> bool:
+        """Over its caps, this group holds the publishers (the intake paused) rather than
+        dropping or refusing."""
+        return self.full == "block" and self.overflow == "reject-publish"
 
     def next_member(self) -> _Member | None:
         """Round robin over the members whose window has room: fewer than `window` deliveries
@@ -326,7 +375,8 @@ class _Group:
 
     def stats(self) -> dict:
         return {"pattern": self.pattern.decode("utf-8", "replace"), "mode": self.full,
-                "limit": self.limit, "window": self.window, "window_bytes": self.window_bytes,
+                "limit": self.limit, "max_bytes": self.max_bytes, "overflow": self.overflow,
+                "backlog_bytes": self.backlog.bytes, "window": self.window, "window_bytes": self.window_bytes,
                 "members": len(self.ring),
                 "backlog": len(self.backlog), "in_flight": sum(len(m.inflight) for m in self.ring),
                 "received": self.received, "delivered": self.delivered, "acked": self.acked,
@@ -357,17 +407,24 @@ class QueueCore:
     def __init__(self, groups, *, limit: int = 10000, full: str = "block", window: int = 64,
                  window_bytes: int = 1 << 20, allowed_uids=(), max_packet: int = MAX_PACKET,
                  ack_wait: float | None = None, max_deliveries: int | None = None,
-                 dead_letter: bytes | None = None, clock=time.monotonic, store=None):
+                 dead_letter: bytes | None = None, clock=time.monotonic, store=None,
+                 max_bytes: int | None = None, overflow: str = "reject-publish", caps=None):
         if full not in MODES:
             raise ValueError(f"unknown mode {full!r}; one of {', '.join(MODES)}")
+        caps = {check_group(n): dict(c) for n, c in (caps or {}).items()}
         self.groups: dict[bytes, _Group] = {}
         for name, pattern in groups:
             name = check_group(name)
             pattern = pattern.encode() if isinstance(pattern, str) else bytes(pattern)
             if name in self.groups:
                 raise ValueError(f"group {name.decode()} given twice")
-            self.groups[name] = _Group(name, pattern, limit, full, window, window_bytes, ack_wait,
-                                       max_deliveries, dead_letter)
+            mine = {"limit": limit, "max_bytes": max_bytes, "overflow": overflow, **caps.pop(name, {})}
+            if mine["overflow"] not in OVERFLOWS:
+                raise ValueError(f"unknown overflow policy {mine['overflow']!r}; one of {', '.join(OVERFLOWS)}")
+            self.groups[name] = _Group(name, pattern, mine["limit"], full, window, window_bytes, ack_wait,
+                                       max_deliveries, dead_letter, mine["max_bytes"], mine["overflow"])
+        if caps:
+            raise ValueError(f"no group named {next(iter(caps)).decode()}")
         self.clock = clock
         #: A `sbus.core.queuestore.QueueStore`, or None (in memory only).
         self.store = store
@@ -435,7 +492,7 @@ class QueueCore:
             if not matches(g.pattern, key):
                 continue
             g.received += 1
-            if len(g.backlog) >= g.limit and g.full != "block":
+            if not (g.holds_publishers() or self._room(g, 1, len(key) + len(payload))):
                 g.lost["full"] += 1
                 if g.full == "error" and not g.full_episode:
                     g.full_episode = True
@@ -448,11 +505,26 @@ class QueueCore:
             self._pump(g, out)
         return out
 
+    def _room(self, g: _Group, jobs: int, size: int) -> bool:
+        """May `jobs` more jobs of `size` bytes wait in `g`? Under ``drop-oldest`` the oldest
+        waiting jobs (never those in flight) are dropped for them (counted ``lost.dropped``,
+        and journaled as done, so a restart does not bring them back); only a batch bigger
+        than the caps themselves has no room. Under ``reject-publish``: while under the caps,
+        or always for a publish to a group that holds its publishers instead (``block``)."""
+        if g.overflow == "drop-oldest":
+            if jobs > g.limit or (g.max_bytes is not None and size > g.max_bytes):
+                return False
+            while g.over(jobs, size):
+                self._finish(g, g.backlog.popleft())
+                g.lost["dropped"] += 1
+            return True
+        return not g.over(jobs, size)
+
     def should_pause(self) -> bool:
-        return any(g.full == "block" and len(g.backlog) >= g.limit for g in self.groups.values())
+        return any(g.holds_publishers() and g.at_cap() for g in self.groups.values())
 
     def may_resume(self) -> bool:
-        return all(g.full != "block" or len(g.backlog) < max(1, g.limit // 2) for g in self.groups.values())
+        return all(not g.holds_publishers() or g.below_half() for g in self.groups.values())
 
     def intake_dropped(self, count: int) -> None:
         """The server dropped `count` messages for the intake connection (`server/dropped`)."""
@@ -719,9 +791,10 @@ class QueueCore:
         for key, _ in jobs:
             if key.startswith(b"sbus/services/") or key.startswith(b"!") or not matches(g.pattern, key):
                 return b"error: key %s does not match the group's pattern" % key[:200], []
-        if len(g.backlog) + len(jobs) > g.limit:
+        if not self._room(g, len(jobs), sum(len(k) + len(p) for k, p in jobs)):
             g.submit_refused += len(jobs)
-            return b"full: %d waiting, limit %d" % (len(g.backlog), g.limit), []
+            caps = b"max %d jobs" % g.limit + (b", %d bytes" % g.max_bytes if g.max_bytes is not None else b"")
+            return b"full: queue full (%d jobs, %d bytes waiting; %s)" % (len(g.backlog), g.backlog.bytes, caps), []
         out: list[bytes] = []
         store = self.store
         for key, payload in jobs:
@@ -768,7 +841,7 @@ class QueueCore:
             self.tokens[token] = member
             g.delivered += 1
             out.append(b"MSG " + key + b"\0" + payload)
-        if g.full_episode and len(backlog) < g.limit:
+        if g.full_episode and not g.at_cap():
             g.full_episode = False
 
     # -- statistics

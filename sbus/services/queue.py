@@ -29,7 +29,7 @@ from sbus.core import codec
 from sbus.core.codec import MAX_PACKET
 from sbus.core.reqrep import parse_request, reply_packet
 from sbus.core.patterns import matches
-from sbus.core.workqueue import ACK_KEY, MEMBER_KEYS, MODES, NACK_KEY, PROGRESS_KEY, REJECT_KEY, SERVES_ROOT, SUBMIT_ROOT, QueueCore, check_group
+from sbus.core.workqueue import ACK_KEY, MEMBER_KEYS, MODES, NACK_KEY, OVERFLOWS, PROGRESS_KEY, REJECT_KEY, SERVES_ROOT, SUBMIT_ROOT, QueueCore, check_group
 from sbus.services.shutdown import exit_zero_on_sigterm
 from sbus.options import METRICS_OPTION
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
@@ -49,13 +49,15 @@ class QueueService(service.Service):
                  window_bytes: int = 1 << 20, allowed_uids=(), max_packet: int = MAX_PACKET,
                  stats_interval: float = 60.0, ack_wait: float | None = None,
                  max_deliveries: int | None = None, dead_letter: bytes | None = None, store=None,
+                 max_bytes: int | None = None, overflow: str = "reject-publish", caps=None,
                  reactor=None):
         self.bus = bus
         self._reactor = reactor
         self.core = QueueCore(groups, limit=limit, full=full, window=window, window_bytes=window_bytes,
                               allowed_uids=allowed_uids, max_packet=max_packet, ack_wait=ack_wait,
                               max_deliveries=max_deliveries, dead_letter=dead_letter,
-                              clock=lambda: self.reactor.seconds(), store=store)
+                              clock=lambda: self.reactor.seconds(), store=store,
+                              max_bytes=max_bytes, overflow=overflow, caps=caps)
         self.store = store
         self._flush = None  # the call that writes this turn's journal records
         self.full = full
@@ -379,7 +381,8 @@ def _why(reason) -> str:
 
 
 class Options(usage.Options):
-    synopsis = "--group NAME=PATTERN [--group ...] [--bus ADDRESS] [--limit N] [--full MODE]"
+    synopsis = ("--group NAME=PATTERN [--group ...] [--bus ADDRESS] [--max-jobs [GROUP=]N] "
+                "[--max-bytes [GROUP=]N] [--overflow [GROUP=]reject-publish|drop-oldest] [--full MODE]")
     longdesc = ("Shared work queues (docs/queues.md): each message matching a group's PATTERN goes "
                 "to exactly one member of the group, round robin over the members with room in "
                 "their window; members acknowledge each message, and what a member that left or "
@@ -389,9 +392,9 @@ class Options(usage.Options):
     optParameters = [
         METRICS_OPTION,
         ["bus", None, None, "Address of the bus (path, /dev/unix/abstract/HEX); default: the default bus."],
-        ["limit", None, "10000", "Messages waiting per group (beyond the members' windows)."],
-        ["full", None, "block", "Over the limit: block (hold the publishers through the server's "
-                                "flood control), discard (drop, counted lost) or error (drop, count, "
+        ["limit", None, "10000", "The same as --max-jobs N (every group)."],
+        ["full", None, "block", "Over the limit (--overflow reject-publish): block (hold the "
+                                "publishers through the server's flood control), discard (drop, counted lost) or error (drop, count, "
                                 "and publish sbus/services/queue/full/GROUP once)."],
         ["window", None, "64", "Unacknowledged deliveries per member at most."],
         ["window-bytes", None, str(1 << 20), "Bytes of unacknowledged deliveries per member at most "
@@ -419,6 +422,39 @@ class Options(usage.Options):
         super().__init__()
         self["groups"] = []
         self["allow-uids"] = []
+        #: --max-jobs/--max-bytes/--overflow: None (every group) or a group name -> {cap: value}
+        self["caps"] = {}
+
+    def _cap(self, option: str, field: str, value: str) -> None:
+        """``[GROUP=]VALUE``: for one group, or without GROUP= for every group (repeatable; a
+        group's own value wins)."""
+        from sbus.options import positive_int
+
+        group, sep, text = value.rpartition("=")
+        if sep:
+            try:
+                group = check_group(group)
+            except ValueError as e:
+                raise usage.UsageError(f"--{option}: {e}") from None
+        if field == "overflow":
+            if text not in OVERFLOWS:
+                raise usage.UsageError(f"--{option}: one of {', '.join(OVERFLOWS)}, not {text!r}")
+            parsed = text
+        else:
+            parsed = positive_int(option, text)
+        self["caps"].setdefault(group if sep else None, {})[field] = parsed
+
+    def opt_max_jobs(self, value: str) -> None:
+        """[GROUP=]N: jobs waiting in a group, beyond those in flight (default 10000; repeatable)"""
+        self._cap("max-jobs", "limit", value)
+
+    def opt_max_bytes(self, value: str) -> None:
+        """[GROUP=]N: bytes (keys, payloads) of the jobs waiting in a group (default: no cap)"""
+        self._cap("max-bytes", "max_bytes", value)
+
+    def opt_overflow(self, value: str) -> None:
+        """[GROUP=]reject-publish|drop-oldest: a group at its caps refuses a job, or drops its oldest waiting one"""
+        self._cap("overflow", "overflow", value)
 
     def opt_group(self, value: str) -> None:
         """A group: NAME=PATTERN (repeatable). NAME: 1-64 of A-Z a-z 0-9 _ . -"""
@@ -463,6 +499,14 @@ class Options(usage.Options):
         if self["full"] not in MODES:
             raise usage.UsageError(f"--full: one of {', '.join(MODES)}, not {self['full']!r}")
         self["limit"] = positive_int("limit", self["limit"])
+        every = self["caps"].pop(None, {})
+        self["limit"] = every.get("limit", self["limit"])
+        self["max-bytes"] = every.get("max_bytes")
+        self["overflow"] = every.get("overflow", "reject-publish")
+        names = {n for n, _ in self["groups"]}
+        for name in self["caps"]:
+            if name not in names:
+                raise usage.UsageError(f"--max-jobs/--max-bytes/--overflow: no --group named {name.decode()}")
         self["window"] = positive_int("window", self["window"])
         self["window-bytes"] = positive_int("window-bytes", self["window-bytes"])
         self["max-packet"] = positive_int("max-packet", self["max-packet"])
@@ -500,4 +544,5 @@ def makeService(options) -> QueueService:
                         window=options["window"], window_bytes=options["window-bytes"], allowed_uids=options["allow-uids"],
                         max_packet=options["max-packet"], stats_interval=options["stats-interval"],
                         ack_wait=options["ack-wait"], max_deliveries=options["max-deliveries"],
-                        dead_letter=options["dead-letter"], store=options["store"])
+                        dead_letter=options["dead-letter"], store=options["store"],
+                        max_bytes=options["max-bytes"], overflow=options["overflow"], caps=options["caps"])
