@@ -13,7 +13,8 @@ both in `doPoll` and both asked for by the server through `ILeanReactor.serve`:
   exception from them is still caught and logged, and the descriptor disconnected.
 * **Busy polling** (`sbus.pollloop.Spinner`, `--busy-poll`): right after a wait that ended
   within the window, the next wait polls (`epoll_wait` with timeout 0) for up to the window
-  before it sleeps; see `sbus.pollloop` for when it does not.
+  before it sleeps; see `sbus.pollloop` for when it does not (never on one CPU; not while the
+  load leaves no CPU idle). `serve` logs at start whether it polls, and why.
 
 Everything else (timers, threads, signals, child processes, TCP and UNIX ports) is
 `PosixReactorBase`'s, and tests/test_reactor.py runs Twisted's own reactor tests on it. Regular
@@ -28,7 +29,6 @@ works the same, without lean dispatch and polling.
 
 from __future__ import annotations
 
-import os
 import sys
 from select import EPOLLERR, EPOLLHUP, EPOLLIN, EPOLLOUT, epoll
 from time import monotonic
@@ -36,11 +36,12 @@ from time import monotonic
 from twisted.internet import error, main
 from twisted.internet.interfaces import IReactorFDSet
 from twisted.internet.posixbase import PosixReactorBase
+from twisted.logger import Logger
 from twisted.python import log
 from zope.interface import implementer
 
 from sbus.interfaces import ILeanReactor
-from sbus.pollloop import Spinner, crowded_probe
+from sbus.pollloop import CROWD_CHECK, LoadProbe, Spinner, allowed_cpus
 
 __all__ = ["SbusReactor", "install", "install_unless_chosen"]
 
@@ -48,6 +49,8 @@ __all__ = ["SbusReactor", "install", "install_unless_chosen"]
 FILE_POLL = 0.01
 
 _GONE = EPOLLHUP | EPOLLERR
+
+_log = Logger("sbus.reactor")
 
 
 @implementer(IReactorFDSet, ILeanReactor)
@@ -63,7 +66,7 @@ class SbusReactor(PosixReactorBase):
         self._files: dict[object, int] = {}
         self._lean: type | None = None
         #: The busy-polling policy; its window is 0 (never polls) until `serve` asks for one.
-        self.spinner = Spinner(0.0, crowded_probe(len(os.sched_getaffinity(0))))
+        self.spinner = Spinner(0.0, LoadProbe(allowed_cpus()))
         PosixReactorBase.__init__(self)
 
     # -- ILeanReactor
@@ -72,7 +75,20 @@ class SbusReactor(PosixReactorBase):
         if lean is not None:
             self._lean = lean
         if busy_poll > self.spinner.window:
+            if self.spinner.window <= 0:
+                self._sayPolling(busy_poll)
             self.spinner.window = busy_poll
+
+    def _sayPolling(self, window: float) -> None:
+        """One line at start: whether this server polls, and why (`sbus.pollloop`'s rule)."""
+        probe = self.spinner.probe
+        polls, why = probe.decide()
+        if probe.cpus <= 1:
+            _log.info("busy polling: never ({why})", why=why)
+        else:
+            _log.info("busy polling: up to {us:g} µs before a sleep while a CPU is idle for it, "
+                      "checked every {check:g} s; {now} ({why})", us=window * 1e6, check=CROWD_CHECK,
+                      now="polling now" if polls else "not now", why=why)
 
     # -- IReactorFDSet
 
