@@ -103,13 +103,13 @@ class Rig:
             upstream = self.bus("master")
             for level in range(1, int(self.path[5:]) + 1):
                 sock = self.b.sock(f"relay{level}")
-                r = self.twisted(f"relay{level}", "sbus-relay", "--upstream", upstream, "--socket", sock)
+                r = self.twisted(f"relay{level}", "sbus-relay", "--bus", upstream, "--socket", sock)
                 r.wait(lambda: accepts(sock), "serve its socket")
                 upstream = sock
             return self.procs[0].cmd[-1], upstream
         a, b = self.bus("a"), self.bus("b")
         if self.path == "bridge":
-            self.twisted("bridge", "sbus-bridge", "--a", a, "--b", b, "--rule", "bench/ a>b",
+            self.twisted("bridge", "sbus-bridge", "--bus-a", a, "--bus-b", b, "--rule", "bench/ a>b",
                          "--no-spanning-tree")
         elif self.path == "link":
             key = os.path.join(self.b.tmp, "link.key")

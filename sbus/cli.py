@@ -10,7 +10,7 @@
     sbus serve PATTERN -- CMD      answer requests with a command
     sbus work GROUP -- CMD         take messages of a work-queue group (docs/queues.md)
 
-The bus is `--socket ADDRESS`, else ``$SBUS_SOCKET``, else ``/run/sbus.socket`` (where the server listens by default) in
+The bus is `--bus ADDRESS`, else ``$SBUS_SOCKET``, else ``/run/sbus.socket`` (where the server listens by default) in
 the working directory. Errors are one line on stderr (``sbus: ...``) and a
 non-zero exit status (2 for a usage error: every number is checked when the
 command line is parsed); Ctrl-C exits with 130 and no traceback.
@@ -42,6 +42,10 @@ import unicodedata
 from sbus.core.codec import MAX_PACKET, DropNotice, Message, ProtocolError
 
 from .client.address import ABSTRACT_PREFIX, AddressError, resolve
+from .respell import respell
+
+#: The bus was ``-s``/``--socket`` before every command called it ``--bus`` (sbus.respell).
+OLD_SPELLINGS = {"-s": "-b", "--socket": "--bus"}
 from .client.blocking import Client, ConnectionClosed, PacketTooLarge
 
 #: How long to wait for the server's answer to a request (whoami, stats).
@@ -77,7 +81,7 @@ def _connect(args) -> Client:
             raise CliError(f"{where}: not an abstract address: {ABSTRACT_PREFIX} must be followed by "
                            "an even number of hex digits, starting with 00 (as sbusd -a "
                            "/dev/unix/abstract prints it)") from None
-        raise CliError(f"{where}: no such socket (is sbusd running? see --socket, $SBUS_SOCKET)") from None
+        raise CliError(f"{where}: no such socket (is sbusd running? see --bus, $SBUS_SOCKET)") from None
     except ConnectionRefusedError:
         if addr.kind == "path":
             kind = _not_a_socket(where)
@@ -613,13 +617,13 @@ class _OptionsAnywhere(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-s", "--socket", metavar="ADDRESS", default=argparse.SUPPRESS,
+    common.add_argument("-b", "--bus", metavar="ADDRESS", default=argparse.SUPPRESS, dest="socket",
                         help="the bus: a path, /dev/unix/abstract/HEX or /dev/fd/N "
                              "(default: $SBUS_SOCKET, else /run/sbus.socket)")
     parser = argparse.ArgumentParser(
         prog="sbus",
         description="Publish and subscribe on an sbus message bus.",
-        epilog="The address: --socket, else $SBUS_SOCKET, else /run/sbus.socket (where sbusd and "
+        epilog="The address: --bus, else $SBUS_SOCKET, else /run/sbus.socket (where sbusd and "
                "twistd sbus listen when given no address).",
         parents=[common],
     )
@@ -719,7 +723,9 @@ def _quiet_stdout():
 
 def main(argv=None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        if argv is None:
+            argv = sys.argv[1:]
+        args = build_parser().parse_args(respell(list(argv), OLD_SPELLINGS, "sbus"))
         return args.func(args) or 0
     except KeyboardInterrupt:
         try:

@@ -7,6 +7,8 @@ import os
 from twisted.application.service import ServiceMaker
 from twisted.python import usage
 
+from sbus.respell import respell
+
 
 #: What every service does when its bus is missing; its --help says so (issue 22).
 MISSING_BUS_HELP = ("A bus that is not there (yet) is named once in the log, with its full path and "
@@ -67,6 +69,24 @@ METRICS_OPTION = [
     "unless mode= is given). It shows what root's stats show. Default: off.",
     metrics_option,
 ]
+
+
+# --- one spelling per idea (issue 34): sbus.respell --------------------------------------
+
+
+class RespelledOptions(usage.Options):
+    """A plugin's options whose old spellings (`renamed`) still parse, with a warning each."""
+
+    #: old option -> new option, and the command that warns
+    renamed: dict[str, str] = {}
+    command = "twistd"
+
+    def parseOptions(self, options=None):
+        import sys
+
+        if options is None:
+            options = sys.argv[1:]
+        super().parseOptions(respell(list(options), self.renamed, self.command))
 
 
 # --- twistd plugins: start-up failures are one line ---------------------------------------

@@ -109,7 +109,7 @@ class _Services:
             reach = _abstract()
             handed = _listening(socket.SOCK_SEQPACKET, reach)
             where = f"/dev/fd/{handed.fileno()}" if kind == "fd" else "systemd"
-        args = ["sbus-relay", "--upstream", self.master.address, "--socket", where, "--mode", "0770"]
+        args = ["sbus-relay", "--bus", self.master.address, "--socket", where, "--mode", "0770"]
         return self._start(kind, args, handed), reach
 
     def _gateway(self, kind: str):

@@ -81,7 +81,7 @@ def _answers_whoami(address) -> bytes | None:
 
 def relay(tmp_path, upstream: str, address: str, *args) -> LoggedProcess:
     """`twistd sbus-relay` below `upstream`, ready once it answers whoami on `address`."""
-    p = LoggedProcess([sys.executable, "-m", "twisted", "--log-format", "text", "sbus-relay", "--upstream", upstream,
+    p = LoggedProcess([sys.executable, "-m", "twisted", "--log-format", "text", "sbus-relay", "--bus", upstream,
                        "--socket", address, *args], Path(tmp_path) / f"relay-{uuid.uuid4().hex[:6]}.log")
     p.address = address
     wait_until(lambda: p.alive_or_raise() and _answers_whoami(address), f"relay serving on {address}")

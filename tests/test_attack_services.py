@@ -226,7 +226,7 @@ def test_root_bridge_reconnects_when_its_connecting_helper_is_killed(start_bus, 
     from test_bridge import recv_until
 
     bus_a, bus_b = start_bus(), start_bus()
-    bridge = TwistdProcess(["sbus-bridge", "--a", bus_a.address, "--b", bus_b.address, "--max-delay", "0.2",
+    bridge = TwistdProcess(["sbus-bridge", "--bus-a", bus_a.address, "--bus-b", bus_b.address, "--max-delay", "0.2",
                             "--rule", "'' a>b", "--rule", "'' a>b !/cred//// to-bridge/"], tmp_path)
     try:
         text = bridge.wait_log(r"side a: connected to .* as !/cred/\d+/\d+/\d+; ")
@@ -511,7 +511,7 @@ def test_root_bridge_leaves_no_helper_behind_across_bus_restarts(start_bus, tmp_
     from helpers import wait_until
 
     bus_a, bus_b = start_bus(), start_bus()
-    bridge = TwistdProcess(["sbus-bridge", "--a", bus_a.address, "--b", bus_b.address, "--max-delay", "0.2",
+    bridge = TwistdProcess(["sbus-bridge", "--bus-a", bus_a.address, "--bus-b", bus_b.address, "--max-delay", "0.2",
                             "--rule", "'' both"], tmp_path)
     try:
         bridge.wait_log(r"side a: connected to .*; ")

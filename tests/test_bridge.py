@@ -56,7 +56,7 @@ def twistd(tmp_path):
 
 
 def start_bridge(twistd, a, b, *rules, extra=()):
-    args = ["sbus-bridge", "--a", a, "--b", b, "--max-delay", "0.5", *extra]
+    args = ["sbus-bridge", "--bus-a", a, "--bus-b", b, "--max-delay", "0.5", *extra]
     for r in rules:
         args += ["--rule", r]
     bridge = twistd(*args)
@@ -109,9 +109,9 @@ def test_rule_syntax():
 def test_usage_errors_are_one_line(tmp_path):
     cfg = tmp_path / "bridge.conf"
     cfg.write_text("a A.socket\nb B.socket\nrule x/ diagonal\n")
-    for args, needle in ((["--a", "x", "--rule", "p a>b"], "--b ADDRESS is required"),
-                         (["--a", "x", "--b", "y"], "at least one --rule"),
-                         (["--a", "x", "--b", "y", "--rule", "p up"], "direction must be"),
+    for args, needle in ((["--bus-a", "x", "--rule", "p a>b"], "--bus-b ADDRESS is required"),
+                         (["--bus-a", "x", "--bus-b", "y"], "at least one --rule"),
+                         (["--bus-a", "x", "--bus-b", "y", "--rule", "p up"], "direction must be"),
                          (["--config", str(cfg)], "bridge.conf:3")):
         res = subprocess.run([*TWISTD, "sbus-bridge", *args], capture_output=True, timeout=TIMEOUT,
                              cwd=tmp_path, env=child_env())
@@ -254,7 +254,7 @@ def test_root_bridge_never_follows_a_users_symlink_into_another_bus(start_bus, t
         planted = os.path.join(d, "sbus.socket")
         # the user of that directory points their socket path at the victim's bus
         assert run_as(NOBODY, NOBODY, lambda: os.symlink(victim.address, planted) or "ok") == "ok"
-        bridge = twistd("sbus-bridge", "--a", side_a.address, "--b", planted, "--max-delay", "0.2",
+        bridge = twistd("sbus-bridge", "--bus-a", side_a.address, "--bus-b", planted, "--max-delay", "0.2",
                         "--rule", "'' both")
         bridge.wait_log(r"side a: connected .*; ready")
         bridge.wait_log(r"side b: cannot connect to .*(Permission denied|symlink).*connecting as uid 65534")

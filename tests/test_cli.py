@@ -54,7 +54,7 @@ class Sub:
         os.mkfifo(self.fifo)
         fd = os.open(self.fifo, os.O_RDONLY | os.O_NONBLOCK)
         try:
-            self.proc = subprocess.Popen([*SBUS, "--socket", address, "sub", *args, "--ready-file", self.fifo],
+            self.proc = subprocess.Popen([*SBUS, "--bus", address, "sub", *args, "--ready-file", self.fifo],
                                          stdout=stdout, stderr=subprocess.PIPE, env=environ())
             deadline = time.monotonic() + TIMEOUT
             got = b""
@@ -97,7 +97,7 @@ def subs(tmp_path, bus):
 
 
 def pub(bus, *args, input=None):
-    r = sbus_run("--socket", bus.address, "pub", *args, input=input)
+    r = sbus_run("--bus", bus.address, "pub", *args, input=input)
     assert r.returncode == 0, r.stderr
     assert r.stderr == b""
     return r
@@ -107,7 +107,7 @@ def pub(bus, *args, input=None):
 
 
 def test_whoami(bus):
-    r = sbus_run("--socket", bus.address, "whoami")
+    r = sbus_run("--bus", bus.address, "whoami")
     assert r.returncode == 0, r.stderr
     assert re.fullmatch(rb"!/cred/%d/%d/\d+\n" % (os.getgid(), os.getuid()), r.stdout)
 
@@ -176,9 +176,9 @@ def test_sub_several_patterns_and_binary_key(bus, subs):
 
 
 def test_sub_timeout(bus):
-    r = sbus_run("--socket", bus.address, "sub", "quiet", "--timeout", "0.2")
+    r = sbus_run("--bus", bus.address, "sub", "quiet", "--timeout", "0.2")
     assert (r.returncode, r.stdout, r.stderr) == (0, b"", b"")
-    r = sbus_run("--socket", bus.address, "sub", "quiet", "--timeout", "0.2", "--count", "1")
+    r = sbus_run("--bus", bus.address, "sub", "quiet", "--timeout", "0.2", "--count", "1")
     assert_one_error_line(r, "timed out", "0 of 1", status=124)
 
 
@@ -221,19 +221,19 @@ def test_sub_reports_what_the_server_dropped(bus, subs):
 
 
 def test_stats(bus):
-    r = sbus_run("--socket", bus.address, "stats")
+    r = sbus_run("--bus", bus.address, "stats")
     assert r.returncode == 0, r.stderr
     text = r.stdout.decode()
     assert re.search(r"^clients\s+1$", text, re.M)
     assert re.search(r"^packets_in\s+\d+$", text, re.M)
     assert "queues:" in text and "QUEUED_BYTES" in text
-    r = sbus_run("--socket", bus.address, "stats", "--json")
+    r = sbus_run("--bus", bus.address, "stats", "--json")
     stats = json.loads(r.stdout)
     assert stats["clients"] == 1 and isinstance(stats["queues"], list)
 
 
 def test_ping(bus):
-    r = sbus_run("--socket", bus.address, "ping", "--count", "3")
+    r = sbus_run("--bus", bus.address, "ping", "--count", "3")
     assert r.returncode == 0, r.stderr
     assert re.fullmatch(r"3 round trips: min [\d.]+ µs, median [\d.]+ µs, max [\d.]+ µs\n", r.stdout.decode())
 
@@ -244,11 +244,11 @@ def test_ping(bus):
 def test_address_order(start_bus, tmp_path):
     bus = start_bus(address=str(tmp_path / "sbus.socket"))
     missing = str(tmp_path / "missing.socket")
-    # --socket wins over $SBUS_SOCKET
-    r = sbus_run("--socket", bus.address, "whoami", env=environ(SBUS_SOCKET=missing))
+    # --bus wins over $SBUS_SOCKET
+    r = sbus_run("--bus", bus.address, "whoami", env=environ(SBUS_SOCKET=missing))
     assert r.returncode == 0, r.stderr
     # after the command name too
-    r = sbus_run("whoami", "--socket", bus.address, env=environ(SBUS_SOCKET=missing))
+    r = sbus_run("whoami", "--bus", bus.address, env=environ(SBUS_SOCKET=missing))
     assert r.returncode == 0, r.stderr
     # $SBUS_SOCKET, from any directory
     assert_one_error_line(sbus_run("whoami", env=environ(SBUS_SOCKET=missing), cwd=tmp_path), missing)
@@ -262,7 +262,7 @@ def test_address_order(start_bus, tmp_path):
 
 def test_abstract_address(start_bus):
     bus = start_bus(address="/dev/unix/abstract")
-    r = sbus_run("--socket", bus.printed.decode().strip(), "whoami")
+    r = sbus_run("--bus", bus.printed.decode().strip(), "whoami")
     assert r.returncode == 0, r.stderr
 
 
@@ -271,7 +271,7 @@ def test_abstract_address(start_bus):
 
 def test_error_socket_missing(tmp_path):
     path = str(tmp_path / "nothing.socket")
-    assert_one_error_line(sbus_run("--socket", path, "whoami"), path, "no such socket")
+    assert_one_error_line(sbus_run("--bus", path, "whoami"), path, "no such socket")
 
 
 def test_error_connection_refused(tmp_path):
@@ -279,7 +279,7 @@ def test_error_connection_refused(tmp_path):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.bind(path)
     s.close()  # the socket file stays behind, nobody listens
-    assert_one_error_line(sbus_run("--socket", path, "pub", "k", "v"), "connection refused")
+    assert_one_error_line(sbus_run("--bus", path, "pub", "k", "v"), "connection refused")
 
 
 def test_error_permission_denied(bus):
@@ -291,13 +291,13 @@ def test_error_permission_denied(bus):
             pytest.skip("running as root without setpriv: cannot lose CAP_DAC_OVERRIDE")
         prefix = (setpriv, "--inh-caps=-all", "--bounding-set=-all")
     os.chmod(bus.address, 0)
-    assert_one_error_line(sbus_run("--socket", bus.address, "whoami", prefix=prefix), "permission denied")
+    assert_one_error_line(sbus_run("--bus", bus.address, "whoami", prefix=prefix), "permission denied")
 
 
 def test_error_server_closes_the_connection(bus, subs):
     # a subscription in another process's secret space gets us disconnected, and the server
     # says why (CMSG server/disconnect): that reason is the one line printed
-    err = assert_one_error_line(sbus_run("--socket", bus.address, "sub", "!/cred/1/2/3/x"),
+    err = assert_one_error_line(sbus_run("--bus", bus.address, "sub", "!/cred/1/2/3/x"),
                                 "the server closed the connection", "forbidden_subscription")
     assert "secret pattern" in err and "gid" in err, err
     # a server that goes away says nothing more specific than that
@@ -326,7 +326,7 @@ def test_error_server_reason_after_a_failed_send(tmp_path):
     t.start()
     try:
         # paced, so that sends go on after the server has closed: one of them fails
-        r = sbus_run("--socket", path, "pub", "k", "v", "--count", "1000", "--rate", "200")
+        r = sbus_run("--bus", path, "pub", "k", "v", "--count", "1000", "--rate", "200")
         assert_one_error_line(r, "the server closed the connection", "oversize", "over the 10-byte limit")
     finally:
         t.join(TIMEOUT)
@@ -350,7 +350,7 @@ def test_error_server_reason_is_escaped(tmp_path):
     t = threading.Thread(target=fake_server, daemon=True)
     t.start()
     try:
-        err = assert_one_error_line(sbus_run("--socket", path, "whoami"), "protocol_error", "bad \\e[2J\\nfake line")
+        err = assert_one_error_line(sbus_run("--bus", path, "whoami"), "protocol_error", "bad \\e[2J\\nfake line")
         assert "\x1b" not in err
     finally:
         t.join(TIMEOUT)
@@ -360,22 +360,22 @@ def test_error_server_reason_is_escaped(tmp_path):
 def test_error_message_too_large(bus, tmp_path):
     big = tmp_path / "big"
     big.write_bytes(b"x" * MAX_PACKET)
-    assert_one_error_line(sbus_run("--socket", bus.address, "pub", "k", "--file", str(big)), "too large", "409600")
-    assert_one_error_line(sbus_run("--socket", bus.address, "pub", "k", input=b"ok\n" + b"y" * MAX_PACKET + b"\n"),
+    assert_one_error_line(sbus_run("--bus", bus.address, "pub", "k", "--file", str(big)), "too large", "409600")
+    assert_one_error_line(sbus_run("--bus", bus.address, "pub", "k", input=b"ok\n" + b"y" * MAX_PACKET + b"\n"),
                    "too large")
     # exactly at the limit is fine
     big.write_bytes(b"x" * (MAX_PACKET - len(b"MSG k\0")))
-    assert sbus_run("--socket", bus.address, "pub", "k", "--file", str(big)).returncode == 0
+    assert sbus_run("--bus", bus.address, "pub", "k", "--file", str(big)).returncode == 0
 
 
 def test_error_bad_address():
-    assert_one_error_line(sbus_run("--socket", "/dev/unix/abstract/61", "whoami"), "abstract")
+    assert_one_error_line(sbus_run("--bus", "/dev/unix/abstract/61", "whoami"), "abstract")
 
 
 @pytest.mark.parametrize("address", ["/dev/unix/abstract/zz", "/dev/unix/abstract/", "/dev/unix/abstract/0"])
 def test_error_abstract_address_not_hex(address):
     # these parse as paths (as in the reference server): say what is wrong with them, not "no such socket"
-    err = assert_one_error_line(sbus_run("--socket", address, "whoami"), address, "not an abstract address",
+    err = assert_one_error_line(sbus_run("--bus", address, "whoami"), address, "not an abstract address",
                                 "hex digits")
     assert "no such socket" not in err
 
@@ -387,7 +387,7 @@ def test_error_not_a_socket(tmp_path, kind):
         path.mkdir()
     else:
         path.write_text("not a socket\n")
-    err = assert_one_error_line(sbus_run("--socket", str(path), "whoami"), str(path), f"not a socket (a {kind})")
+    err = assert_one_error_line(sbus_run("--bus", str(path), "whoami"), str(path), f"not a socket (a {kind})")
     assert "refused" not in err
 
 
@@ -403,7 +403,7 @@ def test_error_not_a_socket(tmp_path, kind):
 ])
 def test_numbers_checked_when_parsing(tmp_path, argv, option):
     # a usage error (status 2) before anything connects: the socket does not even exist
-    r = sbus_run("--socket", str(tmp_path / "missing.socket"), *argv)
+    r = sbus_run("--bus", str(tmp_path / "missing.socket"), *argv)
     err = r.stderr.decode()
     assert r.returncode == 2, (r.returncode, err)
     assert option in err and "Traceback" not in err and "no such socket" not in err, err
@@ -502,7 +502,7 @@ def test_json_escapes_round_trip():
 def test_ready_file_regular_is_atomic_and_private(bus, tmp_path):
     (tmp_path / "r").mkdir()
     path = tmp_path / "r" / "ready"
-    r = sbus_run("--socket", bus.address, "sub", "x", "--timeout", "0.1", "--ready-file", str(path))
+    r = sbus_run("--bus", bus.address, "sub", "x", "--timeout", "0.1", "--ready-file", str(path))
     assert r.returncode == 0, r.stderr
     assert path.read_text() == "ready\n"
     assert oct(path.stat().st_mode & 0o777) == oct(0o600)
@@ -515,7 +515,7 @@ def test_ready_file_does_not_follow_planted_symlinks(bus, tmp_path):
     victim.write_text("precious\n")
     path = tmp_path / "ready"
     path.symlink_to(victim)  # the ready path itself a symlink: replaced, its target untouched
-    proc = subprocess.Popen([*SBUS, "--socket", bus.address, "sub", "x", "--timeout", "0.1",
+    proc = subprocess.Popen([*SBUS, "--bus", bus.address, "sub", "x", "--timeout", "0.1",
                              "--ready-file", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=environ())
     for guess in range(proc.pid, proc.pid + 3):  # what the old code would have used
@@ -527,7 +527,7 @@ def test_ready_file_does_not_follow_planted_symlinks(bus, tmp_path):
 
 
 def test_ready_file_in_a_missing_directory(bus, tmp_path):
-    r = sbus_run("--socket", bus.address, "sub", "x", "--ready-file", str(tmp_path / "no" / "ready"))
+    r = sbus_run("--bus", bus.address, "sub", "x", "--ready-file", str(tmp_path / "no" / "ready"))
     assert_one_error_line(r, "--ready-file", "No such file or directory")
 
 
@@ -536,7 +536,7 @@ def test_ready_fifo_gets_eof_on_failure(tmp_path):
     os.mkfifo(fifo)
     fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
     try:
-        r = sbus_run("--socket", str(tmp_path / "missing"), "sub", "x", "--ready-file", fifo)
+        r = sbus_run("--bus", str(tmp_path / "missing"), "sub", "x", "--ready-file", fifo)
         assert_one_error_line(r, "no such socket")
         assert select.select([fd], [], [], TIMEOUT)[0] and os.read(fd, 64) == b""  # EOF, not "ready"
     finally:

@@ -18,14 +18,14 @@ from helpers import connect, msg, recv, send, sub, sync
 CASES = {
     "pub": (["a/key", "payload"], [["--count", "3"], ["-r", "5"]], []),
     "sub": (["a/", "b/"], [["-n", "2"], ["--timeout", "4"], ["-F", "json"]], []),
-    "whoami": ([], [["--socket", "/tmp/x.socket"]], []),
+    "whoami": ([], [["--bus", "/tmp/x.socket"]], []),
     "stats": ([], [["--json"], ["--wait", "2"]], []),
     "ping": ([], [["-n", "4"], ["-t", "3"]], []),
     "top": ([], [["-i", "2"], ["-n", "1"]], []),
     "request": (["svc/echo", "body"], [["-t", "3"], ["--raw"]], []),
     "serve": (["svc/"], [["-n", "2"], ["--ready-file", "/tmp/r"]], ["cat", "-n"]),
     "work": (["jobs"], [["-n", "2"], ["-t", "3"]], ["sh", "-c", "cat -n"]),
-    "submit": (["jobs", "jobs/1", "body"], [["-t", "3"], ["--socket", "/tmp/x.socket"]], []),
+    "submit": (["jobs", "jobs/1", "body"], [["-t", "3"], ["--bus", "/tmp/x.socket"]], []),
 }
 
 
@@ -94,7 +94,7 @@ def test_pub_count_between_key_and_payload_publishes_three(bus):
     s = connect(bus.address)
     send(s, sub("cli/args/"))
     sync(s)
-    result = subprocess.run([sys.executable, "-m", "sbus.cli", "--socket", bus.address,
+    result = subprocess.run([sys.executable, "-m", "sbus.cli", "--bus", bus.address,
                              "pub", "cli/args/k", "--count", "3", "PAYLOAD"], capture_output=True, timeout=30)
     assert result.returncode == 0, result.stderr
     got = [recv(s, timeout=10) for _ in range(3)]

@@ -34,12 +34,12 @@ CLIENT = {
 
 COMMANDS = {
     **{f"client-{name}": [sys.executable, "-c", code, "{bus}"] for name, code in CLIENT.items()},
-    "sbus pub": [sys.executable, "-m", "sbus.cli", "pub", "--socket", "{bus}", "k", "v"],
+    "sbus pub": [sys.executable, "-m", "sbus.cli", "pub", "--bus", "{bus}", "k", "v"],
     "sbus-record": [sys.executable, "-m", "twisted", "sbus-record", "--bus", "{bus}",
                     "--out", "{tmp}/rec"],
     "sbus-msgbus": [sys.executable, "-m", "twisted", "sbus-msgbus", "--bus", "{bus}",
                     "--port", "tcp:0:interface=127.0.0.1"],
-    "sbus-relay": [sys.executable, "-m", "twisted", "sbus-relay", "--upstream", "{bus}",
+    "sbus-relay": [sys.executable, "-m", "twisted", "sbus-relay", "--bus", "{bus}",
                    "--socket", "{tmp}/relay.socket"],
 }
 

@@ -307,7 +307,7 @@ def test_sigterm_stops_every_service_cleanly(service, twice, start_bus, tmp_path
 
     bus_a, bus_b = start_bus(), start_bus()
     if service == "sbus-bridge":
-        args = ["--a", bus_a.address, "--b", bus_b.address, "--rule", "'' both"]
+        args = ["--bus-a", bus_a.address, "--bus-b", bus_b.address, "--rule", "'' both"]
         ready = r"side b: connected .*; ready"
     elif service == "sbus-link":
         key = tmp_path / "k"
@@ -325,7 +325,7 @@ def test_sigterm_stops_every_service_cleanly(service, twice, start_bus, tmp_path
         args = ["--socket", str(tmp_path / "own.socket")]
         ready = "sbus listening on"
     elif service == "sbus-relay":
-        args = ["--upstream", bus_a.address, "--socket", str(tmp_path / "relay.socket")]
+        args = ["--bus", bus_a.address, "--socket", str(tmp_path / "relay.socket")]
         ready = "listening"
     else:
         args = ["--bus", bus_a.address, "--out", str(tmp_path / "rec")]

@@ -233,7 +233,7 @@ def test_editable_then_regular_with_extras_then_editable(tmp_path_factory, sourc
                               stderr=subprocess.PIPE, cwd=v.workdir, env=_env())
     try:
         assert server.stdout.read() == b""  # end of standard output: listening
-        r = v.run("sbus", "--socket", str(sock), "whoami")
+        r = v.run("sbus", "--bus", str(sock), "whoami")
         assert r.returncode == 0 and r.stdout.startswith("!/cred/"), r.stderr
     finally:
         server.terminate()

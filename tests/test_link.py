@@ -336,7 +336,7 @@ def test_plain_tcp_refused_off_loopback_without_flag(tmp_path, pki):
         r = run(*args)
         err = r.stderr.decode().strip()
         assert r.returncode != 0, args
-        assert len(err.splitlines()) == 1 and "refusing" in err and "--allow-plain-tcp" in err, (args, err)
+        assert len(err.splitlines()) == 1 and "refusing" in err and "--allow-plain" in err, (args, err)
     r = run("--listen", "tcp:1", "--connect", "tcp:2")
     assert r.returncode != 0
 
@@ -354,7 +354,7 @@ def shared_key(tmp_path, name="link.key", owner=None) -> str:
 def test_plain_tcp_allowed_with_flag_and_on_loopback(start_bus, tmp_path, procs):
     bus_a, bus_b = start_bus(), start_bus()
     key = shared_key(tmp_path)
-    a = LinkProc(tmp_path, bus_a, "--listen", "tcp:0:interface=0.0.0.0", "--allow-plain-tcp",
+    a = LinkProc(tmp_path, bus_a, "--listen", "tcp:0:interface=0.0.0.0", "--allow-plain",
                  "--key-file", key, name="link-a")
     procs.append(a)
     port = a.port()
@@ -442,7 +442,7 @@ def test_loopback_tcp_needs_the_shared_key(tmp_path):
                               stdin=subprocess.DEVNULL)
 
     for args in (["--listen", "tcp:0:interface=127.0.0.1"], ["--connect", "tcp:host=127.0.0.1:port=7999"],
-                 ["--listen", "tcp:0:interface=0.0.0.0", "--allow-plain-tcp"]):
+                 ["--listen", "tcp:0:interface=0.0.0.0", "--allow-plain"]):
         r = run(*args)
         err = r.stderr.decode().strip()
         assert r.returncode != 0 and len(err.splitlines()) == 1 and "--key-file" in err, (args, err)

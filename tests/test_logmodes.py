@@ -48,11 +48,11 @@ def plugin_args(name: str, address: str, tmp_path) -> list[str]:
         return ["sbus-msgbus", "--bus", address, "--port", "tcp:0:interface=127.0.0.1"]
     if name == "sbus-bridge":
         other = address.replace("bus.socket", "other.socket")
-        return ["sbus-bridge", "--a", address, "--b", other, "--rule", "x/ a>b"]
+        return ["sbus-bridge", "--bus-a", address, "--bus-b", other, "--rule", "x/ a>b"]
     if name == "sbus-nats":
         pytest.importorskip("nats")
         return ["sbus-nats", "--bus", address, "--server", "nats://127.0.0.1:1", "--allow-unauthenticated",
-                "--reconnect-wait", "5", "--export", "x/*"]
+                "--initial-delay", "5", "--export", "x/*"]
     raise AssertionError(name)
 
 

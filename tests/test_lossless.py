@@ -106,7 +106,7 @@ def stats_drops(bus) -> dict:
 
 
 def bridge_between(services, a, b):  # noqa: F811
-    br = services("sbus-bridge", "--a", a, "--b", b, "--rule", "burst/ a>b", "--max-delay", "0.5")
+    br = services("sbus-bridge", "--bus-a", a, "--bus-b", b, "--rule", "burst/ a>b", "--max-delay", "0.5")
     deadline = time.monotonic() + SERVICE_TIMEOUT
     while "forwarding between a and b" not in br.log():
         br.alive_or_raise()

@@ -86,7 +86,7 @@ class Twistd(LoggedProcess):
 
 
 def start_bridge(tmp, bus, servers, *args):
-    argv = ["sbus-nats", "--bus", bus, "--reconnect-wait", "0.2", "--stats-interval", "1"]
+    argv = ["sbus-nats", "--bus", bus, "--initial-delay", "0.2", "--stats-interval", "1"]
     for s in servers:
         argv += ["--server", s]
     p = Twistd([*argv, *args], tmp)
@@ -152,7 +152,7 @@ def mesh(tmp_path_factory):
             # each bridge knows the whole cluster, its own node first
             mine = [urls[i]] + [u for j, u in enumerate(urls) if j != i]
             extra = ["--import", "t/"] if i == 2 else []   # overlaps '': deduplicated
-            bridges.append(Twistd(["sbus-nats", UNAUTH, "--bus", b.address, "--reconnect-wait", "0.2",
+            bridges.append(Twistd(["sbus-nats", UNAUTH, "--bus", b.address, "--initial-delay", "0.2",
                                    "--stats-interval", "1", *[a for u in mine for a in ("--server", u)],
                                    "--export", "", "--import", "", *extra], tmp))
         procs += bridges
@@ -568,9 +568,9 @@ def test_started_before_nats_and_whole_cluster_restart(tmp_path):
             buses.append(SbusdProcess(["-f", "-a", addr], tmp_path / f"{name}.log", address=addr))
         procs += buses
         url = f"nats://127.0.0.1:{port}"
-        x = Twistd(["sbus-nats", UNAUTH, "--bus", buses[0].address, "--server", url, "--reconnect-wait", "0.2",
+        x = Twistd(["sbus-nats", UNAUTH, "--bus", buses[0].address, "--server", url, "--initial-delay", "0.2",
                     "--export", "t/"], tmp_path)
-        y = Twistd(["sbus-nats", UNAUTH, "--bus", buses[1].address, "--server", url, "--reconnect-wait", "0.2",
+        y = Twistd(["sbus-nats", UNAUTH, "--bus", buses[1].address, "--server", url, "--initial-delay", "0.2",
                     "--import", "t/"], tmp_path)
         procs += [x, y]
         for br in (x, y):
@@ -675,7 +675,7 @@ def test_interest_after_the_bus_is_killed_and_restarted(tmp_path):
         bus = SbusdProcess(["-f", "-a", addr], tmp_path / "bus1.log", address=addr)
         procs.append(bus)
         y = Twistd(["sbus-nats", UNAUTH, "--bus", addr, "--server", url, "--import", "t/",
-                    "--reconnect-wait", "0.2"], tmp_path)
+                    "--initial-delay", "0.2"], tmp_path)
         procs.append(y)
         y.wait_re(r"NATS: connected to .*; ready")
         s = subscriber(bus, b"t/x")
@@ -767,7 +767,7 @@ def test_tls_with_client_certificates_and_a_token(tmp_path):
             buses.append(SbusdProcess(["-f", "-a", addr], tmp_path / f"{name}.log", address=addr))
         procs += buses
         common = ["--server", f"tls://127.0.0.1:{port}", "--tls-ca", ca, "--tls-cert", cli_cert,
-                  "--tls-key", cli_key, "--reconnect-wait", "0.2"]
+                  "--tls-key", cli_key, "--initial-delay", "0.2"]
         good, wrong = tmp_path / "token", tmp_path / "wrong-token"
         for path, text in ((good, token), (wrong, "wrong")):
             path.write_text(text + "\n")
@@ -808,7 +808,7 @@ def test_nats_without_authentication_is_refused(tmp_path):
     try:
         node.wait_log("Server is ready")
         argv = [*TWISTD, "sbus-nats", "--bus", addr, "--server", f"nats://127.0.0.1:{port}",
-                "--reconnect-wait", "0.2", "--export", "", "--import", ""]
+                "--initial-delay", "0.2", "--export", "", "--import", ""]
         svc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
                                stdin=subprocess.DEVNULL)
         try:

@@ -67,7 +67,7 @@ class Pair:
 
     def start(self, side) -> Twistd:
         p = Twistd(["sbus-nats", UNAUTH, "--bus", self.buses[side].address, "--server", self.url,
-                    "--reconnect-wait", "0.2", "--stats-interval", "1", *self.args[side]], self.tmp)
+                    "--initial-delay", "0.2", "--stats-interval", "1", *self.args[side]], self.tmp)
         self.instances[side].append(p)
         self.procs.append(p)
         return p
@@ -100,7 +100,7 @@ class Pair:
     def top_line(self, side) -> str:
         """The sbus-nats line of `sbus top` on that side's bus (the answers asked for in a frame
         are shown in the next: the second frame's)."""
-        r = subprocess.run([sys.executable, "-m", "sbus.cli", "--socket", self.buses[side].address,
+        r = subprocess.run([sys.executable, "-m", "sbus.cli", "--bus", self.buses[side].address,
                             "top", "-n", "2", "-i", "0.5"], capture_output=True, timeout=30,
                            env=child_env(), stdin=subprocess.DEVNULL)
         assert r.returncode == 0, r.stderr[-300:]

@@ -64,14 +64,14 @@ def test_server_and_clients_share_one_default(tmp_path):
 
 @pytest.mark.parametrize("pattern", ["#", ">", "sensors/#", "sensors.>"])
 def test_sub_hints_that_a_foreign_wildcard_is_a_literal_key(pattern, bus):
-    r = run([*SBUS, "sub", "--socket", bus.address, "-n", "1", "-t", "0.1", pattern])
+    r = run([*SBUS, "sub", "--bus", bus.address, "-n", "1", "-t", "0.1", pattern])
     assert r.returncode == 124, r.stderr  # nothing came: a literal key nobody publishes
     line = r.stderr.decode().splitlines()[0]
     assert line.startswith(f"sbus: hint: {pattern!r} is a literal key") and "'' matches every key" in line, line
 
 
 def test_sub_gives_no_hint_for_sbus_patterns(bus):
-    r = run([*SBUS, "sub", "--socket", bus.address, "-n", "1", "-t", "0.1", "", "a/", "a/*/c", "a#b"])
+    r = run([*SBUS, "sub", "--bus", bus.address, "-n", "1", "-t", "0.1", "", "a/", "a/*/c", "a#b"])
     assert r.returncode == 124 and b"hint" not in r.stderr, r.stderr  # 124: nothing came
 
 
@@ -86,7 +86,7 @@ def test_sub_help_says_what_matches_everything():
 def test_pub_whole_reads_no_more_than_one_message_can_carry(bus):
     """`yes | sbus pub k --whole` grew to GBs before failing. Now: the limit plus one byte, then
     one error line. The writer below counts what the command took before it let go."""
-    p = subprocess.Popen([*SBUS, "pub", "--socket", bus.address, "k", "--whole"], stdin=subprocess.PIPE,
+    p = subprocess.Popen([*SBUS, "pub", "--bus", bus.address, "k", "--whole"], stdin=subprocess.PIPE,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env())
     chunk, written = b"y\n" * 32768, 0
     try:
@@ -109,7 +109,7 @@ def test_pub_whole_reads_no_more_than_one_message_can_carry(bus):
 
 
 def test_pub_file_reads_no_more_than_one_message_can_carry(bus):
-    r = run([*SBUS, "pub", "--socket", bus.address, "k", "--file", "/dev/zero"])  # endless
+    r = run([*SBUS, "pub", "--bus", bus.address, "k", "--file", "/dev/zero"])  # endless
     assert r.returncode == 1 and r.stderr.count(b"\n") == 1, r.stderr
     assert r.stderr.startswith(b"sbus: message too large: /dev/zero holds more than %d bytes" % LIMIT)
 
@@ -117,16 +117,16 @@ def test_pub_file_reads_no_more_than_one_message_can_carry(bus):
 def test_pub_largest_message_still_goes(bus, tmp_path):
     f = tmp_path / "big"
     f.write_bytes(b"x" * LIMIT)
-    assert run([*SBUS, "pub", "--socket", bus.address, "k", "--file", str(f)]).returncode == 0
-    r = run([*SBUS, "pub", "--socket", bus.address, "k", "--whole"], stdin=open(f, "rb"))
+    assert run([*SBUS, "pub", "--bus", bus.address, "k", "--file", str(f)]).returncode == 0
+    r = run([*SBUS, "pub", "--bus", bus.address, "k", "--whole"], stdin=open(f, "rb"))
     assert r.returncode == 0, r.stderr
     f.write_bytes(b"x" * (LIMIT + 1))
-    r = run([*SBUS, "pub", "--socket", bus.address, "k", "--file", str(f)])
+    r = run([*SBUS, "pub", "--bus", bus.address, "k", "--file", str(f)])
     assert r.returncode == 1 and b"message too large" in r.stderr
 
 
 def test_pub_lines_are_bounded_too(bus):
-    r = run([*SBUS, "pub", "--socket", bus.address, "k", "-"], stdin=open("/dev/zero", "rb"))  # one endless line
+    r = run([*SBUS, "pub", "--bus", bus.address, "k", "-"], stdin=open("/dev/zero", "rb"))  # one endless line
     assert r.returncode == 1 and r.stderr.startswith(b"sbus: message too large: a line of standard input"), \
         r.stderr
 
@@ -135,13 +135,13 @@ def test_pub_lines_are_bounded_too(bus):
 
 
 def test_stats_services_with_none_says_so(bus):
-    r = run([*SBUS, "stats", "--services", "--wait", "0.2", "--socket", bus.address])
+    r = run([*SBUS, "stats", "--services", "--wait", "0.2", "--bus", bus.address])
     assert r.returncode == 1 and r.stdout == b"[]\n"
     assert r.stderr.startswith(b"sbus: no service answered within 0.2 s") and r.stderr.count(b"\n") == 1, r.stderr
 
 
 def test_ready_file_in_a_directory_that_takes_no_file(bus):
-    r = run([*SBUS, "sub", "--socket", bus.address, "--ready-file", "/proc/version", "x"])
+    r = run([*SBUS, "sub", "--bus", bus.address, "--ready-file", "/proc/version", "x"])
     assert r.returncode == 1 and r.stderr.count(b"\n") == 1, r.stderr
     assert r.stderr.startswith(b"sbus: --ready-file /proc/version: cannot create a file in /proc"), r.stderr
     assert b"directory you can write to" in r.stderr

@@ -40,7 +40,7 @@ class Relay(Twistd):
     def __init__(self, upstream: str, address: str, tmp_path, *extra, wait: bool = True):
         self.address = address
         self.upstream = upstream
-        super().__init__("sbus-relay", ["--upstream", upstream, "--socket", address, *extra], tmp_path,
+        super().__init__("sbus-relay", ["--bus", upstream, "--socket", address, *extra], tmp_path,
                          name=f"relay-{Path(address).stem}")
         if wait:
             self.wait_ready()
@@ -375,15 +375,15 @@ def test_relay_options(tmp_path):
                               timeout=TIMEOUT, cwd=tmp_path, env=child_env(), stdin=subprocess.DEVNULL)
 
     r = run("--socket", "x.sock")
-    assert r.returncode != 0 and b"--upstream" in r.stderr + r.stdout
-    r = run("--upstream", "m.sock", "--cred-prefix", "!/cred/1/2/3/")
+    assert r.returncode != 0 and b"--bus" in r.stderr + r.stdout
+    r = run("--bus", "m.sock", "--cred-prefix", "!/cred/1/2/3/")
     assert r.returncode == 2 and b"cred-prefix" in r.stderr, r.stderr  # a relay has no such option
     (tmp_path / "exists.sock").write_text("")
-    r = run("--upstream", "m.sock", "--socket", "exists.sock")
+    r = run("--bus", "m.sock", "--socket", "exists.sock")
     assert r.returncode != 0 and b"exists" in r.stderr + r.stdout
     r = run("--help")
     out = r.stdout.decode()
-    for opt in ("--upstream", "--socket", "--mode", "--user", "--max-packet", "--queue-bytes",
+    for opt in ("--bus", "--socket", "--mode", "--user", "--max-packet", "--queue-bytes",
                 "--queue-packets", "--reuse", "--initial-delay", "--max-delay"):
         assert opt in out, opt
     assert "--cred-prefix" not in out  # it takes its prefix from its whoami on the master

@@ -232,7 +232,7 @@ def test_what_the_relay_could_not_send_up_is_counted_across_a_master_kill(start_
     assert sent - len(got) - counted <= sent // 100, (received_first, len(got), up["drops"])
     assert counted >= 1000, up["drops"]  # the 2,000 after the kill, less what went before it was seen
     # The same counters in the stop line and for `sbus stats --services` asked on the relay's bus.
-    answer = subprocess.run([sys.executable, "-m", "sbus.cli", "-s", relay.address, "stats", "--services",
+    answer = subprocess.run([sys.executable, "-m", "sbus.cli", "-b", relay.address, "stats", "--services",
                              "--wait", "3"], capture_output=True, timeout=FAST, env=child_env())
     assert answer.returncode == 0, answer.stderr[-500:]
     relays = [a for a in json.loads(answer.stdout) if a["service"] == "sbus-relay"]
@@ -369,7 +369,7 @@ def test_what_the_master_had_for_a_killed_middle_relay_is_counted_by_its_success
                                            ("nan", "--session-linger: must be 0 or more seconds"),
                                            ("soon", "--session-linger: not a number")])
 def test_relay_session_linger_usage_errors_are_one_line(tmp_path, value, needle):
-    res = subprocess.run([sys.executable, "-m", "twisted", "sbus-relay", "--upstream", str(tmp_path / "m.sock"),
+    res = subprocess.run([sys.executable, "-m", "twisted", "sbus-relay", "--bus", str(tmp_path / "m.sock"),
                           "--socket", str(tmp_path / "r.sock"), "--session-linger", value],
                          capture_output=True, timeout=FAST, cwd=tmp_path, env=child_env())
     out = (res.stderr + res.stdout).decode()

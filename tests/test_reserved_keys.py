@@ -67,7 +67,7 @@ def test_a_catch_all_reference_client_hears_no_bridge_chatter(start_bus, tmp_pat
     send(everything, sub(b""))
     sync(everything)
     bridges = [LoggedProcess([sys.executable, "-m", "twisted", "--log-format", "text", "sbus-bridge",
-                              "--a", a.address, "--b", b.address, "--rule", "'' both", "--max-delay", "0.5"],
+                              "--bus-a", a.address, "--bus-b", b.address, "--rule", "'' both", "--max-delay", "0.5"],
                              tmp_path / f"bridge-{uuid.uuid4().hex[:6]}.log", cwd=tmp_path) for _ in range(2)]
     try:
         heard = set()

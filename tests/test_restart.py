@@ -48,7 +48,7 @@ def _start(argv, cwd: Path, n: int, ready) -> LoggedProcess:
 #: name -> (arguments after twistd -n, readiness check (cwd, process) -> bool)
 SERVICES = {
     "sbus": (["sbus", "--socket", "bus2.socket"], lambda d, p: answers_whoami(str(d / "bus2.socket"))),
-    "sbus-relay": (["sbus-relay", "--upstream", "{bus}", "--socket", "relay.socket"],
+    "sbus-relay": (["sbus-relay", "--bus", "{bus}", "--socket", "relay.socket"],
                    lambda d, p: answers_whoami(str(d / "relay.socket"))),
     "sbus-msgbus": (["sbus-msgbus", "--bus", "{bus}", "--port", "unix:gw.socket"],
                     lambda d, p: "connected to the bus" in p.log() and _accepts_stream(str(d / "gw.socket"))),
@@ -57,7 +57,7 @@ SERVICES = {
                                and _accepts_stream(str(d / "gw.socket"))),
     "sbus-link": (["sbus-link", "--bus", "{bus}", "--listen", "unix:link.socket"],
                   lambda d, p: _accepts_stream(str(d / "link.socket"))),
-    "sbus-bridge": (["sbus-bridge", "--a", "{bus}", "--b", "{bus_b}", "--rule", "x/ a>b"],
+    "sbus-bridge": (["sbus-bridge", "--bus-a", "{bus}", "--bus-b", "{bus_b}", "--rule", "x/ a>b"],
                     lambda d, p: p.log().count("ready") >= 2),
     "sbus-record": (["sbus-record", "--bus", "{bus}", "--out", "rec"],
                     lambda d, p: "subscribed" in p.log()),
@@ -114,11 +114,11 @@ def test_a_live_service_socket_is_not_taken_over(tmp_path, start_bus):
 
 #: name -> (arguments, what the log says once the bus has answered)
 MISSING = {
-    "sbus-relay": (["sbus-relay", "--upstream", "{missing}", "--socket", "relay.socket"], "connected to the master"),
+    "sbus-relay": (["sbus-relay", "--bus", "{missing}", "--socket", "relay.socket"], "connected to the master"),
     "sbus-msgbus": (["sbus-msgbus", "--bus", "{missing}", "--port", "tcp:0:interface=127.0.0.1"],
                     "connected to the bus"),
     "sbus-link": (["sbus-link", "--bus", "{missing}", "--listen", "unix:link.socket"], "listening on"),
-    "sbus-bridge": (["sbus-bridge", "--a", "{missing}", "--b", "{missing}b", "--rule", "x/ a>b"], "ready"),
+    "sbus-bridge": (["sbus-bridge", "--bus-a", "{missing}", "--bus-b", "{missing}b", "--rule", "x/ a>b"], "ready"),
     "sbus-record": (["sbus-record", "--bus", "{missing}", "--out", "rec"], "subscribed"),
     # no NATS server on port 1: the bus side is what is looked at
     "sbus-nats": (["--reactor=asyncio", "sbus-nats", "--bus", "{missing}", "--server", "nats://127.0.0.1:1",

@@ -57,7 +57,7 @@ def services(tmp_path):
 
 
 def bridge(services, a, b, rule="'' both"):
-    return services("sbus-bridge", "--a", a, "--b", b, "--rule", rule, "--max-delay", "0.5",
+    return services("sbus-bridge", "--bus-a", a, "--bus-b", b, "--rule", rule, "--max-delay", "0.5",
                     "--stats-interval", "1")
 
 
@@ -168,7 +168,7 @@ def test_bridge_from_a_bus_to_itself_is_refused_with_one_line(start_bus, tmp_pat
     bus = start_bus()
     other_spelling = str(Path(bus.address).parent / "." / Path(bus.address).name)
     for a, b in ((bus.address, bus.address), (bus.address, other_spelling)):
-        res = subprocess.run([*TWISTD, "sbus-bridge", "--a", a, "--b", b, "--rule", "'' both"],
+        res = subprocess.run([*TWISTD, "sbus-bridge", "--bus-a", a, "--bus-b", b, "--rule", "'' both"],
                              capture_output=True, timeout=SERVICE_TIMEOUT, cwd=tmp_path, env=child_env())
         out = (res.stderr + res.stdout).decode()
         assert res.returncode != 0, out

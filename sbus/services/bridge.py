@@ -1,6 +1,6 @@
 """``twistd sbus-bridge``: join two buses, forwarding what the rules select.
 
-    twistd -n sbus-bridge --a /run/user/1000/sbus.socket --b /run/user/1001/sbus.socket \\
+    twistd -n sbus-bridge --bus-a /run/user/1000/sbus.socket --bus-b /run/user/1001/sbus.socket \\
         --rule 'share/ both' \\
         --rule 'sensors/ a>b "" alice/' \\
         --rule 'cmd/ b>a alice/ bob/'
@@ -136,7 +136,7 @@ from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key
 from sbus.core.patterns import matches
 from sbus.core.standby import MAX_MESSAGES, Window, parse_size
 from sbus.core.topology import RESERVED as TOPOLOGY
-from sbus.options import METRICS_OPTION, MISSING_BUS_HELP
+from sbus.options import METRICS_OPTION, MISSING_BUS_HELP, RespelledOptions
 from sbus.services.safeconnect import OwnerConnector, parse_user
 from sbus.services.session import DEFAULT_LINGER, SessionClaim, carried_note, session_name
 from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
@@ -919,8 +919,10 @@ def parse_config(path: str) -> tuple[dict, list[Rule]]:
     return addresses, rules
 
 
-class Options(usage.Options):
-    synopsis = "--a ADDRESS --b ADDRESS --rule 'PATTERN DIRECTION [A_PREFIX B_PREFIX]' ... | --config FILE"
+class Options(RespelledOptions):
+    synopsis = "--bus-a ADDRESS --bus-b ADDRESS --rule 'PATTERN DIRECTION [A_PREFIX B_PREFIX]' ... | --config FILE"
+    command = "twistd sbus-bridge"
+    renamed = {"--a": "--bus-a", "--b": "--bus-b"}
     longdesc = (
         "Join two sbus buses as a client of each. A rule is PATTERN DIRECTION [A_PREFIX B_PREFIX]: "
         "DIRECTION is a>b, b>a or both; the prefixes (A side first, always) rewrite keys going "
@@ -930,8 +932,8 @@ class Options(usage.Options):
     )
     optParameters = [
         METRICS_OPTION,
-        ["a", None, None, "Address of bus A (path, /dev/unix/abstract/HEX)."],
-        ["b", None, None, "Address of bus B."],
+        ["bus-a", None, None, "Address of bus A (path, /dev/unix/abstract/HEX)."],
+        ["bus-b", None, None, "Address of bus B."],
         ["config", "c", None, "Read addresses and rules from this file."],
         ["stats-interval", None, "60", "Seconds between stats lines in the log (only if changed)."],
         ["max-delay", None, "10", "Longest reconnect back-off, seconds."],
@@ -975,17 +977,17 @@ class Options(usage.Options):
             except RuleError as e:
                 raise usage.UsageError(f"--config: {e}") from None
             for side in SIDES:
-                if not self[side] and side in addresses:
-                    self[side] = addresses[side]
+                if not self[f"bus-{side}"] and side in addresses:
+                    self[f"bus-{side}"] = addresses[side]
             self["rules"] = rules + self["rules"]
         for side in SIDES:
-            if not self[side]:
-                raise usage.UsageError(f"--{side} ADDRESS is required (or '{side} ADDRESS' in --config)")
+            if not self[f"bus-{side}"]:
+                raise usage.UsageError(f"--bus-{side} ADDRESS is required (or '{side} ADDRESS' in --config)")
             from sbus.client.address import AddressError, parse
             try:
-                parse(self[side])
+                parse(self[f"bus-{side}"])
             except AddressError as e:
-                raise usage.UsageError(f"--{side}: {e}") from None
+                raise usage.UsageError(f"--bus-{side}: {e}") from None
         if not self["rules"]:
             raise usage.UsageError("at least one --rule is required")
         for side in SIDES:
@@ -994,9 +996,9 @@ class Options(usage.Options):
                     parse_user(self[f"{side}-user"])
                 except ValueError as e:
                     raise usage.UsageError(f"--{side}-user: {e}") from None
-        same = same_socket(self["a"], self["b"])
+        same = same_socket(self["bus-a"], self["bus-b"])
         if same:
-            raise usage.UsageError(f"refusing to bridge a bus to itself: --a and --b {same}")
+            raise usage.UsageError(f"refusing to bridge a bus to itself: --bus-a and --bus-b {same}")
         try:
             self["standby-window"] = parse_size(self["standby-window"])
         except ValueError as e:
@@ -1033,7 +1035,7 @@ def same_socket(a: str, b: str) -> str | None:
 
 
 def makeService(options) -> BridgeService:
-    return BridgeService(options["a"], options["b"], options["rules"],
+    return BridgeService(options["bus-a"], options["bus-b"], options["rules"],
                          stats_interval=options["stats-interval"], max_delay=options["max-delay"],
                          users={"a": options["a-user"], "b": options["b-user"]},
                          spanning_tree=not options["no-spanning-tree"],

@@ -77,7 +77,7 @@ through a link who could not open its socket.
   (`sbus.services.linkauth`). Plain TCP needs it, loopback included (any
   local user can connect to a loopback port), and so does TLS that
   authenticates nobody. Off loopback, plain TCP also needs
-  ``--allow-plain-tcp`` (the key authenticates, it does not encrypt).
+  ``--allow-plain`` (the key authenticates, it does not encrypt).
 * ``unix:``: the peer (``SO_PEERCRED``) must be one the bus would admit itself
   (`sbus.services.admission`), and a listening socket on a path takes the bus
   socket's mode and owner (Twisted's default is 0666).
@@ -134,7 +134,7 @@ from twisted.protocols.basic import Int32StringReceiver
 from twisted.protocols.policies import TimeoutMixin
 from twisted.python import usage
 
-from sbus.options import METRICS_OPTION, MISSING_BUS_HELP, positive_float, session_name_option
+from sbus.options import METRICS_OPTION, MISSING_BUS_HELP, RespelledOptions, positive_float, session_name_option
 from twisted.python.filepath import FilePath
 from zope.interface import implementer
 
@@ -247,7 +247,7 @@ def check_endpoint(description: str, listen: bool, allow_plain: bool, has_key: b
     Every transport authenticates the peer: ``unix:`` by the peer's uid
     (checked on each connection), ``ssl:`` by certificates (``caCertsDir=``),
     anything else (plain TCP, loopback included) by the shared key of
-    ``--key-file``. Off loopback, plain TCP also needs ``--allow-plain-tcp``.
+    ``--key-file``. Off loopback, plain TCP also needs ``--allow-plain``.
     """
     _check_network(description, listen, allow_plain)
     kind, args, kw = _kind(description)
@@ -283,7 +283,7 @@ def _check_network(description: str, listen: bool, allow_plain: bool) -> None:
                             "address the peer's certificate carries")
     if kind == "unix" or allow_plain:
         return
-    flag = "use ssl: with client certificates, a loopback address, or --allow-plain-tcp"
+    flag = "use ssl: with client certificates, a loopback address, or --allow-plain"
     if listen:
         if kind in _PLAIN_TCP:
             default = "" if kind == "tcp" else "::"
@@ -413,14 +413,16 @@ def default_session(listen: str | None, connect: str | None) -> bytes:
 # ---------------------------------------------------------------- options
 
 
-class Options(usage.Options):
-    synopsis = "--bus ADDRESS (--listen ENDPOINT | --connect ENDPOINT) [--pattern P ...] [--allow-plain-tcp]"
+class Options(RespelledOptions):
+    command = "twistd sbus-link"
+    renamed = {"--allow-plain-tcp": "--allow-plain"}
+    synopsis = "--bus ADDRESS (--listen ENDPOINT | --connect ENDPOINT) [--pattern P ...] [--allow-plain]"
     longdesc = (
         "Carry an sbus bus to another host's bus over a Twisted stream endpoint (ssl:, tcp:, unix:). "
         "Run --listen on one host and --connect on the other. See docs/relay-link.md."
     )
     optFlags = [
-        ["allow-plain-tcp", None, "Allow plain TCP (and TLS that authenticates nobody) on non-loopback addresses."],
+        ["allow-plain", None, "Allow plain TCP (and TLS that authenticates nobody) on non-loopback addresses."],
         ["no-spanning-tree", None, "Forward always, taking no part in the spanning tree (only if no other "
                                    "path joins these buses; see docs/deploy.md)."],
     ]
@@ -475,7 +477,7 @@ class Options(usage.Options):
         listen = bool(self["listen"])
         desc = self["listen"] or self["connect"]
         try:
-            check_endpoint(desc, listen, bool(self["allow-plain-tcp"]), bool(self["key-file"]))
+            check_endpoint(desc, listen, bool(self["allow-plain"]), bool(self["key-file"]))
             if self["key-file"]:
                 load_key(self["key-file"])
         except (EndpointError, AuthError) as e:

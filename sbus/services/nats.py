@@ -122,7 +122,7 @@ from sbus.core.natsmap import (MappingError, check_prefix, key_to_subject, patte
                                subject_covers, subject_matches, subject_meet, subject_to_key,
                                subjects_overlap)
 from sbus.core.patterns import matches
-from sbus.options import METRICS_OPTION, MISSING_BUS_HELP
+from sbus.options import METRICS_OPTION, MISSING_BUS_HELP, RespelledOptions
 from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
 from sbus.services.session import carried_note
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
@@ -1157,7 +1157,9 @@ def _ensure_asyncio_reactor() -> None:
                                "use twistd --reactor=asyncio (or no --reactor)")
 
 
-class Options(usage.Options):
+class Options(RespelledOptions):
+    command = "twistd sbus-nats"
+    renamed = {"--reconnect-wait": "--initial-delay"}
     synopsis = ("--bus ADDRESS --server URL [--server URL ...] [--export PATTERN ...] "
                 "[--import PATTERN ...]")
     longdesc = (
@@ -1174,7 +1176,7 @@ class Options(usage.Options):
     )
     optParameters = [
         METRICS_OPTION,
-        ["bus", None, None, "Address of the bus (path, /dev/unix/abstract/HEX); default: the default bus. "
+        ["bus", "b", None, "Address of the bus (path, /dev/unix/abstract/HEX); default: the default bus. "
                                 + MISSING_BUS_HELP],
         ["subject-prefix", None, "sbus", "Subject prefix (literal tokens joined by '.'; '' for none)."],
         ["creds", None, None, "NATS credentials file (JWT + nkey seed)."],
@@ -1191,7 +1193,7 @@ class Options(usage.Options):
         ["import-buffer", None, str(64 << 20), "Bytes of imported messages to queue for a bus "
                                                "that does not take them; beyond, they are dropped "
                                                "(bus_slow): NATS cannot be told to wait."],
-        ["reconnect-wait", None, "1", "Seconds before retrying a NATS server just tried."],
+        ["initial-delay", None, "1", "Seconds before retrying a NATS server just tried."],
         ["max-subscriptions", None, "1000", "Follow at most this many locally held patterns one by "
                                             "one; beyond, subscribe to the --import patterns "
                                             "themselves."],
@@ -1274,7 +1276,7 @@ class Options(usage.Options):
         check_authenticated(self["servers"], self)
         self["max-pending"] = positive_int("max-pending", self["max-pending"])
         self["import-buffer"] = positive_int("import-buffer", self["import-buffer"])
-        self["reconnect-wait"] = positive_float("reconnect-wait", self["reconnect-wait"])
+        self["initial-delay"] = positive_float("initial-delay", self["initial-delay"])
         self["max-subscriptions"] = positive_int("max-subscriptions", self["max-subscriptions"])
         self["stats-interval"] = positive_float("stats-interval", self["stats-interval"])
         self["session-linger"] = positive_float("session-linger", self["session-linger"], zero_ok=True)
@@ -1309,7 +1311,7 @@ def makeService(options) -> NatsService:
                        connect_options=_connect_options(options), max_pending=options["max-pending"],
                        import_buffer=options["import-buffer"],
                        stats_interval=options["stats-interval"],
-                       reconnect_wait=options["reconnect-wait"],
+                       reconnect_wait=options["initial-delay"],
                        static_imports=bool(options["static-imports"]),
                        max_subscriptions=options["max-subscriptions"], name=options["name"],
                        session_linger=options["session-linger"])

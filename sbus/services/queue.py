@@ -391,7 +391,7 @@ class Options(usage.Options):
                 "clients); only the service's own uid, root and --allow-uid may join.")
     optParameters = [
         METRICS_OPTION,
-        ["bus", None, None, "Address of the bus (path, /dev/unix/abstract/HEX); default: the default bus."],
+        ["bus", "b", None, "Address of the bus (path, /dev/unix/abstract/HEX); default: the default bus."],
         ["limit", None, "10000", "The same as --max-jobs N (every group)."],
         ["full", None, "block", "Over the limit (--overflow reject-publish): block (hold the "
                                 "publishers through the server's flood control), discard (drop, counted lost) or error (drop, count, "

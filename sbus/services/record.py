@@ -61,7 +61,7 @@ from twisted.python import usage
 from sbus.core import codec
 from sbus.core.credentials import SECRET_ROOT
 from sbus.core.patterns import matches
-from sbus.options import METRICS_OPTION, MISSING_BUS_HELP, session_name_option
+from sbus.options import METRICS_OPTION, MISSING_BUS_HELP, RespelledOptions, session_name_option
 from sbus.pipeline.schema import (
     DEFAULT_ROLL_AGE,
     DEFAULT_ROLL_BYTES,
@@ -124,6 +124,7 @@ class BoundedWriter:
         self.dropped_bytes = 0
         self.write_errors = 0
         self.lost_rows = 0  # messages discarded after a write error
+        self._loss = None  # (first seq, last seq, count) of a write error not yet marked by a drop row
         self.paused_times = 0
         #: Test hook: while set, the worker does not take rows (simulates a slow disk).
         self.paused = threading.Event()
@@ -209,10 +210,13 @@ class BoundedWriter:
                             cost += len(row[3]) + len(row[4]) + ROW_OVERHEAD
                             self._write(batch)
                             batch = []
+                            if not self._mark_loss():
+                                self._lose([row])
+                                continue
                             try:
                                 writer.add_drop(*row)
                             except Exception as e:
-                                self._write_failed(e)
+                                self._write_failed(e, [row] if writer.last_taken_seq() != row[1] else [])
                             continue
                         batch.append(row)
                         cost += len(row[2]) + len(row[3]) + ROW_OVERHEAD
@@ -222,43 +226,82 @@ class BoundedWriter:
                         self._resume_asked = True
                         self.call_in_reactor(self._resume)
                 try:
-                    writer.tick()
+                    if self._mark_loss():  # once the disk takes it again, even without traffic
+                        writer.tick()
                 except Exception as e:
                     self._write_failed(e)
                 if stopping and not queue:
                     break
-            try:
-                writer.close()
-            except Exception as e:
-                self._write_failed(e)
+            for _ in range(2):  # a failed close leaves its drop row in a new file: publish that one
+                try:
+                    self._mark_loss()
+                    writer.close()
+                    break
+                except Exception as e:
+                    self._write_failed(e)
         finally:
             self.on_done()
 
     def _write(self, batch) -> None:
         if batch:
+            if not self._mark_loss():
+                self._lose(batch)
+                return
             try:
                 self.writer.extend(batch)
             except Exception as e:  # disk full, permissions, ...
                 # the rows of the batch after the one that failed were never taken: lost too
                 last = self.writer.last_taken_seq()
-                untaken = [r[1] for r in batch if last is None or r[1] > last]
-                self._write_failed(e, len(untaken), untaken[0] if untaken else None)
+                self._write_failed(e, [r for r in batch if last is None or r[1] > last])
 
-    def _write_failed(self, e: Exception, untaken: int = 0, first_untaken: int | None = None) -> None:
+    def _write_failed(self, e: Exception, untaken=()) -> None:
+        """Discard the unpublished file and count what it held, with the `untaken` rows, as one
+        loss, marked by a drop row after them (`_mark_loss`)."""
+        last = self.writer.last_taken_seq()
         first, lost = self.writer.abandon()
-        messages = self.writer.abandoned_messages + untaken
-        lost += untaken
-        if first is None:
-            first = first_untaken
+        messages = self.writer.abandoned_messages
+        if first is not None:
+            self._add_loss(first, last, lost)
+        messages += self._lose(untaken, counted=False)
         self.write_errors += 1
-        self.lost_rows += messages  # the carried drop rows' counts are counted where they began
         self.report(f"write failed ({type(e).__name__}: {e}); discarded the unpublished file "
-                    f"({messages} messages; the drop row marks {lost}); continuing")
-        if lost and first is not None:
-            try:  # mark the loss where the file began (its other seqs stay unused)
-                self.writer.add_drop(time.time_ns() // 1000, first, lost)
+                    f"({messages} messages; the drop row marks {self._loss[2] if self._loss else 0}); "
+                    f"continuing")
+        self.lost_rows += messages  # the carried drop rows' counts are counted where they began
+        self._mark_loss()
+
+    def _lose(self, rows, counted: bool = True) -> int:
+        """Add `rows` (never written) to the loss to mark; the messages among them (counted in
+        `lost_rows` unless the caller does)."""
+        messages = 0
+        for r in rows:
+            drop = r.__class__ is DropRow
+            messages += not drop
+            self._add_loss(r[1], r[1], max(r[2], 0) if drop else 1)
+        if counted:
+            self.lost_rows += messages
+        return messages
+
+    def _add_loss(self, first: int, last: int, count: int) -> None:
+        if self._loss is not None:
+            first, last, count = min(first, self._loss[0]), max(last, self._loss[1]), count + self._loss[2]
+        self._loss = (first, last, count)
+
+    def _mark_loss(self) -> bool:
+        """Write the drop row of the pending loss (`RecordingWriter.add_loss`: at its last seq, so
+        offsets stay increasing and unique). False while the disk refuses it: it stays pending,
+        and what comes meanwhile joins it (a row written before it would take a lower seq)."""
+        if self._loss is None:
+            return True
+        first, last, count = self._loss
+        if count:
+            try:
+                self.writer.add_loss(time.time_ns() // 1000, first, last, count)
             except Exception:
-                pass
+                self.writer.abandon()  # the file held only this drop row
+                return False
+        self._loss = None
+        return True
 
 
 class Recorder:
@@ -690,7 +733,9 @@ class RecordService(service.Service):
         return d.addBoth(over)
 
 
-class Options(usage.Options):
+class Options(RespelledOptions):
+    command = "twistd sbus-record"
+    renamed = {"--report-interval": "--stats-interval"}
     synopsis = "--out DIR [--bus ADDRESS] [--pattern P ...] [options]"
     longdesc = (
         "Record sbus traffic into Parquet files in DIR (published atomically as "
@@ -720,7 +765,7 @@ class Options(usage.Options):
         ["retain-age", None, None, "Delete published files older than this (default: keep)."],
         ["retain-bytes", None, None, "Delete the oldest files beyond this total (default: keep)."],
         ["compression", None, "snappy", "Parquet compression: snappy, zstd, gzip, lz4, none."],
-        ["report-interval", None, "10s", "At most one log line per this interval for each kind "
+        ["stats-interval", None, "10s", "At most one log line per this interval for each kind "
                                          "of loss (bus, queue) while it lasts."],
         ["session", None, None, "Name of the recorder's session on the bus (default: sbus-record "
                                 "and the recording directory): a restarted recorder claims it and "
@@ -767,7 +812,7 @@ class Options(usage.Options):
             self["session-linger"] = parse_duration(self["session-linger"])
         except ValueError as e:
             raise usage.UsageError(f"--session-linger: {e}") from None
-        for name in ("roll-age", "retain-age", "report-interval"):
+        for name in ("roll-age", "retain-age", "stats-interval"):
             if self[name] is not None:
                 try:
                     self[name] = parse_duration(self[name])
@@ -822,7 +867,7 @@ def makeService(options) -> RecordService:
         retain_age=options["retain-age"],
         retain_bytes=options["retain-bytes"],
         compression=options["compression"],
-        report_interval=options["report-interval"],
+        report_interval=options["stats-interval"],
         lossy=options["lossy"],
         exclude=options["exclude"],
         session=options["session"],

@@ -1,6 +1,6 @@
 """``twistd sbus-relay``: a slave bus server below a master (docs/relay-link.md).
 
-    twistd -n sbus-relay --upstream /run/sbus.socket --socket /run/user/1000/sbus.socket
+    twistd -n sbus-relay --bus /run/sbus.socket --socket /run/user/1000/sbus.socket
 
 It serves its own clients exactly like ``twistd sbus`` (same options) and is
 itself one client of the master:
@@ -101,7 +101,7 @@ from sbus.core.flood import Outbox
 from sbus.core.pausing import Holds, Pauses
 from sbus.core.topology import CHANGE_KEY
 from sbus.interfaces import IUpstream
-from sbus.options import MISSING_BUS_HELP
+from sbus.options import MISSING_BUS_HELP, RespelledOptions
 from sbus.server import tap
 from sbus.server.address import parse_address
 from sbus.server.config import ServerConfig
@@ -126,15 +126,17 @@ def _show(b: bytes) -> str:
     return b.decode("utf-8", "replace")
 
 
-class Options(tap.BusOptions):
-    synopsis = "--upstream ADDRESS [--socket PATH] [twistd sbus options]"
+class Options(RespelledOptions, tap.BusOptions):
+    synopsis = "--bus ADDRESS [--socket PATH] [twistd sbus options]"
+    command = "twistd sbus-relay"
+    renamed = {"--upstream": "--bus"}
     longdesc = (
         "Run an sbus slave server (relay): it serves local clients like `twistd sbus` and is a "
-        "client of the master at --upstream, from which it takes its credential prefix. "
+        "client of the master at --bus, from which it takes its credential prefix. "
         "The socket is opened once the master has answered whoami."
     )
     optParameters = [
-        ["upstream", None, None, "The master bus: PATH, /dev/unix/abstract/HEX or /dev/fd/N (required). "
+        ["bus", "b", None, "The master bus: PATH, /dev/unix/abstract/HEX or /dev/fd/N (required). "
                                  + MISSING_BUS_HELP],
         ["initial-delay", None, "0.1", "First reconnection delay to the master, seconds."],
         ["max-delay", None, "10", "Longest reconnection delay to the master, seconds."],
@@ -145,12 +147,12 @@ class Options(tap.BusOptions):
 
     def postOptions(self) -> None:
         super().postOptions()
-        if not self["upstream"]:
-            raise usage.UsageError("--upstream: the master's address is required")
+        if not self["bus"]:
+            raise usage.UsageError("--bus: the master's address is required")
         try:
-            client_address.parse(self["upstream"])
+            client_address.parse(self["bus"])
         except client_address.AddressError as e:
-            raise usage.UsageError(f"--upstream: {e}") from None
+            raise usage.UsageError(f"--bus: {e}") from None
         try:
             linger = float(self["session-linger"])
         except ValueError:
@@ -1012,12 +1014,12 @@ def makeService(options: Options) -> Relay:
             listener = open_listener(options["socket"], options["mode"], bool(options["reuse"]))
         except AddressError as e:
             raise StartupError(str(e)) from None
-    if parse_address(options["socket"]).kind == "path" and os.path.exists(options["upstream"]):
-        wider = _wider_than_master(options["mode"], options["upstream"])
+    if parse_address(options["socket"]).kind == "path" and os.path.exists(options["bus"]):
+        wider = _wider_than_master(options["mode"], options["bus"])
         if wider:
             raise StartupError(f"--mode: {wider}")
     return Relay(
-        options["upstream"],
+        options["bus"],
         options["socket"],
         tap.config_from_options(options),
         mode=options["mode"],
