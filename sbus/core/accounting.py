@@ -13,13 +13,18 @@ from __future__ import annotations
 
 from sbus.core.flood import Budget
 
-__all__ = ["UserCharge", "WorkBudget", "WORK_SHARE", "WORK_BURST"]
+__all__ = ["UserCharge", "WorkBudget", "WORK_SHARE", "WORK_BURST", "WORK_SLICE"]
 
 #: The share of the reactor's time one uid's routing work (cache misses, SUB/UNSUB) may take
 #: while other uids are connected: whatever it sends, another uid keeps well over half its rate.
 WORK_SHARE = 0.3
 #: Seconds of such work a uid may spend at once before its share applies.
 WORK_BURST = 0.2
+#: Seconds of such work one connection may do in one read batch before the reactor turns once
+#: (accepts, reads the others) and comes back to it: a batch of 64 costly packets must not hold
+#: everyone for 64 of them, even while its uid is alone (issue 33 item 6: a uid alone, reading
+#: 64 misses of 100-160 ms at once, held root's connect for 12.9 s).
+WORK_SLICE = 0.01
 #: A debt smaller than this is none: waiting out a rounding error (a wait of 1e-17 s, which a
 #: timer cannot tell from now) would put the uid back in the same state at once, again and again.
 WORK_EPSILON = 1e-6
@@ -45,9 +50,13 @@ class WorkBudget:
         credit = min(self.burst, self.credit + (now - self.since) * self.share)
         return 0.0 if credit >= -WORK_EPSILON else -credit / self.share
 
-    def spend(self, seconds: float, now: float) -> float:
-        """Charge `seconds` of work; return how long the uid must now wait (0: not at all)."""
+    def spend(self, seconds: float, now: float, alone: bool = False) -> float:
+        """Charge `seconds` of work; return how long the uid must now wait (0: not at all).
+        `alone` (no other uid connected, nobody to wait for): the debt is kept to one burst, so
+        a uid that connects finds it owing a fraction of a second, not all it ever spent."""
         credit = min(self.burst, self.credit + (now - self.since) * self.share) - seconds
+        if alone and credit < -self.burst:
+            credit = -self.burst
         self.credit = credit
         self.since = now
         return 0.0 if credit >= -WORK_EPSILON else -credit / self.share

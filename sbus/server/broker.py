@@ -23,7 +23,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from sbus.core import codec, flood
-from sbus.core.accounting import UserCharge
+from sbus.core.accounting import WORK_SLICE, UserCharge
 from sbus.core.churn import ConnectionChurn
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key, check_pattern, secret_prefix, whoami
 from sbus.core.interest import InterestTable
@@ -96,7 +96,7 @@ class BrokerProtocol(protocol.Protocol):
         "factory", "transport", "connected", "cred", "echo", "packets_in", "bytes_in", "drops",
         "_pauses", "holds", "reason", "subscriptions", "subscription_bytes",
         "_stall", "_budget",
-        "owner", "_cached", "_prefix", "_secret_root", "charge", "_workWait",
+        "owner", "_cached", "_prefix", "_secret_root", "charge", "_workWait", "_sliceWork",
         "dropped", "_dropFirst", "_dropLast", "_queuedSinceNotice",
         "_replyHeld", "statsWanted", "_watching", "outbox", "dirty", "extensions", "_waitingReplies",
         "_run", "_lastClients",
@@ -130,6 +130,8 @@ class BrokerProtocol(protocol.Protocol):
         #: routing work to be earned back, the call that ends the wait.
         self.charge: UserCharge | None = None
         self._workWait = None
+        #: Routing work done for it in this read batch (`spent`: past `WORK_SLICE`, it yields).
+        self._sliceWork = 0.0
         self._prefix = factory.config.cred_prefix
         self._secret_root = self._prefix + SECRET_ROOT
         #: Drops not yet told to the client (`server/dropped`, only to a client that asked for
@@ -314,15 +316,28 @@ class BrokerProtocol(protocol.Protocol):
 
     def spent(self, seconds: float) -> None:
         """Charge reactor time this client's request took (routing a key the cache did not know,
-        a SUB or UNSUB, an interest listing) to its uid. While other uids are connected, a uid past its share
-        (`sbus.core.accounting.WORK_SHARE`) is not read until it has earned the time back."""
+        a SUB or UNSUB, an interest listing) to its uid, checked after each packet, not once a
+        batch. While other uids are connected, a uid past its share
+        (`sbus.core.accounting.WORK_SHARE`) is not read until it has earned the time back; alone,
+        it is charged too (its debt kept to one burst), so a uid that connects finds it paused
+        after its next costly packet. Either way, past `WORK_SLICE` of work in one batch it
+        yields: the rest of the batch waits (in the kernel, or the transport's stash) until the
+        reactor has turned once and accepted and read the others."""
         factory = self.factory
-        if len(factory.uid_clients) < 2 or self.charge is None:
+        charge = self.charge
+        if charge is None:
             return
-        wait = self.charge.work.spend(seconds, factory.reactor.seconds())
-        if wait > 0 and self._workWait is None and not self.transport.disconnecting:
-            self.pauses.hold()
-            self._workWait = factory.reactor.callLater(wait, self._workEarned)
+        alone = len(factory.uid_clients) < 2
+        wait = charge.work.spend(seconds, factory.reactor.seconds(), alone)
+        self._sliceWork += seconds
+        if self._workWait is not None or self.transport.disconnecting:
+            return
+        if wait <= 0 or alone:
+            if self._sliceWork < WORK_SLICE:
+                return
+            wait = 0.0  # read again once the reactor has turned, after the others
+        self.pauses.hold()
+        self._workWait = factory.reactor.callLater(wait, self._workEarned)
 
     def _waitForWork(self) -> bool:
         """Before costly work for this client: if its uid is in debt (other uids connected),
@@ -361,6 +376,7 @@ class BrokerProtocol(protocol.Protocol):
 
     def readBatchDone(self):
         """The transport has handed over one wakeup's packets: send what they routed."""
+        self._sliceWork = 0.0
         if self._run is not None and self._run.packets:
             self.flushRun()
         self._lastClients = None
