@@ -140,3 +140,19 @@ def test_caps_through_the_service_survive_kill9(bus, tmp_path):
             member.wait(30)
         if first.proc.poll() is None:
             first.stop()
+
+
+def test_the_metrics_collector_counts_drops_and_shows_the_byte_cap_as_a_level():
+    from sbus.metrics import Families, service_metrics
+    from sbus.services.queue import QueueService
+
+    svc = QueueService(None, [(b"r", b"r/")], caps={b"r": {"max_bytes": 10, "overflow": "drop-oldest"}})
+    for i in range(3):
+        svc.core.message(b"r/%d" % i, b"x" * 7)
+    out = Families()
+    service_metrics("queue", svc.stats(), out)
+    got = {(s.name, tuple(sorted(s.labels.items()))): (s.value, f.type) for f in out for s in f.samples}
+    assert got[("sbus_service_lost_messages_total", (("reason", "dropped"), ("service", "queue")))] == (2, "counter")
+    assert got[("sbus_queue_group_lost_total", (("group", "r"), ("reason", "dropped")))] == (2, "counter")
+    assert got[("sbus_queue_group_max_bytes", (("group", "r"),))] == (10, "gauge")
+    assert got[("sbus_queue_group_backlog_bytes", (("group", "r"),))] == (10, "gauge")
