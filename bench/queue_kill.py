@@ -181,12 +181,26 @@ def _spawn(*argv) -> subprocess.Popen:
     return p
 
 
-class Sbus:
+class _System:
+    """A queue system under test: `kind` names its worker and producer, `target` is where they connect."""
+
+    kind = target = ""
+
+    def worker(self, out):
+        return _spawn("--worker", self.kind, self.target, out)
+
+    def producer(self, out, jobs):
+        return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--producer", self.kind, self.target,
+                                 out, str(jobs)], cwd=ROOT)
+
+
+class Sbus(_System):
     name = "sbus-queue --store"
+    kind = "sbus"
 
     def __init__(self, d: str):
         self.d = d
-        self.address = os.path.join(d, "bus.socket")
+        self.address = self.target = os.path.join(d, "bus.socket")
         self.server = subprocess.Popen([sys.executable, "-m", "sbus.server.sbusd", "-f", "-a", self.address],
                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         self.server.stdout.read()
@@ -203,21 +217,15 @@ class Sbus:
                  "--max-deliveries", "5", "--max-jobs", "100000"], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
         wait_log(log, b"control: following the members", self.service)
 
-    def worker(self, out):
-        return _spawn("--worker", "sbus", self.address, out)
-
-    def producer(self, out, jobs):
-        return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--producer", "sbus", self.address, out,
-                                 str(jobs)], cwd=ROOT)
-
     def close(self):
         for p in (self.service, self.server):
             p.terminate()
             p.wait()
 
 
-class JetStream:
+class JetStream(_System):
     name = "JetStream (file)"
+    kind = "js"
 
     def __init__(self, d: str):
         import shutil
@@ -225,7 +233,7 @@ class JetStream:
         self.d = d
         self.exe = shutil.which("nats-server") or os.path.join(os.path.dirname(sys.executable), "nats-server")
         self.port = free_port()
-        self.url = f"nats://127.0.0.1:{self.port}"
+        self.url = self.target = f"nats://127.0.0.1:{self.port}"
         self.starts = 0
         self.start_service()
 
@@ -248,13 +256,6 @@ class JetStream:
             self.service = subprocess.Popen([self.exe, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd",
                                              os.path.join(self.d, "js")], stdout=f, stderr=subprocess.STDOUT)
         wait_log(log, b"Server is ready", self.service)
-
-    def worker(self, out):
-        return _spawn("--worker", "js", self.url, out)
-
-    def producer(self, out, jobs):
-        return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--producer", "js", self.url, out,
-                                 str(jobs)], cwd=ROOT)
 
     def close(self):
         self.service.terminate()
