@@ -33,7 +33,7 @@ from collections import deque
 from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, Control, Message, ProtocolError
 from sbus.core.patterns import reaches
-from sbus.core.reqrep import NoResponders, RemoteError, RequestTimeout, Requester, Responder, parse_request
+from sbus.core.reqrep import ANY, Ask, NoResponders, RemoteError, Requester, Responder
 from sbus.core.workqueue import (SUBMIT_ROOT, Delivery, Membership, NoService, WorkerBase, check_group, encode_jobs,
                                  submit_result)
 
@@ -79,6 +79,7 @@ class Client:
         self.dropped = 0
         self.disconnect_reason: codec.DisconnectNotice | None = None
         self._reqrep: Requester | None = None  # request/reply state, made at the first request()
+        self._tasks: set = set()  # sends started by the reader (challenges), kept until done
         #: The counts of the last `serve()` (answered, refused).
         self.responder: Responder | None = None
         # Ask for the server's notices (docs/protocol.md "Extensions"): a new socket's buffer has room.
@@ -251,6 +252,8 @@ class Client:
                 return False
             if type(packet) is Message and self._reqrep.is_reply(packet.key):
                 got = self._reqrep.receive(packet.key, packet.payload)
+                if got is None and self._reqrep.outgoing:
+                    self._send_later(self._reqrep.take_outgoing())
                 if got is not None and not got[0].done():
                     if type(got[1]) is RemoteError:
                         got[0].set_exception(got[1])
@@ -488,9 +491,22 @@ class Client:
 
     # -- request/reply with other clients (docs/request-reply.md; the core: sbus.core.reqrep)
 
-    async def request(self, key, payload=b"", timeout: float = 5.0, check: bool = True) -> bytes:
-        """Publish a request on `key` and return the first reply's payload (see the blocking
-        client's `request`): `NoResponders` at once, `RequestTimeout` after `timeout`."""
+    def _send_later(self, packets: list) -> None:
+        """Send packets from a task (the reader cannot wait): challenges to responders."""
+        task = self._loop.create_task(self.send_packets(packets))
+        self._tasks.add(task)
+        task.add_done_callback(self._sent_later)
+
+    def _sent_later(self, task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # a closed connection: the request's waiter learns it
+
+    async def request(self, key, payload=b"", timeout: float = 5.0, check: bool = True,
+                      responder_uid=None) -> bytes:
+        """Publish a request on `key` and return the first verified reply's payload (see the
+        blocking client's `request`, and its `responder_uid`): `NoResponders` at once,
+        `RequestTimeout` after `timeout`."""
         if self._reqrep is None:
             whoami = await self.whoami(timeout)
             if self._reqrep is None:
@@ -504,12 +520,12 @@ class Client:
             await self.sync(timeout)  # the listing, and every change before now, has arrived
             requester.check(key)
         fut = self._loop.create_future()
-        rid, packet = requester.request(key, payload, fut)
+        rid, packet = requester.request(key, payload, fut, responder_uid)
         try:
             await self.send_packet(packet)
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
-            raise RequestTimeout(key, timeout) from None
+            raise requester.timeout_error(rid, key, timeout) from None
         finally:
             requester.forget(rid)
 
@@ -520,33 +536,47 @@ class Client:
         caller gets `RemoteError`), counted in `responder.failed`; serving goes on. Returns
         the requests handled."""
         pattern = codec.encode_sub(pattern, self.max_packet)[4:]
-        await self.subscribe(pattern)
-        responder = self.responder = Responder(self.max_packet)
+        await self.subscribe(pattern)  # first: a sync() right after serve() starts covers it
+        responder = self.responder = Responder(self.max_packet, await self.whoami())
+        # In place before any offer of ours goes out (the whoami answer comes before requests).
+        await self.subscribe(responder.challenge_key)
         handled = 0
         while count is None or handled < count:
             try:
                 m = await self.receive()
             except ConnectionClosed:
                 break
-            if type(m) is not Message or not reaches(pattern, m.key):
+            if type(m) is not Message:
+                continue
+            if m.key == responder.challenge_key:
+                ask = responder.challenge(m.payload)
+                if type(ask) is not Ask:
+                    if ask is not None:
+                        await self.send_packet(ask)  # a reply sent before, with a new token
+                    continue
+            elif reaches(pattern, m.key):
+                ask = responder.accept(m.payload, m.key)
+                offer = None if ask is None else responder.offer(ask)
+                if offer is not None:
+                    await self.send_packet(offer)  # the handler runs when the requester's token comes
+                    continue
+            else:
                 continue
             handled += 1
-            parsed = parse_request(m.payload)
-            if parsed is None:
-                responder.refused += 1
+            if ask is None:
                 continue
             try:
-                out = handler(m.key, parsed[1])
+                out = handler(m.key, ask.body)
                 if asyncio.iscoroutine(out) or isinstance(out, asyncio.Future):
                     out = await out
             except Exception as e:
                 log_handler_error(m.key, e)
-                out = responder.error(parsed[0], e)
+                out = responder.error(ask, e)
                 if out is not None:
                     await self.send_packet(out)
                 continue
             if out is not None:
-                await self.send_packet(responder.reply(parsed[0], out))
+                await self.send_packet(responder.reply(ask, out))
         return handled
 
     # -- shared work queues (docs/queues.md; the core: sbus.core.workqueue)
@@ -555,7 +585,7 @@ class Client:
         """Confirmed submission (see the blocking client's `submit`)."""
         group = check_group(group)
         try:
-            answer = await self.request(SUBMIT_ROOT + group, encode_jobs(jobs), timeout=timeout)
+            answer = await self.request(SUBMIT_ROOT + group, encode_jobs(jobs), timeout=timeout, responder_uid=ANY)
         except NoResponders:
             raise NoService(f"no sbus-queue service serves group {group.decode()}") from None
         return submit_result(group, answer)

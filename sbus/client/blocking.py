@@ -36,7 +36,7 @@ from collections import deque
 from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, Control, DisconnectNotice, DropNotice, Message, ProtocolError
 from sbus.core.patterns import reaches
-from sbus.core.reqrep import NoResponders, RemoteError, RequestTimeout, Requester, Responder, error_text
+from sbus.core.reqrep import ANY, Ask, NoResponders, RemoteError, Requester, Responder, error_text
 from sbus.core.workqueue import (SUBMIT_ROOT, Delivery, Membership, NoService, WorkerBase, check_group, encode_jobs,
                                  submit_result)
 from sbus import speedups
@@ -380,6 +380,9 @@ class Client:
             got = self._reqrep.receive(packet.key, packet.payload)
             if got is not None:
                 got[0].append(got[1])
+            elif self._reqrep.outgoing:
+                for challenge in self._reqrep.take_outgoing():
+                    self.send_packet(challenge)
             return None
         return packet
 
@@ -614,11 +617,15 @@ class Client:
             self.sync(timeout)
         return self._reqrep
 
-    def request(self, key, payload=b"", timeout: float = 5.0, check: bool = True) -> bytes:
-        """Publish a request on `key` and return the first reply's payload.
+    def request(self, key, payload=b"", timeout: float = 5.0, check: bool = True,
+                responder_uid=None) -> bytes:
+        """Publish a request on `key` and return the first verified reply's payload.
 
         The reply comes on a key under this client's own secret prefix (only it can read
-        it). Raises `NoResponders` at once if nobody holds a pattern matching `key` (as the
+        it), and is accepted only from a responder that proves (through its own secret key)
+        that it runs as `responder_uid`: by default this process's uid; a uid; or ``"any"``
+        for any reply (the unverified protocol of before, which older responders speak).
+        Raises `NoResponders` at once if nobody holds a pattern matching `key` (as the
         server's interest feed shows it: a responder of another uid is visible only to root
         and the bus owner; `check=False` skips this), `RequestTimeout` (a `TimeoutError`)
         after `timeout` seconds. Other packets that arrive meanwhile are kept for `receive()`.
@@ -630,15 +637,14 @@ class Client:
             self.sync(timeout)
             requester.check(key)
         waiter: list = []
-        rid, packet = requester.request(key, payload, waiter)
+        rid, packet = requester.request(key, payload, waiter, responder_uid)
         self.send_packet(packet)
         while not waiter:
             left = deadline - time.monotonic()
             if left <= 0 or not self._wait_readable(left):
                 if waiter:
                     break
-                requester.forget(rid)
-                raise RequestTimeout(key, timeout)
+                raise requester.timeout_error(rid, key, timeout)
             try:
                 packet = self._recv(_MSG_DONTWAIT)
             except BlockingIOError:
@@ -657,23 +663,36 @@ class Client:
         reply key are ignored (counted in `responder.refused`). A handler that raises is
         logged (logger ``sbus.client``), answered with an error reply (the caller gets
         `RemoteError`), counted in `responder.failed`, and serving goes on. `ready()` is called once the
-        subscription is in place. Returns the requests handled."""
+        subscription is in place. Returns the requests handled. Verified requests are answered
+        as docs/request-reply.md says (a challenge on this connection's secret key)."""
         pattern = codec.encode_sub(pattern, self.max_packet)[4:]
+        responder = self.responder = Responder(self.max_packet, self.whoami(timeout))
+        self.subscribe(responder.challenge_key)
         self.subscribe(pattern)
         self.sync(timeout)
         if ready is not None:
             ready()
-        responder = self.responder = Responder(self.max_packet)
         handled = 0
         while count is None or handled < count:
             try:
                 m = self.receive(timeout=timeout)
             except ConnectionClosed:
                 break
-            if type(m) is not Message or not reaches(pattern, m.key):
+            if type(m) is not Message:
                 continue
-            handled += 1
-            reply = responder.handle(m.payload, handler, m.key, log_handler_error)
+            if m.key == responder.challenge_key:
+                reply = responder.challenge(m.payload)
+                if type(reply) is Ask:  # the requester's token: now run the handler
+                    handled += 1
+                    reply = responder.run(reply, handler, log_handler_error)
+            elif reaches(pattern, m.key):
+                ask = responder.accept(m.payload, m.key)
+                reply = None if ask is None else responder.offer(ask)
+                if reply is None:
+                    handled += 1
+                    reply = None if ask is None else responder.run(ask, handler, log_handler_error)
+            else:
+                continue
             if reply is not None:
                 self.send_packet(reply)
         return handled
@@ -687,7 +706,7 @@ class Client:
         limit, `NoService` when no service serves the group, `RequestTimeout` after `timeout`."""
         group = check_group(group)
         try:
-            answer = self.request(SUBMIT_ROOT + group, encode_jobs(jobs), timeout=timeout)
+            answer = self.request(SUBMIT_ROOT + group, encode_jobs(jobs), timeout=timeout, responder_uid=ANY)
         except NoResponders:
             raise NoService(f"no sbus-queue service serves group {group.decode()}") from None
         return submit_result(group, answer)

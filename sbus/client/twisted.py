@@ -39,8 +39,7 @@ from sbus.core import codec
 from sbus.core.codec import MAX_PACKET, Control, Message, ProtocolError
 from sbus.core.credentials import CredentialError, Credentials, SECRET_ROOT, check_pattern
 from sbus.core.patterns import reaches
-from sbus.core.reqrep import (NoResponders, RemoteError, RequestTimeout, Requester, Responder, error_text,
-                              parse_request)
+from sbus.core.reqrep import ANY, Ask, NoResponders, RemoteError, Requester, Responder, error_text
 from sbus.core.workqueue import (SUBMIT_ROOT, Delivery, Membership, NoService, WorkerBase, check_group, encode_jobs,
                                  submit_result)
 from sbus.interfaces import IPacketProtocol
@@ -342,15 +341,17 @@ class SbusProtocol(Protocol):
             from twisted.internet import reactor
         return reactor
 
-    def request(self, key, payload=b"", timeout: float = 5.0, check: bool = True) -> defer.Deferred:
-        """Deferred[bytes]: publish a request on `key`; fires with the first reply's payload.
+    def request(self, key, payload=b"", timeout: float = 5.0, check: bool = True,
+                responder_uid=None) -> defer.Deferred:
+        """Deferred[bytes]: publish a request on `key`; fires with the first verified reply's
+        payload (from a responder of `responder_uid`: see the blocking client's `request`).
 
         Fails with `NoResponders` at once when nobody holds a matching pattern (as the server's
         interest feed shows: `check=False` skips this, e.g. for a responder of another uid),
         `RequestTimeout` after `timeout` seconds, `ConnectionClosed` if the connection ends."""
-        return defer.ensureDeferred(self._request(key, payload, timeout, check))
+        return defer.ensureDeferred(self._request(key, payload, timeout, check, responder_uid))
 
-    async def _request(self, key, payload, timeout, check):
+    async def _request(self, key, payload, timeout, check, responder_uid):
         if self._reqrep is None:
             if self.credentials is None:
                 await self.whoami()
@@ -365,7 +366,7 @@ class SbusProtocol(Protocol):
             await self.sync()  # the listing, and every change before now, has arrived
             requester.check(key)
         d = defer.Deferred()
-        rid, packet = requester.request(key, payload, d)
+        rid, packet = requester.request(key, payload, d, responder_uid)
         self.sendPacket(packet)
         call = self._reactor().callLater(timeout, self._requestExpired, rid, d, key, timeout)
         try:
@@ -376,12 +377,15 @@ class SbusProtocol(Protocol):
             requester.forget(rid)
 
     def _requestExpired(self, rid, d, key, timeout):
-        self._reqrep.forget(rid)
+        error = self._reqrep.timeout_error(rid, key, timeout)
         if not d.called:
-            d.errback(RequestTimeout(key, timeout))
+            d.errback(error)
 
     def _replyReceived(self, key, payload):
         got = self._reqrep.receive(key, payload) if self._reqrep is not None else None
+        if got is None and self._reqrep is not None and self._reqrep.outgoing:
+            for challenge in self._reqrep.take_outgoing():
+                self.sendPacket(challenge)
         if got is not None and not got[0].called:
             if type(got[1]) is RemoteError:
                 got[0].errback(got[1])
@@ -392,30 +396,54 @@ class SbusProtocol(Protocol):
         """Answer requests on `pattern`: ``handler(key, body)`` returns the reply (bytes, str,
         a Deferred or a coroutine of one; None: no reply). A handler that fails is logged once
         and answered with an error reply (the caller gets `RemoteError`). Returns the
-        `Responder` (counts: `answered`, `refused`, `failed`)."""
+        `Responder` (counts: `answered`, `refused`, `failed`). Verified requests are answered
+        once the whoami answer is known (asked first here when `credentials` is not: it comes
+        before any request on the new subscription)."""
         responder = Responder(self.max_packet)
 
         def received(key, payload):
-            parsed = parse_request(payload)
-            if parsed is None:
-                responder.refused += 1
+            ask = responder.accept(payload, key)
+            if ask is None:
                 return
-            reply_key, body = parsed
+            offer = responder.offer(ask)
+            if offer is not None:
+                self.sendPacket(offer)  # the handler runs when the requester's token comes
+            else:
+                run(ask)
+
+        def run(ask):
+            key = ask.key
 
             def send(out):
                 if out is not None and self.connected:
-                    self.sendPacket(responder.reply(reply_key, out))
+                    self.sendPacket(responder.reply(ask, out))
 
             def failed(f):
                 log.error("{text}", text=error_text(key, f.value))
-                out = responder.error(reply_key, f.value)
+                out = responder.error(ask, f.value)
                 if out is not None and self.connected:
                     self.sendPacket(out)
 
-            d = defer.maybeDeferred(handler, key, body)
+            d = defer.maybeDeferred(handler, key, ask.body)
             d.addCallback(lambda r: defer.ensureDeferred(r) if hasattr(r, "__await__") else r)
             d.addCallbacks(send, failed)
 
+        def challenged(key, payload):
+            out = responder.challenge(payload)
+            if type(out) is Ask:
+                run(out)
+            elif out is not None and self.connected:
+                self.sendPacket(out)
+
+        def identified(whoami):
+            responder.identify(whoami)
+            self.subscribe(responder.challenge_key, challenged)
+            return whoami
+
+        if self.credentials is not None:
+            identified(self.credentials)
+        else:
+            self.whoami().addCallback(identified).addErrback(lambda f: None)
         self.subscribe(pattern, received)
         return responder
 
@@ -429,7 +457,7 @@ class SbusProtocol(Protocol):
             if f.check(NoResponders):
                 raise NoService(f"no sbus-queue service serves group {group.decode()}")
             return f
-        d = self.request(SUBMIT_ROOT + group, encode_jobs(jobs), timeout=timeout)
+        d = self.request(SUBMIT_ROOT + group, encode_jobs(jobs), timeout=timeout, responder_uid=ANY)
         return d.addCallbacks(lambda answer: submit_result(group, answer), failed)
 
     def join(self, group, callback, timeout: float = 5.0) -> defer.Deferred:
@@ -865,6 +893,7 @@ class ReconnectingClient:
     def stats(self) -> defer.Deferred:
         return self.whenConnected().addCallback(lambda p: p.stats())
 
-    def request(self, key, payload=b"", timeout: float = 5.0, check: bool = True) -> defer.Deferred:
+    def request(self, key, payload=b"", timeout: float = 5.0, check: bool = True,
+                responder_uid=None) -> defer.Deferred:
         """`SbusProtocol.request` on the current connection or the next one."""
-        return self.whenConnected().addCallback(lambda p: p.request(key, payload, timeout, check))
+        return self.whenConnected().addCallback(lambda p: p.request(key, payload, timeout, check, responder_uid))
