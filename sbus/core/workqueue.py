@@ -459,6 +459,11 @@ class QueueCore:
         #: Groups given up to an earlier service that serves them too: name -> (its id, pattern).
         self.conflicts: dict[bytes, tuple[bytes, bytes]] = {}
 
+    def caps_text(self) -> str:
+        """Each group's caps and overflow policy, for the service's start-up line."""
+        return "; ".join(f"{g.name.decode()} {g.limit} jobs" + (f", {g.max_bytes} bytes" if g.max_bytes else "")
+                         + f" ({g.overflow})" for g in self.groups.values())
+
     def serves_patterns(self) -> list[bytes]:
         """The keys that tell other services which groups this one serves."""
         return [SERVES_ROOT + name + b"/" + self.service_id for name in self.groups]

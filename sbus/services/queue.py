@@ -186,8 +186,8 @@ class QueueService(service.Service):
         self.intake.holdSession(codec.session_name(f"sbus-queue {self._name()}"), SESSION_LINGER, confirm=True)
         # the control connection once the intake is subscribed (and see _follow)
         self.intake.start()
-        log.info("sbus-queue: groups {g}; at most {limit} waiting per group ({mode} beyond), "
-                 "window {w} per member", g=self._name(), limit=next(iter(self.core.groups.values())).limit,
+        log.info("sbus-queue: groups {g}; waiting at most: {caps}; publishes over a reject-publish cap: {mode}; "
+                 "window {w} per member", g=self._name(), caps=self.core.caps_text(),
                  mode=self.full, w=next(iter(self.core.groups.values())).window)
         self._loop = LoopingCall(self._report, False)
         self._loop.clock = self.reactor
