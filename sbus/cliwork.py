@@ -12,11 +12,12 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import pwd
 import subprocess
 import sys
 
 from sbus.core.codec import ProtocolError, encode_sub
-from sbus.core.reqrep import NoResponders, RemoteError, RequestTimeout
+from sbus.core.reqrep import ANY, NoResponders, RemoteError, RequestTimeout
 from sbus.core.workqueue import NoService, QueueFull, Refused
 
 
@@ -70,7 +71,8 @@ def cmd_request(args, cli) -> int:
         body = os.fsencode(args.payload or "")
     with cli.connect(args) as bus:
         try:
-            reply = bus.request(key, body, timeout=args.timeout, check=not args.no_check)
+            reply = bus.request(key, body, timeout=args.timeout, check=not args.no_check,
+                                responder_uid=args.from_uid)
         except NoResponders as e:
             raise cli.error(str(e)) from None
         except RequestTimeout as e:
@@ -83,6 +85,16 @@ def cmd_request(args, cli) -> int:
     out.write((reply if args.raw else cli.escape(reply)) + b"\n")
     out.flush()
     return 0
+
+
+def responder_uid(text: str):
+    """`--from-uid`: a uid, a user name, or 'any'."""
+    if text == ANY or (text.isdigit() and int(text) < 2 ** 32):
+        return ANY if text == ANY else int(text)
+    try:
+        return pwd.getpwnam(text).pw_uid
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"not a uid, a user name or '{ANY}': {text}") from None
 
 
 # -- submit --------------------------------------------------------------------------------
@@ -186,6 +198,10 @@ def add_commands(sub, common, cli) -> None:
                    help="do not fail when the server reports nobody subscribed (a responder of "
                         "another uid is invisible to you unless you are root or the bus owner)")
     p.add_argument("--raw", action="store_true", help="print the reply as it is (no escaping)")
+    p.add_argument("--from-uid", type=responder_uid, metavar="UID", default=None,
+                   help="accept the reply only from a responder that proves it runs as UID (a uid or "
+                        "user name; default: your own uid), or 'any' for any reply, unverified "
+                        "(what a responder from before verified replies can give)")
     p.set_defaults(func=functools.partial(cmd_request, cli=cli))
 
     p = sub.add_parser("submit", parents=[common], help="hand a job to a work queue, confirmed",
