@@ -109,7 +109,7 @@ def check_once_in_order(name: str, got: list[int], n: int) -> None:
 def bridge_stats(address) -> list[dict]:
     """What `sbus stats --services` prints for the bridges on `address`."""
     res = subprocess.run([sys.executable, "-c", "import sys; from sbus.cli import main; sys.exit(main())",
-                          "-s", address, "stats", "--services"],
+                          "-b", address, "stats", "--services"],
                          capture_output=True, timeout=SERVICE_TIMEOUT, env=child_env())
     assert res.returncode == 0, res.stderr[-500:]
     return [a for a in json.loads(res.stdout) if a["service"] == "sbus-bridge"]
@@ -484,7 +484,7 @@ class LinkPair:
 def service_stats(address, service: str) -> list[dict]:
     """What `sbus stats --services` prints for the `service` processes on `address`."""
     res = subprocess.run([sys.executable, "-c", "import sys; from sbus.cli import main; sys.exit(main())",
-                          "-s", address, "stats", "--services"],
+                          "-b", address, "stats", "--services"],
                          capture_output=True, timeout=SERVICE_TIMEOUT, env=child_env())
     assert res.returncode == 0, res.stderr[-500:]
     return [a for a in json.loads(res.stdout) if a["service"] == service]

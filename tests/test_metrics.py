@@ -201,9 +201,9 @@ def test_service_metrics_count_what_it_took(stack):
 
 #: Each service beside the stack's bus, with what its page must count (a family of its own).
 SERVICES = {
-    "relay": (["sbus-relay", "--upstream", "{bus}", "--socket", "{tmp}/relay.socket"],
+    "relay": (["sbus-relay", "--bus", "{bus}", "--socket", "{tmp}/relay.socket"],
               "sbus_relay_forwarded_up_total"),
-    "bridge": (["sbus-bridge", "--a", "{bus}", "--b", "{tmp}/relay.socket", "--rule", "metrics/none/ a>b"],
+    "bridge": (["sbus-bridge", "--bus-a", "{bus}", "--bus-b", "{tmp}/relay.socket", "--rule", "metrics/none/ a>b"],
                "sbus_bridge_forwarded_total"),
     "link": (["sbus-link", "--bus", "{bus}", "--listen", "tcp:0:interface=127.0.0.1", "--key-file", "{tmp}/key"],
              "sbus_link_to_remote_total"),

@@ -302,7 +302,7 @@ def test_member_that_never_acks_holds_only_its_window(bus, start_queue, tmp_path
         assert st["redelivered"] == 8 and st["lost"]["full"] == 0
         assert sorted(n for _, n in lines(good_out))[-8:] == [2] * 8
         # what an operator sees
-        r = subprocess.run([sys.executable, "-m", "sbus.cli", "-s", bus.address, "stats", "--services"],
+        r = subprocess.run([sys.executable, "-m", "sbus.cli", "-b", bus.address, "stats", "--services"],
                            capture_output=True, timeout=60, cwd=REPO)
         (answer,) = [a for a in json.loads(r.stdout) if a["service"] == "sbus-queue"]
         jobs = answer["stats"]["groups"]["jobs"]
@@ -572,7 +572,7 @@ def test_sbus_work_a_failing_command_nacks_then_the_job_is_a_dead_letter(bus, st
     with Client(bus.address) as dead:
         dead.subscribe(b"dead/")
         dead.sync(5)
-        failing = subprocess.Popen([sys.executable, "-m", "sbus.cli", "-s", bus.address, "work", "-n", "2",
+        failing = subprocess.Popen([sys.executable, "-m", "sbus.cli", "-b", bus.address, "work", "-n", "2",
                                     "--ready-file", str(tmp_path / "ready"), "jobs", "--", "sh", "-c",
                                     'cat >/dev/null; echo "$SBUS_DELIVERIES" >&2; exit 3'],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)

@@ -203,5 +203,5 @@ def test_confirmed_submissions(bus, tmp_path):
 def sbus_cli(address, *args):
     import subprocess
     import sys
-    return subprocess.run([sys.executable, "-m", "sbus.cli", "-s", address, *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "sbus.cli", "-b", address, *args], capture_output=True,
                           timeout=60, cwd=REPO)

@@ -104,6 +104,6 @@ def test_several_services_on_one_bus(bus, start_queue, tmp_path):
             assert str(e) == "no sbus-queue service answered for group alpha within 0.5 s"
         else:
             raise AssertionError("joined a group nobody serves")
-    r = subprocess.run([sys.executable, "-m", "sbus.cli", "-s", bus.address, "work", "-t", "0.5", "alpha", "--",
+    r = subprocess.run([sys.executable, "-m", "sbus.cli", "-b", bus.address, "work", "-t", "0.5", "alpha", "--",
                         "true"], capture_output=True, timeout=60, cwd=REPO)
     assert (r.returncode, r.stderr) == (1, b"sbus: no sbus-queue service answered for group alpha within 0.5 s\n")

@@ -63,7 +63,7 @@ def bridge(services, a, b, rule="'' both"):
 
 def relay(services, tmp_path, upstream):
     address = str(Path(tmp_path) / f"relay-{uuid.uuid4().hex[:6]}.socket")
-    r = services("sbus-relay", "--upstream", upstream, "--socket", address, "--max-delay", "0.5")
+    r = services("sbus-relay", "--bus", upstream, "--socket", address, "--max-delay", "0.5")
     r.address = address
 
     def served():
@@ -243,7 +243,7 @@ def test_sbus_stats_services_asks_the_bridges(start_bus, services):
     br = bridge(services, a.address, b.address)
     settled([br], forwarding=1)
     res = subprocess.run([sys.executable, "-c", "import sys; from sbus.cli import main; sys.exit(main())",
-                          "-s", a.address, "stats", "--services"],
+                          "-b", a.address, "stats", "--services"],
                          capture_output=True, timeout=SERVICE_TIMEOUT, env=child_env())
     assert res.returncode == 0, res
     (answer,) = _json.loads(res.stdout)

@@ -307,13 +307,13 @@ def test_max_packet_beyond_what_the_kernel_sends_is_refused(tmp_path):
 def test_relay_start_failures_are_one_line(server, tmp_path, runner):
     """sbus-relay binds once its master answers; what is wrong already is said at start."""
     missing = tmp_path / "missing" / "r.sock"
-    res = run([*runner, "sbus-relay", "--socket", str(missing), "--upstream", str(tmp_path / "m.sock")], tmp_path)
+    res = run([*runner, "sbus-relay", "--socket", str(missing), "--bus", str(tmp_path / "m.sock")], tmp_path)
     assert res.returncode == 1
     assert _one_error_line(res) == f"twistd sbus-relay: bind {missing}: No such file or directory"
     live = str(tmp_path / "live.sock")
     first = server([*TWIST, "sbus", "--socket", live])
     first.whoami(live)
-    res = run([*runner, "sbus-relay", "--socket", live, "--reuse", "--upstream", live], tmp_path)
+    res = run([*runner, "sbus-relay", "--socket", live, "--reuse", "--bus", live], tmp_path)
     assert res.returncode == 1
     assert _one_error_line(res) == f"twistd sbus-relay: another server is listening on {live}"
 

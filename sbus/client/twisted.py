@@ -28,6 +28,7 @@ import errno
 import json
 import os
 import random
+import time
 from collections import deque
 
 from twisted.internet import defer
@@ -47,6 +48,7 @@ from sbus.seqpacket import SeqPacketTransport
 from zope.interface import implementer
 
 from .address import AddressError, open_socket, resolve
+from .socketwatch import WAKE_INTERVAL, WAKE_WINDOW, SocketWatch
 from .blocking import ConnectionClosed, echo_packet, flood_packets
 
 log = Logger()
@@ -605,9 +607,21 @@ class ReconnectingClient:
 
     def __init__(self, reactor, address=None, protocolFactory=SbusProtocol, *,
                  initialDelay: float = 0.1, maxDelay: float = 10.0, factor: float = 2.0,
-                 jitter: float = 0.1, max_packet: int = MAX_PACKET, connector=None):
+                 jitter: float = 0.1, max_packet: int = MAX_PACKET, connector=None, watch: bool = False):
         self.reactor = reactor
         self.address = address
+        #: While away from a bus at a socket path, watch for its socket file to reappear and
+        #: connect at once (`sbus.client.socketwatch`; services pass True). Off by default: an
+        #: inotify instance per client (the kernel allows 128 per user by default) while away.
+        self.watch = watch
+        self._watch = None
+        #: Failed attempts are retried after WAKE_INTERVAL until then (the socket reappeared).
+        self.fast_until = 0.0
+        #: When the last connection was lost (reactor seconds, wall clock), until the next one
+        #: has learnt what it missed (`_answered`); gaps nobody counted, and their seconds.
+        self._lostAt: tuple[float, float] | None = None
+        self.unknownGaps = 0
+        self.unknownGapSeconds = 0.0
         #: ``connector(reactor, address, max_packet, timeout) -> Deferred[socket]`` opens the
         #: socket (default: a plain connect); the bridge passes one that connects as a side's owner.
         self.connector = connector
@@ -663,6 +677,7 @@ class ReconnectingClient:
         if self._call is not None and self._call.active():
             self._call.cancel()
         self._call = None
+        self._disarm()
         waiters, self._waiters = self._waiters, []
         for d in waiters:
             d.errback(ConnectionClosed("client stopped"))
@@ -743,6 +758,8 @@ class ReconnectingClient:
         self.protocol = proto
         self._delay = self.initialDelay
         self.lastFailure = None
+        self.fast_until = 0.0
+        self._disarm()
         try:
             for pattern, callback in self._subs:
                 proto.subscribe(pattern, callback)
@@ -751,7 +768,7 @@ class ReconnectingClient:
             if self._flood:
                 proto.flood(**self._flood)
             if self._session is not None:  # after the subscriptions, as the server asks
-                proto.session(*self._session).addCallbacks(self.sessionClaimed, lambda _: None)
+                proto.session(*self._session).addCallbacks(self._answered, lambda _: None)
         except ConnectionClosed:
             pass
         proto.whenLost().addCallback(self._lost, proto)
@@ -769,8 +786,11 @@ class ReconnectingClient:
         #: another error than the previous attempt's. The same error again: retry quietly.
         self.failureIsNews = text != self.lastFailure
         self.lastFailure = text
+        if self.reactor.seconds() < self.fast_until:
+            self.retryFailuresAfter(WAKE_INTERVAL)  # the socket is back: its listen() is near
         self.connectionFailed(reason)
         self._schedule()
+        self._arm()
 
     def describeFailure(self, reason: Failure) -> str:
         """One line: the bus's full address and what went wrong, e.g.
@@ -804,8 +824,67 @@ class ReconnectingClient:
     def _lost(self, reason, proto):
         if self.protocol is proto:
             self.protocol = None
+        if self._running and self._lostAt is None:
+            self._lostAt = (self.reactor.seconds(), time.time())
         self.connectionLost(reason)
         self._schedule()
+        self._arm()
+
+    # -- the socket's return (sbus.client.socketwatch), and what was missed meanwhile
+
+    def wake(self, before=None) -> bool:
+        """The bus's socket reappeared: try at once (no attempt storm: at most one per
+        WAKE_INTERVAL), and retry a refusal after WAKE_INTERVAL for WAKE_WINDOW seconds.
+        True if an attempt was started; `before()` is called just before it."""
+        if not self._running or self.connected:
+            return False
+        self.fast_until = self.reactor.seconds() + WAKE_WINDOW
+        if self._connecting:
+            return False  # under way: a refusal is retried soon (`_failed`)
+        return self.retryNow(soon=2 * WAKE_INTERVAL, before=before)
+
+    def _arm(self) -> None:
+        """Away from a bus at a socket path: watch for the socket file (`watch`)."""
+        if not self.watch or not self._running or self.connected:
+            return
+        if self._watch is None:
+            try:
+                addr = resolve(self.address)
+            except (AddressError, TypeError):
+                return
+            if addr.kind != "path":
+                return
+            self._watch = SocketWatch(self.reactor, addr.value, self._appeared, self._arm)
+        watch = self._watch
+        before = watch.notifier
+        watch.arm()
+        if watch.level == "directory" and watch.notifier is not before:
+            watch.check()  # a new watch: the socket may have come back before it was set
+
+    def _disarm(self) -> None:
+        if self._watch is not None:
+            self._watch.disarm()
+
+    def _appeared(self) -> None:
+        if self.wake():
+            log.info("a socket appeared at {where}: connecting now, not after the back-off",
+                     where=self._watch.path if self._watch is not None else self.address)
+
+    def _answered(self, reply: "codec.SessionReply") -> None:
+        """The claim's answer after a reconnection: a bus that did not know our session (a new
+        server, or one whose linger ran out) counted nothing for us while we were away, so
+        what was published meanwhile is missed in a number nobody knows: one line naming the
+        interval, and counted (`unknownGaps`); then `sessionClaimed`."""
+        lost, self._lostAt = self._lostAt, None
+        if lost is not None and reply.state == "new":
+            gap = max(0.0, self.reactor.seconds() - lost[0])
+            self.unknownGaps += 1
+            self.unknownGapSeconds += gap
+            log.warn("session {name}: the bus did not know it (restarted, or it lingered out): what "
+                     "was published for us between {t1} and {t2} ({gap:.3f} s) is missed, in a number "
+                     "nobody counted", name=reply.name.decode("utf-8", "replace"), t1=_clock(lost[1]),
+                     t2=_clock(time.time()), gap=gap)
+        self.sessionClaimed(reply)
 
     def _schedule(self):
         if not self._running or self._call is not None:
@@ -897,3 +976,8 @@ class ReconnectingClient:
                 responder_uid=None) -> defer.Deferred:
         """`SbusProtocol.request` on the current connection or the next one."""
         return self.whenConnected().addCallback(lambda p: p.request(key, payload, timeout, check, responder_uid))
+
+
+def _clock(t: float) -> str:
+    """A wall-clock time for a log line: UTC, to the millisecond."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"

@@ -412,7 +412,7 @@ class BridgeService(service.Service):
         for side in SIDES:
             client = Client(side, self.reactor, self.address[side], protocol_factory(side),
                             initialDelay=self.initial_delay, maxDelay=self.max_delay,
-                            max_packet=self.max_packet, connector=self.connectors[side])
+                            max_packet=self.max_packet, connector=self.connectors[side], watch=True)
             # Lossless: when we stop reading this side (the other is slow), its server holds the
             # publishers instead of discarding what waits for us.
             client.flood(hard="block")

@@ -798,7 +798,7 @@ class Link(service.MultiService):
             return p
 
         self.bus = _BusClient(self, reactor, bus, localFactory, initialDelay=initialDelay,
-                              maxDelay=maxDelay, max_packet=max_packet)
+                              maxDelay=maxDelay, max_packet=max_packet, watch=True)
         self.bus.echo(False)
         # claimed after the subscriptions; the count is confirmed once logged and counted
         self.bus.holdSession(self.session_name, session_linger, confirm=True)

@@ -760,7 +760,7 @@ class MsgbusService(service.MultiService):
                     log.warn("lost the bus connection ({why}); reconnecting", why=reason)
 
         self.client = Client(self.reactor, self.bus_address, BusProtocol, maxDelay=self.max_delay,
-                             max_packet=gateway.max_packet)
+                             max_packet=gateway.max_packet, watch=True)
         self.client.subscribe(KEY_PREFIX)
         self.client.echo(False)
         gateway.bus = self.client

@@ -435,7 +435,7 @@ class NatsService(service.Service):
                              what=self.lastFailure)
 
         self.client = Client(self.reactor, self.bus, BusProtocol, initialDelay=0.1, maxDelay=10.0,
-                             max_packet=self.max_packet)
+                             max_packet=self.max_packet, watch=True)
         for p in dict.fromkeys(self.exports):
             self.client.subscribe(p)
         self.client.subscribe(STATS_REQUEST)

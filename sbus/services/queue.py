@@ -167,7 +167,7 @@ class QueueService(service.Service):
                 if svc.running:
                     log.warn("control: lost the bus ({why}); reconnecting", why=_why(reason))
 
-        self.control = ControlClient(self.reactor, self.bus, Control, max_packet=self.max_packet)
+        self.control = ControlClient(self.reactor, self.bus, Control, max_packet=self.max_packet, watch=True)
         self.control.echo(False)
         self.control.subscribe(ACK_KEY)
         for key in MEMBER_KEYS:
@@ -177,7 +177,7 @@ class QueueService(service.Service):
             self.control.subscribe(SUBMIT_ROOT + name)
         for key in self.core.serves_patterns():  # tells a later service for our groups to give them up
             self.control.subscribe(key)
-        self.intake = IntakeClient(self.reactor, self.bus, Intake, max_packet=self.max_packet)
+        self.intake = IntakeClient(self.reactor, self.bus, Intake, max_packet=self.max_packet, watch=True)
         self.intake.echo(False)
         if self.full == "block":
             self.intake.flood(hard="block")

@@ -531,7 +531,7 @@ class RecordService(service.Service):
                         # disconnect notice may not get through a full socket)
                         svc._degrade()
 
-        self.client = Client(self.reactor, self.bus, _make_protocol(self.recorder, self), maxDelay=5.0)
+        self.client = Client(self.reactor, self.bus, _make_protocol(self.recorder, self), maxDelay=5.0, watch=True)
         for p in self.patterns:
             self.client.subscribe(p)
         if self.session_linger > 0:

@@ -95,6 +95,8 @@ from twisted.python import usage
 from zope.interface import implementer
 
 from sbus.client import address as client_address
+from sbus.client.socketwatch import link_refusal, symlink_refusal
+from sbus.client.socketwatch import SocketWatch as MasterSocketWatch
 from sbus.client.twisted import ReconnectingClient, SbusProtocol, connect_socket, parse_whoami
 from sbus.core.credentials import SECRET_ROOT, secret_prefix, whoami
 from sbus.core.flood import Outbox
@@ -234,11 +236,6 @@ class UpstreamProtocol(SbusProtocol):
             self.relay.disconnect_reason = payload.replace(b"\0", b": ", 1).decode("utf-8", "replace")[:300]
 
 
-#: After the master's socket file (re)appears, a refused attempt (the file exists from the new
-#: master's bind(), before its listen()) is retried this often, seconds ...
-WAKE_INTERVAL = 0.05
-#: ... for this long; then the back-off resumes, doubling from WAKE_INTERVAL.
-WAKE_WINDOW = 5.0
 _PROC_FD = "/proc/self/fd"
 #: A restarted relay claims its session this long after it first serves: its clients (relays
 #: below woken by inotify, clients backing off from 0.1 s) have subscribed again by then, and
@@ -246,19 +243,9 @@ _PROC_FD = "/proc/self/fd"
 SESSION_SETTLE = 2.0
 
 
-def _refusal(st: os.stat_result) -> str | None:
-    if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, os.geteuid()):
-        return f"a symlink of uid {st.st_uid} (neither ours nor root's): refusing to connect through it"
-    return None
-
-
 def master_file_refusal(path: str) -> str | None:
-    """Why the relay must not connect through what is at `path` (a symlink of another uid than
-    ours or root's), or None. Only the final component is judged, without following it."""
-    try:
-        return _refusal(os.lstat(path))
-    except OSError:
-        return None  # nothing there (yet): the connect says so
+    """Why the relay must not connect through what is at `path` (`link_refusal`)."""
+    return link_refusal(path)
 
 
 def _open_master_file(path: str) -> int:
@@ -273,7 +260,7 @@ def _open_master_file(path: str) -> int:
     if not stat.S_ISLNK(st.st_mode):
         return fd
     os.close(fd)
-    refusal = _refusal(st)
+    refusal = symlink_refusal(st)
     if refusal is not None:
         raise OSError(errno.ELOOP, refusal, path)
     return os.open(path, os.O_PATH | os.O_CLOEXEC)  # ours or root's: followed
@@ -305,137 +292,21 @@ def connect_master(reactor, address, max_packet, timeout):
     return connect_socket(reactor, f"{_PROC_FD}/{fd}", max_packet, timeout).addBoth(close)
 
 
-class MasterSocketWatch:
-    """Calls `wake()` when a socket file appears at the master's `path` (created, moved there,
-    or its mode changed), by inotify on the file's directory (Linux).
-
-    `arm()` sets the watch. If the directory does not exist (yet), its parent is watched
-    for it (``/run/sbus/`` made by the master's service manager, ``/run/user/UID`` made at
-    login), and the directory once it appears. If it is removed or renamed later, the same
-    again. `changed()` is called whenever the watch changed on its own (the relay logs
-    `state`)."""
-
-    def __init__(self, reactor, path: str, wake, changed):
-        self.reactor = reactor
-        self.path = os.path.abspath(path)
-        self.directory, name = os.path.split(self.path)
-        self.parent, dirname = os.path.split(self.directory)
-        self.name = os.fsencode(name)
-        self.dirname = os.fsencode(dirname)
-        self.wake = wake
-        self.changed = changed
-        self.notifier = None
-        #: What is watched: "directory", "parent" or None; `state` says it in words.
-        self.level: str | None = None
-        self.state = "not started"
-
-    def arm(self) -> str | None:
-        """Watch (again); None when the socket's directory is watched, else why not (a line)."""
-        if self.level == "directory":
-            return None
-        if self.level == "parent" and not os.path.isdir(self.directory):
-            return self.state  # still missing: the parent's watch says when it appears
-        self.disarm()
-        try:
-            from twisted.internet import inotify
-            from twisted.python.filepath import FilePath
-        except ImportError as e:
-            self.state = f"no inotify on this system ({e})"
-            return self.state
-        gone = inotify.IN_DELETE_SELF | inotify.IN_MOVE_SELF
-        appeared = inotify.IN_CREATE | inotify.IN_MOVED_TO
-        try:
-            notifier = inotify.INotify(self.reactor)
-        except (inotify.INotifyError, OSError) as e:
-            self.state = f"no inotify instance ({e})"
-            return self.state
-        try:
-            notifier.watch(FilePath(self.directory), mask=appeared | inotify.IN_ATTRIB | gone,
-                           callbacks=[self._event])
-            self.level, self.state = "directory", f"watching {self.directory} (inotify)"
-        except (inotify.INotifyError, OSError):
-            try:
-                notifier.watch(FilePath(self.parent), mask=appeared | gone, callbacks=[self._parentEvent])
-                self.level = "parent"
-                self.state = (f"{self.directory} cannot be watched (missing?): watching {self.parent} "
-                              f"(inotify) for it")
-            except (inotify.INotifyError, OSError):
-                notifier.loseConnection()
-                self.state = f"cannot watch {self.directory} nor {self.parent} (missing, or not ours to read)"
-                return self.state
-        # IN_IGNORED comes unasked when the kernel drops a watch (its file system went away)
-        self._gone, self._appeared = gone | inotify.IN_IGNORED, appeared | inotify.IN_ATTRIB
-        notifier.startReading()
-        self.notifier = notifier
-        if self.level == "parent" and os.path.isdir(self.directory):
-            self.reactor.callLater(0, self._rearm)  # made while the watch was set: no event tells
-        return None if self.level == "directory" else self.state
-
-    def disarm(self) -> None:
-        notifier, self.notifier, self.level = self.notifier, None, None
-        if notifier is not None:
-            notifier.loseConnection()
-
-    def _rearm(self) -> None:
-        self.disarm()
-        self.reactor.callLater(0, self.changed)
-
-    def _event(self, watch, filepath, mask: int) -> None:
-        if self.notifier is None or self.level != "directory":
-            return  # from a watch given up
-        if mask & self._gone:
-            self._rearm()  # the directory went away or moved: watch its parent for it
-            return
-        if mask & self._appeared and filepath.basename() == self.name:
-            self.check()
-
-    def _parentEvent(self, watch, filepath, mask: int) -> None:
-        if self.notifier is None or self.level != "parent":
-            return
-        if mask & self._gone or filepath.basename() == self.dirname:
-            self._rearm()
-
-    def check(self) -> None:
-        """Wake the relay if a socket (or a symlink it may follow) is at the master's path."""
-        try:
-            st = os.lstat(self.path)
-        except OSError:
-            return
-        if stat.S_ISSOCK(st.st_mode) or (stat.S_ISLNK(st.st_mode) and master_file_refusal(self.path) is None):
-            self.wake()
-
-
 class _MasterClient(ReconnectingClient):
+    """The link to the master; its socket's return wakes it (`ReconnectingClient.wake`)."""
+
     def __init__(self, relay: "Relay", *args, **kw):
         super().__init__(*args, **kw)
         self.relay = relay
-        #: Until then, a failed attempt is retried after WAKE_INTERVAL (the master's socket reappeared).
-        self.fast_until = 0.0
 
     def connectionMade(self, protocol):
-        self.fast_until = 0.0
         self.relay.masterUp(protocol)
 
     def connectionLost(self, reason):
         self.relay.masterDown(reason)
 
     def connectionFailed(self, reason):
-        if self.reactor.seconds() < self.fast_until:
-            self.retryFailuresAfter(WAKE_INTERVAL)
         self.relay.masterUnreachable(reason, self.lastFailure if self.failureIsNews else None)
-
-    def tryNow(self, announce=None) -> bool:
-        """The master's socket reappeared: try at once (at most once per WAKE_INTERVAL), and
-        retry failures after WAKE_INTERVAL for WAKE_WINDOW. True if an attempt was started;
-        `announce()` is called just before it (a refusal may be logged before this returns)."""
-        if not self.running or self.connected:
-            return False
-        self.fast_until = self.reactor.seconds() + WAKE_WINDOW
-        if self.connecting:
-            return False  # under way: if refused, retried soon (connectionFailed)
-        # An attempt due within two intervals (jitter included) comes soon anyway: an event
-        # storm makes no connect storm.
-        return self.retryNow(soon=2 * WAKE_INTERVAL, before=announce)
 
 
 @implementer(IUpstream)
@@ -572,7 +443,7 @@ class Relay(service.Service):
                 log.info("sbus-relay: a socket appeared at {up}: connecting now, not after the back-off",
                          up=self.upstream)
 
-        self.client.tryNow(announce)
+        self.client.wake(announce)
 
     def _role(self) -> str:
         """What identifies this relay to its master across restarts: the socket it serves."""
