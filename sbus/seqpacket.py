@@ -30,7 +30,10 @@ many system calls that takes, never what is sent.
 from __future__ import annotations
 
 import errno
+import fcntl
 import socket
+import struct
+import termios
 
 from twisted.internet import error, interfaces, main
 from twisted.logger import Logger
@@ -54,6 +57,11 @@ _PACKET_ERRORS = (errno.EMSGSIZE,)
 #: After a failed send, at most this many packets still waiting from the peer are read.
 _DRAIN_AFTER_SEND_FAILURE = 1 << 16
 _ACCEPT_CAP = 64
+#: SO_SNDBUF of every connection the server accepts (the kernel doubles it: 32 KiB): what one
+#: client that never reads can pin in the server's kernel send queue, about twice this. It is
+#: raised only to send one packet that does not fit, and set back at once (`_sendGrown`): sized
+#: to the packet limit, 400 connections of one uid that never read pinned 453 MiB (issue 33.7).
+SERVER_SNDBUF = 16 << 10
 _ACCEPT_ERRORS_BACKOFF = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 _buffers: dict[int, memoryview] = {}
@@ -101,7 +109,7 @@ class SeqPacketTransport:
         "connected", "disconnecting", "_fd", "_reading", "_writing",
         "_buf", "_producer", "_producerPaused", "_streaming", "_host", "packets_out",
         "bytes_out", "packets_unsendable", "_aborted", "_closing", "_batchDone", "_sendRefused",
-        "_drainLeft", "_drainReason", "_paused", "__weakref__",
+        "_drainLeft", "_drainReason", "_paused", "_sndbuf", "__weakref__",
     )
 
     def __init__(self, sock, protocol, reactor, *, max_packet, drain_cap=DEFAULT_DRAIN_CAP,
@@ -143,6 +151,56 @@ class SeqPacketTransport:
         self._aborted = False
         #: The delayed call that will finish the connection (abort, failed send), if any.
         self._closing = None
+        #: The SO_SNDBUF a bigger packet's send raises for a moment (`keepSendBufferSmall`); 0: not kept small.
+        self._sndbuf = 0
+
+    def keepSendBufferSmall(self, size: int = SERVER_SNDBUF) -> None:
+        """Keep this socket's SO_SNDBUF at `size` (the server's side of every connection): a
+        peer that does not read then pins about twice that of kernel memory, not twice the
+        packet limit. A packet too big for it is still sent whole (`_sendGrown`)."""
+        try:
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+        except OSError:
+            return
+        self._sndbuf = size
+
+    def _sendGrown(self, packet: bytes, exc: OSError) -> bool | None:
+        """The kernel refused `packet` (EMSGSIZE). On a socket kept small, raise SO_SNDBUF to fit
+        it, send it, and set it back: the kernel then holds it and takes nothing more until the
+        peer has read it. Raised only while the peer reads: while more than a quarter of the small
+        buffer is still unread (where the kernel stops calling it writable), the packet waits as
+        for a full socket, so a peer that does not read pins at most one big packet. True: sent,
+        or dropped as unsendable (`_unsendable`); False: the socket is full, wait to write;
+        None: the send failed, the peer is gone (`_sendFailed`)."""
+        if self._sndbuf and len(packet) <= self.max_packet:
+            sock = self.socket
+            if self._unread() * 2 > self._sndbuf:  # (the kernel counts twice SO_SNDBUF, writable at a quarter)
+                return False
+            size_buffers(sock, len(packet))
+            try:
+                sock.send(packet, _NOSIGNAL)
+            except BlockingIOError:
+                return False
+            except OSError as e:
+                exc = e
+            else:
+                self.packets_out += 1
+                self.bytes_out += len(packet)
+                return True
+            finally:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._sndbuf)
+            if exc.errno not in _PACKET_ERRORS:
+                self._sendFailed(exc)
+                return None
+        self._unsendable(packet, exc)
+        return True
+
+    def _unread(self) -> int:
+        """Bytes this socket has sent that the peer has not read yet (SIOCOUTQ)."""
+        try:
+            return struct.unpack("i", fcntl.ioctl(self._fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+        except OSError:
+            return 0
 
     # -- startup / descriptors
 
@@ -235,8 +293,13 @@ class SeqPacketTransport:
                 if e.errno not in _PACKET_ERRORS:
                     self._sendFailed(e)
                     return True
+                sent = self._sendGrown(packet, e)
+                if sent is None:
+                    return True
+                if not sent:
+                    self.startWriting()
+                    return False
                 outbox.pop()
-                self._unsendable(packet, e)
                 continue
             outbox.pop()
             self.packets_out += 1
@@ -649,6 +712,7 @@ class SeqPacketPort:
                 conn.close()
                 return
             transport = ServerTransport(conn, protocol, self.reactor, peer=cred, **self._settings)
+            transport.keepSendBufferSmall()
             protocol.makeConnection(transport)
             transport.startReading()
         except Exception:
@@ -813,9 +877,14 @@ class BatchSeqPacketTransport(SeqPacketTransport):
             except InterruptedError:
                 continue
             except OSError as e:
-                if e.errno in _PACKET_ERRORS:  # the first packet's fault (EMSGSIZE): drop it, go on
-                    outbox.pop()
-                    self._unsendable(batch[0], e)
+                if e.errno in _PACKET_ERRORS:  # the first packet's fault (EMSGSIZE): too big for now
+                    sent = self._sendGrown(batch[0], e)
+                    if sent is None:
+                        return True
+                    if not sent:
+                        self.startWriting()
+                        return False
+                    outbox.pop()  # sent with a bigger buffer, or dropped
                     continue
                 self._sendFailed(e)
                 return True
