@@ -46,23 +46,31 @@ def _rate(address: str, seconds: float = 2.0) -> float:
     return n / elapsed
 
 
-def _attack(address: str, ready_w: int, stop_r: int) -> str:
-    """As uid 65534: hold 40,000 expensive patterns on two connections, then publish distinct
-    keys that match them until told to stop."""
-    conns = [socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]
+def _star_patterns(address: str, connections: int, side: int, last: bytes) -> list:
+    """`connections` connections holding, between them, the side x side patterns
+    `a{i}*/a{j}*/LAST` (every key `a^300/a^300/...` walks all of them); non-blocking once the
+    server has them all."""
+    conns = [socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(connections)]
     for c in conns:
         c.connect(address)
         c.settimeout(120)
     n = 0
-    for i in range(1, 201):
-        for j in range(1, 201):
-            conns[n % 2].send(b"SUB " + b"a" * i + b"*/" + b"a" * j + b"*/")
+    for i in range(1, side + 1):
+        for j in range(1, side + 1):
+            conns[n % connections].send(b"SUB " + b"a" * i + b"*/" + b"a" * j + b"*/" + last)
             n += 1
     for c in conns:
         c.send(b"CMSG !/cred/whoami")
         while not c.recv(1 << 16).startswith(b"CMSG !/cred/whoami"):
             pass
         c.setblocking(False)
+    return conns
+
+
+def _attack(address: str, ready_w: int, stop_r: int) -> str:
+    """As uid 65534: hold 40,000 expensive patterns on two connections, then publish distinct
+    keys that match them until told to stop."""
+    conns = _star_patterns(address, 2, 200, b"")
     os.write(ready_w, b"r")
     k = 0
     while True:  # publish whenever a socket takes more (no spinning: the server paces us)
@@ -107,16 +115,7 @@ def _pattern_attack(address: str, ready_w: int, routed_w: int, stop_r: int) -> s
     """As uid 65534, on one connection (issue 33 item 6): hold 36,100 patterns
     `a{i}*/a{j}*/z` (within every limit), then publish distinct keys that match none of them,
     each followed by a whoami whose answer, one byte to `routed_w`, counts it as routed."""
-    c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    c.connect(address)
-    c.settimeout(120)
-    for i in range(1, 191):
-        for j in range(1, 191):
-            c.send(b"SUB " + b"a" * i + b"*/" + b"a" * j + b"*/z")
-    c.send(b"CMSG !/cred/whoami")
-    while not c.recv(1 << 16).startswith(b"CMSG !/cred/whoami"):
-        pass
-    c.setblocking(False)
+    [c] = _star_patterns(address, 1, 190, b"z")
     os.write(ready_w, b"r")
     k = 0
     while True:
