@@ -1608,6 +1608,8 @@ class BrokerFactory(protocol.Factory):
         }
         if private:
             result["scope"] = "uid"
+            if self.seesAllInterest(viewer_uid):  # the owner's grant: server/interest lists every uid's
+                result["interest_scope"] = "all"
         else:  # who may connect (the -u list; None: anyone the socket's mode lets in), for services
             result["allowed_uids"] = sorted(self.allowed_uids) if self.allowed_uids is not None else None
         result["sessions"] = self.sessions.stats(viewer_uid if private else None)

@@ -599,7 +599,7 @@ class NatsService(service.Service):
     def _interest_scope(self, stats) -> None:
         """One line at start when the bus shows us only our own uid's view: then
         `server/interest` lists every uid's patterns only by the bus owner's grant."""
-        if isinstance(stats, dict) and stats.get("scope") == "uid":
+        if isinstance(stats, dict) and stats.get("scope") == "uid" and stats.get("interest_scope") != "all":
             uid = os.getuid()
             log.warn("bus: uid {uid} is neither root nor the bus's own uid: server/interest lists "
                      "only uid {uid}'s patterns unless the bus owner grants it every uid's "
