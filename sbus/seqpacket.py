@@ -57,11 +57,13 @@ _PACKET_ERRORS = (errno.EMSGSIZE,)
 #: After a failed send, at most this many packets still waiting from the peer are read.
 _DRAIN_AFTER_SEND_FAILURE = 1 << 16
 _ACCEPT_CAP = 64
-#: SO_SNDBUF of every connection the server accepts (the kernel doubles it: 32 KiB): what one
+#: SO_SNDBUF of every connection the server accepts (the kernel doubles it: 128 KiB): what one
 #: client that never reads can pin in the server's kernel send queue, about twice this. It is
 #: raised only to send one packet that does not fit, and set back at once (`_sendGrown`): sized
 #: to the packet limit, 400 connections of one uid that never read pinned 453 MiB (issue 33.7).
-SERVER_SNDBUF = 16 << 10
+#: Not smaller: at 16 KiB a 1 -> 1 stream of 4 KiB messages lost up to half its rate
+#: (docs/performance.md "Kernel send buffers").
+SERVER_SNDBUF = 64 << 10
 _ACCEPT_ERRORS_BACKOFF = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 _buffers: dict[int, memoryview] = {}
