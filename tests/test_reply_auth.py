@@ -25,7 +25,7 @@ import pytest
 import pytest_twisted
 
 from helpers import REPO, run_as
-from sbus.client import Client, ConnectionClosed, Message, RequestTimeout
+from sbus.client import Client, ConnectionClosed, Message
 from sbus.core import codec
 from sbus.core.reqrep import (ANY, CHALLENGE, Requester, Responder, encode_request, parse_request,
                               request_digest)
