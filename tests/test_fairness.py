@@ -195,3 +195,16 @@ def test_a_uid_whose_every_publish_walks_the_product_of_star_prefixes_cannot_sta
     assert during_first <= 12, f"{during_first} attacker misses routed while root's first round trip waited"
     assert worst < 3.0, f"root's worst round trip {worst * 1000:.0f} ms ({during_first} attacker misses in the first)"
     assert during_rest <= 40, f"{during_rest} attacker misses routed during root's 20 round trips"
+
+
+def test_a_uid_alone_is_charged_but_owes_at_most_one_burst():
+    """Alone on the bus a uid is charged (so one that connects finds it in debt) but its debt
+    stops at one burst: an hour of costly work alone is not an hour's wait later."""
+    from sbus.core.accounting import WORK_BURST, WORK_SHARE, WorkBudget
+
+    alone = WorkBudget(0.0)
+    for n in range(1000):
+        alone.spend(1.0, now=n * 1.0, alone=True)  # 1 s of work each second: 100 % alone
+    assert alone.owed(999.0) == pytest.approx(WORK_BURST / WORK_SHARE)
+    shared = WorkBudget(0.0)
+    assert shared.spend(1.0, now=0.0) == pytest.approx((1.0 - WORK_BURST) / WORK_SHARE)  # not alone: all of it
