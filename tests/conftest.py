@@ -11,12 +11,20 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 import uuid
 
 import pytest
 
 from helpers import SbusdProcess, TwistdBus
+
+# A suite started in the background of a non-interactive shell (`make test &`, nohup, a CI
+# script's `&`) inherits SIGINT ignored, and so would every server and command it starts: the
+# tests that stop them with SIGINT (as Ctrl-C does) would wait in vain. A handled signal is
+# reset to the default in a child at exec, an ignored one is not: handle it here.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
