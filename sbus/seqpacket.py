@@ -714,7 +714,9 @@ class SeqPacketPort:
                 conn.close()
                 return
             transport = ServerTransport(conn, protocol, self.reactor, peer=cred, **self._settings)
-            transport.keepSendBufferSmall()
+            small = getattr(self.factory, "smallSendBuffer", None)
+            if small is None or small(cred.uid):
+                transport.keepSendBufferSmall()
             protocol.makeConnection(transport)
             transport.startReading()
         except Exception:

@@ -99,31 +99,59 @@ def test_connections_of_one_uid_that_never_read_pin_little_kernel_memory(start_b
     assert pinned >= CONNECTIONS * (32 << 10), f"only {pinned} bytes: the sockets were not full"
 
 
-@pytest.mark.timeout(120)
-def test_packets_of_the_size_limit_still_reach_a_reader_and_wait_whole_for_a_non_reader(start_bus):
-    """A packet bigger than the server's small SO_SNDBUF is sent with the buffer raised for that send;
-    several in a row reach a reader whole and in order, and a subscriber that does not read
-    holds at most one of them in the kernel (the rest wait in its queue, counted)."""
-    bus = start_bus()
+def _read_big_as_attacker(address: str, key: bytes, sent: list, pipes) -> str:
+    """As uid 65534: a reader and an idle subscriber of `key`; the reader reads `sent` when told,
+    the idle one once the kernel's queues were read."""
+    ready_w, go_r, read_w, idle_r = pipes
+    reader = connect(address, big=True, timeout=60)
+    idle = connect(address, big=True, timeout=60)
+    for c in (reader, idle):
+        send(c, sub(key))
+        sync(c)
+    os.write(ready_w, b"r")
+    select.select([go_r], [], [], 120)
+    got = [recv(reader, timeout=60) for _ in sent]
+    os.write(read_w, b"d")
+    select.select([idle_r], [], [], 120)
+    got_idle = [recv(idle, timeout=60) for _ in sent]
+    return "ok" if got == sent and got_idle == sent else f"reader {got == sent}, idle {got_idle == sent}"
+
+
+@pytest.mark.timeout(180)
+def test_packets_of_the_size_limit_still_reach_a_reader_and_wait_whole_for_a_non_reader(start_bus, shared_dir):
+    """A packet bigger than the server's small SO_SNDBUF (another uid's connection) is sent with
+    the buffer raised for that send; several in a row reach a reader whole and in order, and a
+    subscriber that does not read holds at most one of them in the kernel (the rest wait in its
+    queue, counted). Root's and the server's own connections keep a big buffer (relays, bridges)."""
+    address = os.path.join(shared_dir, "bus.socket")
+    start_bus("-o", address=address)
     key = unique("big/").encode()
-    reader = connect(bus.address, big=True, timeout=30)
-    idle = connect(bus.address, big=True, timeout=30)
-    send(reader, sub(key))
-    send(idle, sub(key))
-    sync(reader)
-    sync(idle)
-    pub = connect(bus.address, big=True, timeout=30)
+    pub = connect(address, big=True, timeout=30)
+    send(pub, sub(unique("root/").encode()))  # root's own connection: not kept small
+    sync(pub)
     limit = stats(pub)["limits"]["max_packet"]
     head = msg(key, b"")
     sent = [msg(key, bytes([n]) * (limit - len(head))) for n in range(5)]
     assert all(len(p) == limit for p in sent)
-    for packet in sent:
-        send(pub, packet)
-    for packet in sent:
-        assert recv(reader, timeout=30) == packet
-    sync(pub)
-    rows = server_send_queues(bus.address)
+    root_rows = server_send_queues(address)
+    assert len(root_rows) == 1 and root_rows[0][1] > 256 << 10, root_rows
+    (ready_r, ready_w), (go_r, go_w), (read_r, read_w), (idle_r, idle_w) = (os.pipe() for _ in range(4))
+    result = []
+    t = threading.Thread(target=lambda: result.append(run_as(
+        ATTACKER, ATTACKER, lambda: _read_big_as_attacker(address, key, sent, (ready_w, go_r, read_w, idle_r)))),
+        daemon=True)
+    t.start()
+    try:
+        assert select.select([ready_r], [], [], 120)[0], f"the subscribers never got ready: {result}"
+        for packet in sent:
+            send(pub, packet)
+        sync(pub, timeout=60)
+        os.write(go_w, b"g")
+        assert select.select([read_r], [], [], 120)[0], f"the reader never read: {result}"
+        rows = server_send_queues(address)
+    finally:
+        os.write(idle_w, b"i")
+        t.join(120)
+    assert result == ["ok"], result
     in_kernel = max(q for q, _ in rows)
     assert limit <= in_kernel < 2 * limit, rows  # the idle one: one big packet, the rest queued
-    got = [recv(idle, timeout=30) for _ in sent]
-    assert got == sent

@@ -1540,6 +1540,13 @@ class BrokerFactory(protocol.Factory):
     def privileged(uid: int | None) -> bool:
         return uid is None or uid in (0, os.getuid())
 
+    def smallSendBuffer(self, uid: int) -> bool:
+        """Whose connection gets a small kernel send buffer (`SeqPacketPort`, issue 33.7): any
+        uid but root and the server's own. Those two are trusted with the machine already, and
+        their relays and bridges carry the bus's bulk: at 64 KiB a relay's rate fell by a fifth
+        (docs/performance.md "Kernel send buffers")."""
+        return not self.privileged(uid)
+
     def seesAllInterest(self, uid: int | None) -> bool:
         """Who sees every uid's `server/interest`: root, the server's own uid, and the uids the
         bus owner grants it to (``--service-uid``: services that carry other uids' traffic)."""
