@@ -155,3 +155,26 @@ def test_packets_of_the_size_limit_still_reach_a_reader_and_wait_whole_for_a_non
     assert result == ["ok"], result
     in_kernel = max(q for q, _ in rows)
     assert limit <= in_kernel < 2 * limit, rows  # the idle one: one big packet, the rest queued
+
+
+def test_a_relay_gives_root_the_big_send_buffer_too(start_bus, tmp_path):
+    """A relay's port asks the rule through its admission (`AdmittingFactory`): root's connection
+    to a relay keeps the big buffer as on the master (a small one cost relays a fifth of their rate)."""
+    import sys
+
+    from helpers import LoggedProcess, answers_whoami
+
+    master = start_bus()
+    relay_address = str(tmp_path / "relay.socket")
+    relay = LoggedProcess([sys.executable, "-m", "twisted", "sbus-relay", "--bus", master.address,
+                           "--socket", relay_address], tmp_path / "relay.log")
+    try:
+        wait_until(lambda: relay.alive_or_raise() and answers_whoami(relay_address), "the relay serving", 60)
+        c = connect(relay_address, timeout=30)
+        send(c, sub(unique("r/").encode()))
+        sync(c)
+        rows = server_send_queues(relay_address)
+        c.close()
+    finally:
+        relay.stop()
+    assert rows and all(tb > 256 << 10 for _, tb in rows), rows

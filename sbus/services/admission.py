@@ -142,6 +142,11 @@ class AdmittingFactory:
             return None
         return self.factory.buildProtocol(addr)
 
+    def smallSendBuffer(self, uid: int) -> bool:
+        """As the bus's own factory decides (`BrokerFactory.smallSendBuffer`)."""
+        small = getattr(self.factory, "smallSendBuffer", None)
+        return small is None or small(uid)
+
     def doStart(self):
         self.factory.doStart()
 
