@@ -733,3 +733,79 @@ def test_a_restarted_recorder_subscribes_before_it_recovers_a_big_journal(bus, s
     assert [(r["key"], r["payload"]) for r in rows[n + 1:] if r["dropped"] == 0] == new  # nothing lost
     assert os.listdir(out / "_tmp") == []
     print(f"subscribed {subscribed:.2f} s after the start, recovery logged after {recovered:.2f} s")
+
+
+WRITE_ERROR_OFFSETS = r"""
+import json, os, resource, signal, sys, tempfile, time
+from sbus.pipeline.schema import JOURNAL_SUFFIX, published_files
+from sbus.pipeline.source import Layout, read_range
+from sbus.pipeline.writer import RecordingWriter
+from sbus.services.record import BoundedWriter
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit: EFBIG, as on a full disk
+T = 1_700_000_000_000_000
+d = tempfile.mkdtemp()
+w = RecordingWriter(d, fsync=False, roll_age=3600)
+bw = BoundedWriter(w, tick=0.01).start()
+out = {}
+
+def offer(first, last):
+    for s in range(first, last + 1):
+        bw.offer(T + s, s, b"k/%d" % s, b"x" * 200)
+    deadline = time.monotonic() + 60
+    while bw.queued_bytes and time.monotonic() < deadline:  # the worker took them all
+        time.sleep(0.01)
+
+def limit(n):
+    resource.setrlimit(resource.RLIMIT_FSIZE, (n, resource.RLIM_INFINITY))
+
+def seqs(tables):
+    return [(r["seq"], r["kind"], r["dropped"]) for t in tables for r in t.to_pylist()]
+
+offer(1, 100)
+out["read1"] = seqs(read_range(d, 0, 100))               # a stream read them from the journal: offset 100
+journal = os.path.join(d, "_tmp", next(n for n in os.listdir(os.path.join(d, "_tmp")) if n.endswith(JOURNAL_SUFFIX)))
+limit(os.path.getsize(journal) + 2000)                   # the journal cannot grow by 50 rows
+offer(101, 150)
+limit(resource.RLIM_INFINITY)
+out["read2"] = seqs(read_range(d, 100, 150))              # the next micro-batch: the drop row, no hole
+offer(151, 160)
+out["read3"] = seqs(read_range(d, 150, 160))
+limit(200)                                               # not even a drop row fits now
+offer(161, 170)
+offer(171, 175)                                          # lost too, while the drop row waits
+pending = bw.lost_rows
+limit(resource.RLIM_INFINITY)
+deadline = time.monotonic() + 60
+while Layout(d).journals == [] and time.monotonic() < deadline:  # the worker's tick writes it
+    time.sleep(0.01)
+offer(176, 180)
+out["read4"] = seqs(read_range(d, 160, 180))
+bw.stop()
+bw.join(60)
+out["files"] = [(f, l) for f, l, _ in published_files(d)]
+out["all"] = seqs(read_range(d, 0, 180))
+out["lost_rows"], out["pending"], out["errors"] = bw.lost_rows, pending, bw.write_errors
+print(json.dumps(out))
+"""
+
+
+def test_a_write_errors_drop_row_keeps_offsets_increasing():
+    """A full disk (a file size limit here) discards the unpublished file after a stream read
+    part of it from the journal. Its drop row comes at the last seq lost, after every seq the
+    stream read (at the first seq, as before, a stream at a later offset never read it), and
+    the files' names still cover every seq (else the source's next read fails as data loss).
+    A drop row the disk refuses too waits, and what comes meanwhile joins it."""
+    r = subprocess.run([sys.executable, "-c", WRITE_ERROR_OFFSETS], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert [s for s, _, _ in out["read1"]] == list(range(1, 101))
+    assert out["read2"] == [[150, "drop", 150]]                  # 1..150 lost: marked after offset 100
+    assert [s for s, _, _ in out["read3"]] == list(range(151, 161))
+    # 151..175 lost with the file that held the first drop row (its 150 carried): one row at 175
+    assert out["read4"] == [[175, "drop", 175]] + [[s, "message", 0] for s in range(176, 181)]
+    assert out["all"] == out["read4"]
+    firsts = [f for f, _ in out["files"]]
+    assert firsts[0] == 1 and all(f == prev[1] + 1 for f, prev in zip(firsts[1:], out["files"]))
+    assert out["lost_rows"] == 175 and out["pending"] == 175 and out["errors"] >= 2

@@ -365,7 +365,7 @@ class RecordingWriter:
         if len(seq) > 1 and not (seq[1:] > seq[:-1]).all():
             return "its seqs are not increasing: not a journal of this recorder"
         try:
-            published = self._publish_table(table)
+            published = self._publish_table(table, self._journal_first(name, table))
         except OSError as e:  # a full disk must not keep the recorder from starting: the gap covers them
             try:
                 os.unlink(f"rec-{table.column('seq')[0].as_py():016d}{RECOVERING_SUFFIX}", dir_fd=self._tmp_fd)
@@ -375,9 +375,24 @@ class RecordingWriter:
         rec.recovered.append((name, table.num_rows, published))  # the recorder logs it
         return None
 
-    def _publish_table(self, table) -> str:
-        """Write `table` as a published file at once (recovery); its name."""
-        first, last = table.column("seq")[0].as_py(), table.column("seq")[-1].as_py()
+    def _journal_first(self, name: str, table) -> int:
+        """The first seq a recovered journal's file is named from: the journal's own (a file that
+        began with a write error's drop row covers the seqs before that row), unless a published
+        file holds some of those."""
+        first = table.column("seq")[0].as_py()
+        try:
+            named = int(name[len("rec-"):-len(JOURNAL_SUFFIX)])
+        except ValueError:
+            return first
+        if named < first and not any(lo < first and hi >= named for lo, hi in self._published_at_start):
+            return named
+        return first
+
+    def _publish_table(self, table, first: int | None = None) -> str:
+        """Write `table` as a published file at once (recovery), named from `first` (default:
+        its first row's seq); its name."""
+        last = table.column("seq")[-1].as_py()
+        first = table.column("seq")[0].as_py() if first is None else first
         part = f"rec-{first:016d}{RECOVERING_SUFFIX}"
         fd = create_private(part, self._tmp_fd)
         with open(fd, "wb", closefd=True) as f:  # buffered: see "Why buffered files"
@@ -434,6 +449,16 @@ class RecordingWriter:
         """A drop row: `count` messages were lost at this point (first and last key if known);
         `count` GAP: an unknown number (`payload` = `last` describes the gap)."""
         self.extend(((recv_us, seq, first, last),), dropped=count)
+
+    def add_loss(self, recv_us: int, first_seq: int, last_seq: int, count: int) -> None:
+        """The drop row for the seqs `first_seq`..`last_seq` a write error discarded (`count`
+        messages): at seq `last_seq`, after every seq a reader may already have read from the
+        discarded file's journal (so offsets only grow and the row is never skipped), in a file
+        named from `first_seq` (so the names still cover every seq: a missing seq always means
+        retention deleted it)."""
+        if self._first_seq is None:
+            self._first_seq, self._opened_at = first_seq, self.clock()
+        self.add_drop(recv_us, last_seq, count)
 
     def append(self, recv_us: int, seq: int, key: bytes, payload: bytes) -> None:
         self.extend(((recv_us, seq, key, payload),))
