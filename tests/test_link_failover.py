@@ -359,6 +359,9 @@ def last_stats(service) -> dict:
     return json.loads(service.log().rsplit("sbus-link stats: ", 1)[1].splitlines()[0])
 
 
+@pytest.mark.xfail(strict=False, reason="issue 34 fault 2, open: after the second kill of a link's "
+                   "connecting half the flow often stops short of its last message (both CI runs of "
+                   "this stop, and 2 of 3 runs alone in the issue); the takeover machine is not built")
 @pytest.mark.parametrize("transport", ["key", "tls"])
 def test_two_kills_in_a_row_each_gap_is_counted(start_bus, services, tmp_path, pki, transport):  # noqa: F811
     """The connecting half killed, restarted 0.2 s later, and its successor killed as soon as it
