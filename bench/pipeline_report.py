@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/pipeline_report.py [--messages 1000000] [--work bench/out/pipeline]
                                               [--synthetic] [--docs docs/pipeline]
-                                              [--crash-at 0.5 [--downtime 2]] [--no-floor]
+                                              [--crash-at 0.5 [--downtime 2]] [--no-floor | --floor count]
                                               [--recording DIR] [--pairs N]
 
 1. starts ``sbusd`` and ``twistd -n sbus-record`` (real processes, real sockets);
@@ -25,8 +25,9 @@ every message sent is recorded or lost at the gap row the restart wrote
 names the gap.
 
 Before the report (unless ``--no-floor``) it times the *floor*,
-``bench/spark_floor.py``: a Spark job that starts, reads the same files and
-counts them, in the same run; the report's time is given as a multiple of
+``bench/spark_floor.py --scan``: a Spark job that starts and scans the same files
+(the report's columns, every value decoded; ``--floor count``: only counts them, from
+the footers), in the same run; the report's time is given as a multiple of
 it, with the report's own breakdown (``timings.json``). ``--pairs N`` times N
 such pairs, floor then report, one after the other (on a shared machine only
 a pair's own ratio means much), and gives each pair's ratio and their median.
@@ -268,9 +269,10 @@ def run_report(rec, report_dir, window):
     return time.monotonic() - t
 
 
-def run_floor(rec):
-    """Time the floor (`bench/spark_floor.py`) on `rec`: its JSON line plus ``wall_seconds``."""
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "spark_floor.py"), rec]
+def run_floor(rec, kind="scan"):
+    """Time the floor (`bench/spark_floor.py`, a bare scan or a count) on `rec`: its JSON line
+    plus ``wall_seconds``."""
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "spark_floor.py"), rec] + (["--scan"] if kind == "scan" else [])
     print("$", " ".join(cmd), flush=True)
     t = time.monotonic()
     floor = json.loads(subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True).stdout)
@@ -291,6 +293,8 @@ def main():
                     help="kill -9 the recorder when about F of the messages are recorded, then restart it")
     ap.add_argument("--downtime", type=float, default=2.0, help="seconds the recorder stays down")
     ap.add_argument("--no-floor", action="store_true", help="do not time the floor (bench/spark_floor.py)")
+    ap.add_argument("--floor", choices=("scan", "count"), default="scan",
+                    help="the floor: a bare scan of the report's columns (default), or a count (footers only)")
     ap.add_argument("--recording", metavar="DIR", help="time this existing recording (records nothing)")
     ap.add_argument("--pairs", type=int, default=1, metavar="N",
                     help="time N pairs of floor then report (their ratios and the median go in run.json)")
@@ -315,7 +319,7 @@ def main():
     pairs = []
     for i in range(args.pairs):
         # floor and report alternate, so each pair ran under the same load (the machine may be shared)
-        floor = None if args.no_floor else run_floor(rec)
+        floor = None if args.no_floor else run_floor(rec, args.floor)
         took = run_report(rec, report_dir, args.window)
         with open(os.path.join(report_dir, "timings.json")) as f:
             pair = {"report_seconds": round(took, 1), "report_breakdown": json.load(f)}
@@ -328,6 +332,10 @@ def main():
         info["pairs"] = pairs
         if not args.no_floor:
             info["median_report_over_floor"] = statistics.median(p["report_over_floor"] for p in pairs)
+            floor_s = statistics.median(p["floor"]["wall_seconds"] for p in pairs)
+            report_s = statistics.median(p["report_seconds"] for p in pairs)
+            info.update(median_floor_seconds=floor_s, median_report_seconds=report_s,
+                        report_over_floor_of_medians=round(report_s / floor_s, 2))
     first_line = open(os.path.join(report_dir, "summary.txt")).readline().rstrip("\n")
     info["headline"] = first_line
     if info.get("gaps") and "gap" not in first_line:
