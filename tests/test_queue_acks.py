@@ -205,3 +205,31 @@ def sbus_cli(address, *args):
     import sys
     return subprocess.run([sys.executable, "-m", "sbus.cli", "-b", address, *args], capture_output=True,
                           timeout=60, cwd=REPO)
+
+
+def test_ack_wait_max_deliveries_and_dead_letter_per_group(bus, start_queue):
+    """[GROUP=]VALUE, as --max-jobs: group fast has a 1 s deadline and no delivery limit; group
+    once has no deadline, one delivery at most and its own dead-letter key; a plain value is every
+    group's default."""
+    start_queue(bus, "--group", "fast=fast/", "--group", "once=once/", "--ack-wait", "fast=1",
+                "--max-deliveries", "once=1", "--dead-letter", "dead/all", "--dead-letter", "once=dead/once")
+    fast, once = group_stats(bus.address, "fast"), group_stats(bus.address, "once")
+    assert (fast["ack_wait"], fast["max_deliveries"], fast["dead_letter"]) == (1.0, None, "dead/all")
+    assert (once["ack_wait"], once["max_deliveries"], once["dead_letter"]) == (None, 1, "dead/once")
+    with Client(bus.address) as a, Client(bus.address) as b, Client(bus.address) as dead:
+        dead.subscribe(b"dead/")
+        dead.sync(5)
+        fa, oa = a.join("fast", timeout=20), a.join("once", timeout=20)
+        publish(bus.address, [b"fast/1", b"once/1"])
+        first = {fa.next(timeout=20).key, oa.next(timeout=20).key}
+        assert first == {b"fast/1", b"once/1"}
+        fb = b.join("fast", timeout=20)
+        again = fb.next(timeout=30)            # a held it past fast's deadline
+        assert (again.key, again.deliveries, again.redelivered) == (b"fast/1", 2, True)
+        fb.ack(again)
+        a.close()                              # once/1 comes back after its one delivery: dead letter
+        m = dead.receive(timeout=30)
+        assert m.key == b"dead/once" and json.loads(m.payload.partition(b"\0")[0])["key"] == "once/1"
+        b.sync(5)
+    fast, once = group_stats(bus.address, "fast"), group_stats(bus.address, "once")
+    assert (fast["expired"], fast["acked"], once["dead_lettered"], once["expired"]) == (1, 1, 1, 0)

@@ -418,11 +418,13 @@ class QueueCore:
             pattern = pattern.encode() if isinstance(pattern, str) else bytes(pattern)
             if name in self.groups:
                 raise ValueError(f"group {name.decode()} given twice")
-            mine = {"limit": limit, "max_bytes": max_bytes, "overflow": overflow, **caps.pop(name, {})}
+            mine = {"limit": limit, "max_bytes": max_bytes, "overflow": overflow, "ack_wait": ack_wait,
+                    "max_deliveries": max_deliveries, "dead_letter": dead_letter, **caps.pop(name, {})}
             if mine["overflow"] not in OVERFLOWS:
                 raise ValueError(f"unknown overflow policy {mine['overflow']!r}; one of {', '.join(OVERFLOWS)}")
-            self.groups[name] = _Group(name, pattern, mine["limit"], full, window, window_bytes, ack_wait,
-                                       max_deliveries, dead_letter, mine["max_bytes"], mine["overflow"])
+            self.groups[name] = _Group(name, pattern, mine["limit"], full, window, window_bytes, mine["ack_wait"],
+                                       mine["max_deliveries"], mine["dead_letter"], mine["max_bytes"],
+                                       mine["overflow"])
         if caps:
             raise ValueError(f"no group named {next(iter(caps)).decode()}")
         self.clock = clock

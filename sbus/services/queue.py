@@ -404,18 +404,9 @@ class Options(usage.Options):
         ["max-packet", None, str(MAX_PACKET), "The bus's packet size limit (a delivery that would "
                                               "not fit is dropped and counted too_big)."],
         ["stats-interval", None, "60", "Seconds between stats lines in the log (only if changed)."],
-        ["ack-wait", None, None, "Seconds a member has to ack a delivery (or send progress) before it "
-                                 "goes to another member (default: no deadline; a member's work "
-                                 "comes back only when it leaves)."],
-        ["max-deliveries", None, None, "Deliveries of a job at most: one that comes back after that "
-                                       "(nack, ack wait, its member gone) goes to --dead-letter "
-                                       "(default: no limit)."],
         ["store", None, None, "A directory for the groups' journals (DIR/GROUP.journal): what the "
                               "service took and has not seen done survives a kill -9 and is "
                               "delivered again after a restart (default: in memory only)."],
-        ["dead-letter", None, None, "The key dead letters are published on (JSON header with group, "
-                                    "key, attempts, error; a NUL; the payload). Without it, they are "
-                                    "dropped and counted lost.max_deliveries."],
     ]
 
     def __init__(self):
@@ -428,18 +419,32 @@ class Options(usage.Options):
     def _cap(self, option: str, field: str, value: str) -> None:
         """``[GROUP=]VALUE``: for one group, or without GROUP= for every group (repeatable; a
         group's own value wins)."""
-        from sbus.options import positive_int
+        from sbus.options import positive_float, positive_int
 
-        group, sep, text = value.rpartition("=")
+        if field == "dead_letter":
+            # A key may hold '=': what is before the first one is a group only if it names one.
+            group, sep, text = value.partition("=")
+            if not (sep and _is_group(group)):
+                group, sep, text = "", "", value
+        else:
+            group, sep, text = value.rpartition("=")
         if sep:
             try:
                 group = check_group(group)
             except ValueError as e:
                 raise usage.UsageError(f"--{option}: {e}") from None
-        if field == "overflow":
+        if field == "dead_letter":
+            parsed = os.fsencode(text)
+            try:
+                codec.encode_msg(parsed, b"")
+            except codec.ProtocolError as e:
+                raise usage.UsageError(f"--{option}: bad key: {e}") from None
+        elif field == "overflow":
             if text not in OVERFLOWS:
                 raise usage.UsageError(f"--{option}: one of {', '.join(OVERFLOWS)}, not {text!r}")
             parsed = text
+        elif field == "ack_wait":
+            parsed = positive_float(option, text)
         else:
             parsed = positive_int(option, text)
         self["caps"].setdefault(group if sep else None, {})[field] = parsed
@@ -455,6 +460,18 @@ class Options(usage.Options):
     def opt_overflow(self, value: str) -> None:
         """[GROUP=]reject-publish|drop-oldest: a group at its caps refuses a job, or drops its oldest waiting one"""
         self._cap("overflow", "overflow", value)
+
+    def opt_ack_wait(self, value: str) -> None:
+        """[GROUP=]SECONDS a member has to ack a delivery (or send progress) before it goes to another member (default: no deadline; a member's work comes back only when it leaves; repeatable)"""
+        self._cap("ack-wait", "ack_wait", value)
+
+    def opt_max_deliveries(self, value: str) -> None:
+        """[GROUP=]N deliveries of a job at most: one that comes back after that (nack, ack wait, its member gone) goes to --dead-letter (default: no limit; repeatable)"""
+        self._cap("max-deliveries", "max_deliveries", value)
+
+    def opt_dead_letter(self, value: str) -> None:
+        """[GROUP=]KEY dead letters are published on (JSON header with group, key, attempts, error; a NUL; the payload); without it they are dropped and counted lost.max_deliveries (repeatable)"""
+        self._cap("dead-letter", "dead_letter", value)
 
     def opt_group(self, value: str) -> None:
         """A group: NAME=PATTERN (repeatable). NAME: 1-64 of A-Z a-z 0-9 _ . -"""
@@ -503,34 +520,29 @@ class Options(usage.Options):
         self["limit"] = every.get("limit", self["limit"])
         self["max-bytes"] = every.get("max_bytes")
         self["overflow"] = every.get("overflow", "reject-publish")
+        self["ack-wait"] = every.get("ack_wait")
+        self["max-deliveries"] = every.get("max_deliveries")
+        self["dead-letter"] = every.get("dead_letter")
         names = {n for n, _ in self["groups"]}
         for name in self["caps"]:
             if name not in names:
-                raise usage.UsageError(f"--max-jobs/--max-bytes/--overflow: no --group named {name.decode()}")
+                raise usage.UsageError(f"--max-jobs/--max-bytes/--overflow/--ack-wait/--max-deliveries/"
+                                       f"--dead-letter: no --group named {name.decode()}")
+        for key in [self["dead-letter"]] + [c["dead_letter"] for c in self["caps"].values() if "dead_letter" in c]:
+            if key is not None and (any(matches(p, key) for _, p in self["groups"])
+                                    or key.startswith(b"sbus/services/")):
+                raise usage.UsageError("--dead-letter: the key may not match a group's pattern "
+                                       "(a dead letter would be queued again) nor be under sbus/services/")
         self["window"] = positive_int("window", self["window"])
         self["window-bytes"] = positive_int("window-bytes", self["window-bytes"])
         self["max-packet"] = positive_int("max-packet", self["max-packet"])
         self["stats-interval"] = positive_float("stats-interval", self["stats-interval"])
-        if self["ack-wait"] is not None:
-            self["ack-wait"] = positive_float("ack-wait", self["ack-wait"])
-        if self["max-deliveries"] is not None:
-            self["max-deliveries"] = positive_int("max-deliveries", self["max-deliveries"])
         if self["store"]:
             from sbus.core.queuestore import JournalError, QueueStore
             try:
                 self["store"] = QueueStore(self["store"])
             except JournalError as e:
                 raise usage.UsageError(str(e)) from None
-        if self["dead-letter"] is not None:
-            key = os.fsencode(self["dead-letter"])
-            try:
-                codec.encode_msg(key, b"")
-            except codec.ProtocolError as e:
-                raise usage.UsageError(f"--dead-letter: bad key: {e}") from None
-            if any(matches(p, key) for _, p in self["groups"]) or key.startswith(b"sbus/services/"):
-                raise usage.UsageError("--dead-letter: the key may not match a group's pattern "
-                                       "(a dead letter would be queued again) nor be under sbus/services/")
-            self["dead-letter"] = key
         if self["bus"]:
             from sbus.client.address import AddressError, parse
             try:
@@ -546,3 +558,11 @@ def makeService(options) -> QueueService:
                         ack_wait=options["ack-wait"], max_deliveries=options["max-deliveries"],
                         dead_letter=options["dead-letter"], store=options["store"],
                         max_bytes=options["max-bytes"], overflow=options["overflow"], caps=options["caps"])
+
+
+def _is_group(name: str) -> bool:
+    try:
+        check_group(name)
+    except ValueError:
+        return False
+    return True
