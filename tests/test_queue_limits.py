@@ -156,3 +156,30 @@ def test_the_metrics_collector_counts_drops_and_shows_the_byte_cap_as_a_level():
     assert got[("sbus_queue_group_lost_total", (("group", "r"), ("reason", "dropped")))] == (2, "counter")
     assert got[("sbus_queue_group_max_bytes", (("group", "r"),))] == (10, "gauge")
     assert got[("sbus_queue_group_backlog_bytes", (("group", "r"),))] == (10, "gauge")
+
+
+def test_a_stats_answer_never_counts_what_the_journal_has_not_written(tmp_path):
+    """CI found it: an ack and a stats request in one turn, and the answer (acked: 2) went out
+    before the turn's journal write, so a kill -9 just after brought acked jobs back. Whatever a
+    stats answer counts is in the kernel (written, not yet fsynced) when it leaves."""
+    from twisted.internet.task import Clock
+
+    from sbus.services.queue import QueueService
+    from sbus.services.svcstats import STATS_REQUEST
+
+    store = QueueStore(str(tmp_path))
+    svc = QueueService(None, [(b"r", b"r/")], store=store, reactor=Clock())
+    for i in range(3):
+        svc.core.message(b"r/%d" % i, b"job")
+    assert store.dirty, "the jobs' records wait for the end of the turn"
+    seen = []
+
+    class Control:
+        def sendPacket(self, packet):
+            seen.append((json.loads(packet.split(b"\0", 1)[1])["stats"]["groups"]["r"]["received"],
+                         sum(1 for _ in store.dirty), (tmp_path / "r.journal").stat().st_size))
+
+    svc.controlMessage(Control(), STATS_REQUEST, b"!/cred/0/0/0/stats")
+    received, dirty, size = seen[0]
+    assert (received, dirty) == (3, 0) and size > 0, seen
+    store.close()

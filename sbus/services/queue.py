@@ -349,6 +349,8 @@ class QueueService(service.Service):
         elif key.startswith(SUBMIT_ROOT):
             self._submit(proto, key[len(SUBMIT_ROOT):], payload)
         elif key == STATS_REQUEST:
+            if self.store is not None:
+                self.store.flush()  # what the answer counts is in the kernel before it is told
             packet = self.responder.answer(payload)
             if packet is not None and len(packet) <= self.max_packet:
                 proto.sendPacket(packet)
