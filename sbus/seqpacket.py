@@ -111,7 +111,7 @@ class SeqPacketTransport:
         "connected", "disconnecting", "_fd", "_reading", "_writing",
         "_buf", "_producer", "_producerPaused", "_streaming", "_host", "packets_out",
         "bytes_out", "packets_unsendable", "_aborted", "_closing", "_batchDone", "_sendRefused",
-        "_drainLeft", "_drainReason", "_paused", "_sndbuf", "__weakref__",
+        "_drainLeft", "_drainReason", "_paused", "_sndbuf", "_stash", "_many", "__weakref__",
     )
 
     def __init__(self, sock, protocol, reactor, *, max_packet, drain_cap=DEFAULT_DRAIN_CAP,
@@ -155,6 +155,10 @@ class SeqPacketTransport:
         self._closing = None
         #: The SO_SNDBUF a bigger packet's send raises for a moment (`keepSendBufferSmall`); 0: not kept small.
         self._sndbuf = 0
+        #: The rest of a read batch, held back while the protocol holds this peer (`_route`).
+        self._stash = None
+        #: The protocol takes a run of packets at once (`packetsReceived`).
+        self._many = hasattr(protocol, "packetsReceived")
 
     def keepSendBufferSmall(self, size: int = SERVER_SNDBUF) -> None:
         """Keep this socket's SO_SNDBUF at `size` (the server's side of every connection): a
@@ -235,40 +239,91 @@ class SeqPacketTransport:
     # -- reading
 
     def doRead(self):
-        """Read up to `drain_cap` packets (one wakeup's worth); None, or why the connection ended."""
+        """One wakeup's worth: up to `drain_cap` packets read at once (`recvBatch`) and handed
+        to the protocol one by one, then its `readBatchDone`. None, or why the connection ended.
+
+        If the protocol pauses this transport in the middle of a batch (flood control holds
+        this publisher), the rest of the batch waits here unrouted (`_stash`), as unread packets
+        wait in the kernel, and is handed over first when reading resumes. Both I/O paths read
+        this way, one system call or many, so they leave the kernel and the server in the same
+        state: the simulator checks that they give one transcript for a seed."""
+        if self._stash is not None:
+            stash, self._stash = self._stash, None
+            why = self._route(stash)
+            if why is not None or not self._reading or self._stash is not None:
+                # Held again in it (and perhaps released at its end): the rest of it goes
+                # first, at the next read; a new batch now would overtake and replace it.
+                return why
+        for _ in range(2):
+            try:
+                packets = self.recvBatch(self.drain_cap)
+            except (InterruptedError, ConnectionResetError):
+                # The peer closed with our packets unread: Linux says so (once) before handing
+                # us the packets it sent. Read on.
+                continue
+            except OSError:
+                return main.CONNECTION_LOST
+            if not packets:
+                return None
+            return self._route(packets)
+        return None
+
+    # -- the kernel's edge: one call each (the accelerator and the simulator's fake kernel
+    # answer these instead)
+
+    def recvBatch(self, count: int) -> list:
+        """Up to `count` waiting packets (bytes; an int for one over the size limit, its size;
+        b"" for end of file, last); [] when none waits. Raises OSError, as recvmmsg does, only
+        when it read nothing."""
         recv_into = self.socket.recv_into
         buf = self._buf
         limit = self.max_packet
-        deliver = self.protocol.packetReceived
-        why = None
-        got = 0
-        for _ in range(self.drain_cap):
+        out = []
+        while len(out) < count:
             try:
                 n = recv_into(buf, limit, _MSG_TRUNC)
             except BlockingIOError:
                 break
             except InterruptedError:
                 continue
-            except ConnectionResetError:
-                # The peer closed with our packets unread: Linux says so before handing us the
-                # packets it sent. The error is reported once; read on until end of file.
-                continue
             except OSError:
-                why = main.CONNECTION_LOST
-                break
+                if out:
+                    break  # recvmmsg returns what it read; a lasting error comes again
+                raise
             if n == 0:
-                # A zero-length packet reads exactly like end of file: treat it as the peer closing.
+                # A zero-length packet reads exactly like end of file: the peer closed.
+                out.append(b"")
+                break
+            out.append(buf[:n].tobytes() if n <= limit else n)
+        return out
+
+    def _route(self, packets: list):
+        """Hand `packets` to the protocol until it pauses this transport (the rest: `_stash`)."""
+        protocol = self.protocol
+        deliver = protocol.packetReceived
+        # A protocol that takes several at once (`packetsReceived`) is offered the rest after a
+        # packet for which `packetReceived` returned True (the broker: a run is open).
+        many = protocol.packetsReceived if self._many else None
+        why = None
+        i = 0
+        n = len(packets)
+        while i < n:
+            packet = packets[i]
+            i += 1
+            if packet.__class__ is int:
+                protocol.packetTooLarge(packet)
+            elif not packet:
+                # A zero-length packet reads exactly like end of file: the peer closed.
                 why = main.CONNECTION_DONE
                 break
-            got += 1
-            if n > limit:
-                self.protocol.packetTooLarge(n)
-            else:
-                deliver(buf[:n].tobytes())
-            if not self._reading:
+            elif deliver(packet) is True and many is not None and i < n and self._reading:
+                i = many(packets, i)  # it said it takes more at once: offer it the rest
+            if not self._reading and (self._paused or self._aborted or not self._drainLeft):
+                if i < n and self.connected and not self._aborted:
+                    self._stash = packets[i:]  # paused: the rest waits, as unread packets do
                 break
-        if got and self._batchDone:
-            self.protocol.readBatchDone()
+        if self._batchDone:
+            protocol.readBatchDone()
         return why
 
     # -- writing
@@ -456,34 +511,28 @@ class SeqPacketTransport:
         self._lose(reason)
 
     def _drainSome(self, count: int) -> tuple[int, bool]:
-        """Read and hand over up to `count` packets, stopping where the protocol pauses this
-        transport: (how many, whether the peer has nothing more)."""
-        recv_into = self.socket.recv_into
-        buf = self._buf
-        limit = self.max_packet
-        got = 0
-        done = False
-        for _ in range(count):
+        """After a failed send: the rest of a held-back batch first (it was read before
+        anything still in the kernel), then up to `count` packets, stopping where the protocol
+        pauses this transport: (how many, whether the peer has nothing more)."""
+        stash, self._stash = self._stash, None
+        packets = stash if stash is not None else []
+        for _ in range(2):  # ECONNRESET comes once, before what the peer sent: read again
+            if len(packets) >= count:
+                break
             try:
-                n = recv_into(buf, limit, _MSG_TRUNC)
+                packets += self.recvBatch(count - len(packets))
+                break
             except (InterruptedError, ConnectionResetError):
                 continue
-            except OSError:  # BlockingIOError included: all it sent is read
-                done = True
-                break
-            if n == 0:
-                done = True
-                break
-            got += 1
-            if n > limit:
-                self.protocol.packetTooLarge(n)
-            else:
-                self.protocol.packetReceived(buf[:n].tobytes())
-            if self._paused or self._aborted or not self.connected:
-                break
-        if got and self._batchDone and self.connected:
-            self.protocol.readBatchDone()
-        return got, done
+            except OSError:
+                if packets:
+                    self._route(packets)
+                return len(packets), True
+        if not packets:
+            return 0, True
+        self._route(packets)
+        # Done at end of file, unless held in the middle: the rest (with its end) waits.
+        return len(packets), self._stash is None and not packets[-1] and packets[-1].__class__ is bytes
 
     # -- closing
 
@@ -501,6 +550,7 @@ class SeqPacketTransport:
             return
         self._aborted = True
         self.disconnecting = True
+        self._stash = None
         self.outbox.clear()
         self.stopReading()
         self.stopWriting()
@@ -529,6 +579,7 @@ class SeqPacketTransport:
     def _finish(self, reason):
         if not self.connected:
             return
+        self._stash = None
         closing, self._closing = self._closing, None
         if closing is not None and closing.active():
             closing.cancel()
@@ -578,10 +629,20 @@ class SeqPacketTransport:
             return
         if not self.disconnecting:
             self.startReading()
+            if self._stash is not None:
+                # The socket may have nothing more to read, so the reactor would not call doRead.
+                self.reactor.callLater(0, self._resumed)
         elif self._drainReason is not None:  # a drain after a failed send, held: go on
             reason, self._drainReason = self._drainReason, None
             if self._closing is None:
                 self._closing = self.reactor.callLater(0, self._drainThenLose, reason)
+
+    def _resumed(self):
+        if self._reading and self.connected and self._stash is not None:
+            stash, self._stash = self._stash, None
+            why = self._route(stash)
+            if why is not None:
+                self._finish(failure.Failure(why))
 
     def stopProducing(self):
         self.loseConnection()
@@ -788,86 +849,11 @@ BATCH_IO = _speedups is not None
 class BatchSeqPacketTransport(SeqPacketTransport):
     """The server's transport with batch receive and batch send; nothing else differs.
 
-    `doRead` takes up to `drain_cap` packets with one recvmmsg and hands them to the protocol
-    one by one, then calls its `readBatchDone` (the server sends what the batch routed then).
-    If the protocol is paused in the middle of a batch (flood control holds this publisher),
-    the rest of the batch waits here unrouted (`_stash`), as unread packets wait in the kernel,
-    and is handed over first when reading resumes. `flush` sends from the queue with sendmmsg,
-    `drain_cap` packets a call, when it drains front to back.
-    """
+    `recvBatch` is one recvmmsg, and `flush` sends from the queue with sendmmsg, `drain_cap`
+    packets a call, when it drains front to back: fewer system calls, the same packets, the
+    same kernel state after each call (reading and holding back are the base class's)."""
 
-    __slots__ = ("_stash", "_many")
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self._stash = None
-        self._many = hasattr(self.protocol, "packetsReceived")
-
-    # -- reading
-
-    def doRead(self):
-        if self._stash is not None:
-            stash, self._stash = self._stash, None
-            why = self._route(stash)
-            if why is not None or not self._reading or self._stash is not None:
-                # Held again in it (and perhaps released at its end): the rest of it goes
-                # first, at the next read; a new batch now would overtake and replace it.
-                return why
-        for _ in range(2):
-            try:
-                packets = self.recvBatch(self.drain_cap)
-            except (InterruptedError, ConnectionResetError):
-                # ECONNRESET comes once, before the packets a closing peer sent: read on (as doRead).
-                continue
-            except OSError:
-                return main.CONNECTION_LOST
-            if not packets:
-                return None
-            return self._route(packets)
-        return None
-
-    def _route(self, packets: list):
-        protocol = self.protocol
-        deliver = protocol.packetReceived
-        # A protocol that takes several at once (`packetsReceived`) is offered the rest after a
-        # packet for which `packetReceived` returned True (the broker: a run is open).
-        many = protocol.packetsReceived if self._many else None
-        why = None
-        i = 0
-        n = len(packets)
-        while i < n:
-            packet = packets[i]
-            i += 1
-            if packet.__class__ is int:
-                protocol.packetTooLarge(packet)
-            elif not packet:
-                # A zero-length packet reads exactly like end of file: the peer closed.
-                why = main.CONNECTION_DONE
-                break
-            elif deliver(packet) is True and many is not None and i < n and self._reading:
-                i = many(packets, i)  # it said it takes more at once: offer it the rest
-            if not self._reading and (self._paused or self._aborted or not self._drainLeft):
-                if i < n and self.connected and not self._aborted:
-                    self._stash = packets[i:]  # paused: the rest waits, as unread packets do
-                break
-        if self._batchDone:
-            protocol.readBatchDone()
-        return why
-
-    def resumeProducing(self):
-        SeqPacketTransport.resumeProducing(self)
-        if self._stash is not None and self._reading:
-            # The socket may have nothing more to read, so the reactor would not call doRead.
-            self.reactor.callLater(0, self._resumed)
-
-    def _resumed(self):
-        if self._reading and self.connected and self._stash is not None:
-            stash, self._stash = self._stash, None
-            why = self._route(stash)
-            if why is not None:
-                self._finish(failure.Failure(why))
-
-    # -- writing
+    __slots__ = ()
 
     def flush(self) -> bool:
         outbox = self.outbox
@@ -899,50 +885,12 @@ class BatchSeqPacketTransport(SeqPacketTransport):
             self.bytes_out += outbox.sent(n)
         return True
 
-    # -- the kernel's edge: one call each (the simulator's fake kernel answers these instead)
-
     def recvBatch(self, count: int) -> list:
-        """Up to `count` waiting packets (bytes; an int for one over the size limit, its size;
-        b"" for end of file); [] when none waits. Raises OSError as recvmmsg does."""
         return _speedups.recv_batch(self._fd, count, self.max_packet)
 
     def sendBatch(self, batch: list) -> int:
         """Send the packets of `batch` from the first; how many the socket took (0: full)."""
         return _speedups.send_batch(self._fd, batch)
-
-    def _drainSome(self, count: int) -> tuple[int, bool]:
-        """After a failed send: the rest of a held-back batch first (it was read before
-        anything still in the kernel), then up to `count` packets by batch."""
-        stash, self._stash = self._stash, None
-        packets = stash if stash is not None else []
-        for _ in range(2):  # ECONNRESET comes once, before what the peer sent: read again
-            if len(packets) >= count:
-                break
-            try:
-                packets += self.recvBatch(count - len(packets))
-                break
-            except (InterruptedError, ConnectionResetError):
-                continue
-            except OSError:
-                return self._routeDrained(packets), True
-        if not packets:
-            return 0, True
-        got = self._routeDrained(packets)
-        # Done at end of file, unless held in the middle: the rest (with its end) waits.
-        return got, self._stash is None and not packets[-1] and packets[-1].__class__ is bytes
-
-    def _routeDrained(self, packets: list) -> int:
-        if packets:
-            self._route(packets)
-        return len(packets)
-
-    def abortConnection(self):
-        self._stash = None
-        SeqPacketTransport.abortConnection(self)
-
-    def _finish(self, reason):
-        self._stash = None
-        super()._finish(reason)
 
 
 #: The class the server's port uses for the connections it accepts.

@@ -14,7 +14,9 @@ Random clients do what a client may (SUB/UNSUB of aliasing and secret patterns, 
 on and off, every request, every flood mode and order and switches between them, extensions,
 sessions, reading in bursts, stopping, half-closing, hanging up); after every step the
 invariants of `Checker` are checked. A failing seed replays exactly: ``python -m
-sbus.simulator --seed N --path pure`` (the failure names the command).
+sbus.simulator --seed N --path pure`` (the failure names the command). With both paths, each
+seed runs on both and their transcripts (every packet each client read, and every choice the
+scheduler made) must be the same (invariant 9).
 """
 
 from __future__ import annotations
@@ -876,21 +878,49 @@ class Observed:
 
 def run(seeds, path: str, steps: int, budget: float | None = None, out=sys.stdout) -> tuple[int, int, list]:
     """Run `seeds` on `path` until done or `budget` seconds; (scenarios, steps, failures)."""
+    counts, failures = run_paths(seeds, [path], steps, budget, out)
+    return counts[path][0], counts[path][1], failures
+
+
+def run_paths(seeds, paths, steps: int, budget: float | None = None, out=sys.stdout) -> tuple[dict, list]:
+    """Run each seed on every path of `paths` until done or `budget` seconds a path; with two
+    paths, a seed whose transcripts differ fails invariant 9. ({path: [scenarios, steps]},
+    failures)."""
     start = time.monotonic()
-    scenarios = total = 0
+    counts = {path: [0, 0] for path in paths}
     failures = []
     for seed in seeds:
-        if budget is not None and time.monotonic() - start > budget:
+        if budget is not None and time.monotonic() - start > budget * len(paths):
             break
-        sim = Simulation(seed, path, steps)
-        try:
-            sim.run()
-        except Violation as e:
-            failures.append((seed, str(e)))
-            print(f"FAIL {e}", file=out)
-        scenarios += 1
-        total += sim.step + 1
-    return scenarios, total, failures
+        seen = []
+        for path in paths:
+            sim = Simulation(seed, path, steps)
+            try:
+                sim.run()
+            except Violation as e:
+                failures.append((seed, str(e)))
+                print(f"FAIL {e}", file=out)
+            counts[path][0] += 1
+            counts[path][1] += sim.step + 1
+            seen.append((path, sim))
+        if len(seen) == 2 and not any(f[0] == seed for f in failures):
+            text = _differ(seen[0][1], seen[1][1])
+            if text is not None:
+                failures.append((seed, text))
+                print(f"FAIL {text}", file=out)
+    return counts, failures
+
+
+def _differ(a: Simulation, b: Simulation) -> str | None:
+    """Invariant 9: the same seed on both paths, one transcript; None, or where they part."""
+    if a.transcript == b.transcript and a.rng.getstate() == b.rng.getstate() and a.step == b.step:
+        return None
+    i = next((i for i, (x, y) in enumerate(zip(a.transcript, b.transcript)) if x != y),
+             min(len(a.transcript), len(b.transcript)))
+    what = (f"packet {i} read: {a.path} {a.transcript[i:i + 1]!r}, {b.path} {b.transcript[i:i + 1]!r}"
+            if a.transcript != b.transcript else "the scheduler's choices")
+    return (f"invariant 9: the two paths part at {what} (seed {a.seed}; replay: python -m sbus.simulator "
+            f"--seed {a.seed} --steps {a.steps} --trace)")
 
 
 def main(argv=None) -> int:
@@ -920,8 +950,9 @@ def main(argv=None) -> int:
         seeds = range(a, b)
     paths = ["pure", "batch"] if args.path == "both" else [args.path]
     failed = False
-    for path in paths:
-        if args.trace and args.seed is not None:
+    if args.trace and args.seed is not None:
+        sims = []
+        for path in paths:
             sim = Simulation(args.seed, path, args.steps, trace=True)
             try:
                 sim.run()
@@ -931,13 +962,24 @@ def main(argv=None) -> int:
                 failed = True
             for row in sim.trace[-200:]:
                 print(*row)
-            continue
-        t0 = time.monotonic()
-        n, steps, failures = run(seeds, path, args.steps, args.budget)
-        first = seeds[0] if len(seeds) else 0
+            sims.append(sim)
+        if len(sims) == 2 and (text := _differ(*sims)) is not None:
+            print(f"FAIL {text}")
+            failed = True
+        return 1 if failed else 0
+    t0 = time.monotonic()
+    counts, failures = run_paths(seeds, paths, args.steps, args.budget)
+    first = seeds[0] if len(seeds) else 0
+    elapsed = time.monotonic() - t0
+    for path in paths:
+        n, steps = counts[path]
         print(f"simulator ({path} path): {n} scenarios, {steps} steps, seeds {first}..{first + n - 1}, "
-              f"{len(failures)} failed, {time.monotonic() - t0:.1f} s")
-        failed |= bool(failures)
+              f"{sum(1 for f in failures if f'{path} path' in f[1] or 'invariant 9' in f[1])} failed, "
+              f"{elapsed:.1f} s for {' and '.join(paths)}")
+    if len(paths) == 2:
+        print(f"simulator: both paths gave one transcript for {counts[paths[1]][0] - sum(1 for f in failures if 'invariant 9' in f[1])} "
+              f"of {counts[paths[1]][0]} seeds (invariant 9)")
+    failed = bool(failures)
     return 1 if failed else 0
 
 
