@@ -416,6 +416,9 @@ class Simulation:
         self.rng = random.Random(seed)
         self.trace = [] if trace else None
         self.transcript: list = []
+        #: What the server did in this step that may add holds to the interest table: packets
+        #: processed, patterns a stand-in took over (invariant 10).
+        self.step_packets = 0
         rng = self.rng
         self.config = ServerConfig(
             queue_bytes=rng.choice([600, 2000, 8000]), queue_packets=rng.choice([4, 16, 64]),
@@ -433,7 +436,8 @@ class Simulation:
         self.factory = BrokerFactory(self.config, reactor=self.reactor, owners=SimOwners(self),
                                      work_clock=self.work)
         self.factory.protocol = SimBrokerProtocol
-        self.factory.interest_slice = rng.choice([1, 3, 10_000])
+        #: Holds the interest table's build may add in one turn (invariant 10).
+        self.interest_slice = self.factory.interest_slice = rng.choice([1, 3, 10_000])
         self.transport_class = SimBatchTransport if path == "batch" else SeqPacketTransport
         self.clients: list[Client] = []
         self.by_server_sock: dict[int, Client] = {}
@@ -506,6 +510,7 @@ class Simulation:
 
     def processed(self, client: Client, packet: bytes) -> None:
         """After the server processed `packet` from `client`."""
+        self.step_packets += 1
         kind = packet[:4]
         if kind == b"SUB " and client.proto.subscriptions > client.subscriptions_before:  # taken
             try:
@@ -694,6 +699,9 @@ class Simulation:
             self.new_client()
         for self.step in range(self.steps):
             r = rng.random()
+            table = self.factory.interest
+            holds = table.holds() if table is not None else 0
+            self.step_packets = 0
             try:
                 if r < 0.45:
                     live = [c for c in self.clients if not c.hung_up]
@@ -719,6 +727,7 @@ class Simulation:
             except Exception as e:  # invariant 6: nothing escapes the broker or the transport
                 self.fail(6, f"{type(e).__name__} escaped: {e}")
             self.check()
+            self._check_turn(holds)
         self.settle()
         return self
 
@@ -819,6 +828,18 @@ class Simulation:
             self.fail(1, f"server: negative queued bytes {factory.queue_budget.used}")
         self._check_budgets()
 
+    def _check_turn(self, holds: int) -> None:
+        """Invariant 10: one turn adds at most `interest_slice` holds to the interest table
+        beyond what its packets subscribed (fault 8: the first watcher's build, over every
+        pattern of every client, ran in one turn and stopped the bus)."""
+        table = self.factory.interest
+        if table is None:
+            return
+        added = table.holds() - holds
+        if added > self.interest_slice + self.step_packets:
+            self.fail(10, f"one turn put {added} holds into the interest table (slice "
+                          f"{self.interest_slice}, {self.step_packets} packets or patterns taken over)")
+
     def _check_budgets(self) -> None:
         now = self.reactor.seconds()
         seen = self.work_seen
@@ -836,6 +857,7 @@ class Simulation:
         """`c`'s connection is gone at the server: what it missed goes to its session's stand-in."""
         c.gone = True
         self.note("gone", c.n)
+        self.step_packets += len(c.subs)  # a stand-in takes its patterns over (invariant 10)
         if c.session is not None:
             name = (c.cred.uid, c.session)
             ghost = self.factory.sessions.lingering()

@@ -184,3 +184,18 @@ def test_the_simulator_drives_the_real_classes():
     c = sim.connect(_proc(77))
     assert isinstance(c.proto, SimBrokerProtocol) and type(c.proto).__mro__[1].__module__ == "sbus.server.broker"
     assert type(c.proto.transport).__mro__[1].__module__ == "sbus.seqpacket"
+
+
+def test_a_first_watcher_build_in_one_turn_breaks_invariant_10():
+    """Issue 32 fault 8 (the first `server/interest` built the table over every pattern in one
+    reactor turn): with the build unsliced, as on d939b1e, invariant 10 names it (seed 2 first;
+    63 of seeds 0..299); sliced, as now, the same seeds pass."""
+    failed = []
+    for seed in (2, 3, 7):
+        sim = Simulation(seed, "pure", 300)
+        sim.factory.interest_slice = 10**9  # the whole build in the first watcher's turn
+        with pytest.raises(AssertionError) as e:
+            sim.run()
+        failed.append(str(e.value))
+        Simulation(seed, "pure", 300).run()
+    assert all(t.startswith("invariant 10: one turn put") for t in failed), failed

@@ -62,6 +62,10 @@ class InterestTable:
         """How many watchers."""
         return len(self._watchers)
 
+    def holds(self) -> int:
+        """How many (holder, pattern) holds it has (the simulator bounds what one turn adds)."""
+        return sum(len(mine) for _, mine in self._by_client.values())
+
     def watching(self, client) -> bool:
         return client in self._watchers
 
