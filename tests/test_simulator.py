@@ -199,3 +199,18 @@ def test_a_first_watcher_build_in_one_turn_breaks_invariant_10():
         failed.append(str(e.value))
         Simulation(seed, "pure", 300).run()
     assert all(t.startswith("invariant 10: one turn put") for t in failed), failed
+
+
+def test_the_stats_reply_reads_the_reactors_clock():
+    """A seed's two runs parted (seed 1077063333725, 1 of 3,400): `uptime_s` came from the wall
+    clock, so the `server/stats` reply's length, and with it what fitted in a socket, varied
+    from run to run. It is the reactor's clock now (the simulator's is fake)."""
+    from twisted.internet.task import Clock
+
+    from sbus.server.broker import BrokerFactory
+
+    clock = Clock()
+    clock.advance(1000)
+    factory = BrokerFactory(reactor=clock)
+    clock.advance(2.5)
+    assert factory.stats()["uptime_s"] == 2.5

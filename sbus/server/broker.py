@@ -1093,7 +1093,9 @@ class BrokerFactory(protocol.Factory):
         self.clients: set[BrokerProtocol] = set()
         self.on_empty = on_empty
         self.had_client = False
-        self.started = time.time()
+        #: The reactor's clock, not time.time: the simulator's fake clock makes `uptime_s`, and so
+        #: the stats reply's size, the same in every run of a seed.
+        self.started = reactor.seconds()
         #: `server/id`: random at start, stable for the life of this process.
         self.bus_id = os.urandom(16).hex().encode()
         allowed = self.config.allowed_uids
@@ -1607,7 +1609,7 @@ class BrokerFactory(protocol.Factory):
             "disconnects": dict(disconnects),
             "refused": {} if private else dict(self.refused),
             "queues": queues,
-            "uptime_s": round(time.time() - self.started, 3),
+            "uptime_s": round(self.reactor.seconds() - self.started, 3),
             "limits": {name: getattr(self.config, name) for name in (
                 "max_packet", "queue_bytes", "queue_packets", "max_uid_queue_bytes", "max_queue_bytes",
                 "stall_timeout", "max_subscriptions", "max_uid_subscriptions", "max_uid_connections",
