@@ -105,7 +105,7 @@ def cmd_submit(args, cli) -> int:
     body = sys.stdin.buffer.read() if args.payload == "-" else os.fsencode(args.payload or "")
     with cli.connect(args) as bus:
         try:
-            bus.submit(args.group, [(key, body)], timeout=args.timeout)
+            bus.submit(args.group, [(key, body)], timeout=args.timeout, responder_uid=args.from_uid)
         except RequestTimeout as e:
             raise cli.error(f"not confirmed: {e}", cli.EXIT_TIMEOUT) from None
         except (NoService, QueueFull, ValueError, ProtocolError) as e:
@@ -214,6 +214,10 @@ def add_commands(sub, common, cli) -> None:
     p.add_argument("payload", metavar="PAYLOAD", nargs="?", help="the job's payload, or - for stdin")
     p.add_argument("-t", "--timeout", type=SECONDS, default=5.0, metavar="S",
                    help="seconds to wait for the confirmation (default 5; status 124 after)")
+    p.add_argument("--from-uid", type=responder_uid, metavar="UID", default=ANY,
+                   help="take the confirmation only from a queue service that proves it runs as UID "
+                        "(a uid or user name); default 'any': any answer counts, as before verified "
+                        "replies (another uid on a shared bus could answer first)")
     p.set_defaults(func=functools.partial(cmd_submit, cli=cli))
 
     p = sub.add_parser("serve", parents=[common], help="answer requests with a command",

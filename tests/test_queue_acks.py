@@ -4,6 +4,8 @@ dead letters"): the core's rules with a clock of the test's, then the real servi
 
 from __future__ import annotations
 
+import os
+
 import asyncio
 import json
 
@@ -172,7 +174,7 @@ def test_confirmed_submissions(bus, tmp_path):
 
     import pytest
 
-    from sbus.client import NoService, QueueFull
+    from sbus.client import NoService, QueueFull, RequestTimeout
     from test_queue import QueueProcess
 
     argv = ["--group", "jobs=jobs/", "--limit", "100", "--store", str(tmp_path / "store")]
@@ -186,7 +188,13 @@ def test_confirmed_submissions(bus, tmp_path):
                 c.submit("jobs", [(b"other/1", b"")])
             with pytest.raises(NoService, match="no sbus-queue service serves group nothere"):
                 c.submit("nothere", [(b"a", b"")])
-        r = sbus_cli(bus.address, "submit", "jobs", "jobs/cli", "x")
+            # Verified (issue 33.5): taken only from a service that proves its uid. A service that
+            # is not of the uid named is refused; this submitter never sent it its token, so the
+            # service only offered, and holds nothing.
+            with pytest.raises(RequestTimeout, match="1 unverified reply refused"):
+                c.submit("jobs", [(b"jobs/other", b"p")], timeout=2, responder_uid=os.getuid() + 1)
+            assert c.submit("jobs", [(b"jobs/v", b"p")], responder_uid=os.getuid()) == 1
+        r = sbus_cli(bus.address, "submit", "--from-uid", str(os.getuid()), "jobs", "jobs/cli", "x")
         assert (r.returncode, r.stderr) == (0, b""), r
         r = sbus_cli(bus.address, "submit", "nothere", "a/1")
         assert (r.returncode, r.stderr) == (1, b"sbus: not held: no sbus-queue service serves group nothere\n"), r
@@ -197,7 +205,7 @@ def test_confirmed_submissions(bus, tmp_path):
     second = QueueProcess(bus.address, tmp_path / "q2.log", argv)
     try:
         st = group_stats(bus.address)
-        assert (st["replayed"], st["backlog"]) == (51, 51), st
+        assert (st["replayed"], st["backlog"]) == (52, 52), st
     finally:
         second.stop()
 

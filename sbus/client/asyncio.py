@@ -581,11 +581,12 @@ class Client:
 
     # -- shared work queues (docs/queues.md; the core: sbus.core.workqueue)
 
-    async def submit(self, group, jobs, timeout: float = 5.0) -> int:
+    async def submit(self, group, jobs, timeout: float = 5.0, responder_uid=ANY) -> int:
         """Confirmed submission (see the blocking client's `submit`)."""
         group = check_group(group)
         try:
-            answer = await self.request(SUBMIT_ROOT + group, encode_jobs(jobs), timeout=timeout, responder_uid=ANY)
+            answer = await self.request(SUBMIT_ROOT + group, encode_jobs(jobs), timeout=timeout,
+                                        responder_uid=responder_uid)
         except NoResponders:
             raise NoService(f"no sbus-queue service serves group {group.decode()}") from None
         return submit_result(group, answer)

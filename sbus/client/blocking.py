@@ -699,14 +699,17 @@ class Client:
 
     # -- shared work queues (docs/queues.md; the core: sbus.core.workqueue)
 
-    def submit(self, group, jobs, timeout: float = 5.0) -> int:
+    def submit(self, group, jobs, timeout: float = 5.0, responder_uid=ANY) -> int:
         """Hand `jobs` ((key, payload) pairs; keys matching the group's pattern) to the queue
         service of `group`, confirmed: returns once it holds them all (in its journal, fsynced,
         with ``--store``): the count. All or none: `QueueFull` when they would pass the group's
-        limit, `NoService` when no service serves the group, `RequestTimeout` after `timeout`."""
+        limit, `NoService` when no service serves the group, `RequestTimeout` after `timeout`.
+        `responder_uid`: the uid the service runs as, to take its confirmation only from a
+        process of that uid (a verified reply, as `request`); by default any answer counts."""
         group = check_group(group)
         try:
-            answer = self.request(SUBMIT_ROOT + group, encode_jobs(jobs), timeout=timeout, responder_uid=ANY)
+            answer = self.request(SUBMIT_ROOT + group, encode_jobs(jobs), timeout=timeout,
+                                  responder_uid=responder_uid)
         except NoResponders:
             raise NoService(f"no sbus-queue service serves group {group.decode()}") from None
         return submit_result(group, answer)

@@ -451,7 +451,7 @@ class SbusProtocol(Protocol):
 
     # -- shared work queues (docs/queues.md; the core: sbus.core.workqueue)
 
-    def submit(self, group, jobs, timeout: float = 5.0) -> defer.Deferred:
+    def submit(self, group, jobs, timeout: float = 5.0, responder_uid=ANY) -> defer.Deferred:
         """Deferred[int]: confirmed submission (see the blocking client's `submit`)."""
         group = check_group(group)
 
@@ -459,7 +459,7 @@ class SbusProtocol(Protocol):
             if f.check(NoResponders):
                 raise NoService(f"no sbus-queue service serves group {group.decode()}")
             return f
-        d = self.request(SUBMIT_ROOT + group, encode_jobs(jobs), timeout=timeout, responder_uid=ANY)
+        d = self.request(SUBMIT_ROOT + group, encode_jobs(jobs), timeout=timeout, responder_uid=responder_uid)
         return d.addCallbacks(lambda answer: submit_result(group, answer), failed)
 
     def join(self, group, callback, timeout: float = 5.0) -> defer.Deferred:

@@ -27,7 +27,7 @@ from twisted.python import usage
 
 from sbus.core import codec
 from sbus.core.codec import MAX_PACKET
-from sbus.core.reqrep import parse_request, reply_packet
+from sbus.core.reqrep import Ask, Responder
 from sbus.core.patterns import matches
 from sbus.core.workqueue import ACK_KEY, MEMBER_KEYS, MODES, NACK_KEY, OVERFLOWS, PROGRESS_KEY, REJECT_KEY, SERVES_ROOT, SUBMIT_ROOT, QueueCore, check_group
 from sbus.services.shutdown import exit_zero_on_sigterm
@@ -70,6 +70,9 @@ class QueueService(service.Service):
         self.control_started = False
         self.intake_ready = False   # the intake is connected and subscribed
         self.following = False      # the control connection asked for the interest feed
+        #: Confirmed submissions are requests: answered verified when the submitter asks
+        #: (`responder_uid`), through the one request/reply responder.
+        self.submits = Responder(max_packet)
         self.responder = StatsResponder("sbus-queue", self._name, self.stats,
                                         lambda: {"groups": sorted(g.decode() for g in self.core.groups)})
         self._loop = None
@@ -158,6 +161,7 @@ class QueueService(service.Service):
                 svc.control_connects += 1
                 svc.following = False
                 svc.follow()
+                protocol.whoami().addCallbacks(svc.identified, lambda f: None)
                 log.info("control: connected to {bus} as {who}", bus=svc.bus or "(default bus)",
                          who=(protocol.credentials or b"").decode("utf-8", "replace"))
 
@@ -286,17 +290,39 @@ class QueueService(service.Service):
                 proto.transport.pauseProducing()
                 self.watchHangup()
 
+    def identified(self, whoami: bytes) -> None:
+        """The control connection's whoami: verified submissions are answered from now on (the
+        submitter's token comes on our challenge key, which only this process can read)."""
+        if self.submits.whoami != whoami:
+            self.submits.identify(whoami)
+            self.control.subscribe(self.submits.challenge_key)
+
     def _submit(self, proto, name: bytes, payload: bytes) -> None:
         """A confirmed submission: held (in the journal, fsynced, with a store) before the
-        answer goes out."""
-        parsed = parse_request(payload)
-        if parsed is None:
+        answer goes out. A verified one from a submitter whose token we lack yet is offered
+        first, and held when the token comes (`_challenged`)."""
+        ask = self.submits.accept(payload, SUBMIT_ROOT + name)
+        if ask is None:
             return
-        answer, packets = self.core.submit(name, parsed[1])
+        offer = self.submits.offer(ask)
+        if offer is not None:
+            proto.sendPacket(offer)
+        else:
+            self._hold(proto, ask)
+
+    def _hold(self, proto, ask) -> None:
+        answer, packets = self.core.submit(ask.key[len(SUBMIT_ROOT):], ask.body)
         if self.store is not None and answer.startswith(b"ok"):
             self.store.flush(sync=True)
         self.sendAll(packets)
-        proto.sendPacket(reply_packet(parsed[0], answer, self.max_packet))
+        proto.sendPacket(self.submits.reply(ask, answer))
+
+    def _challenged(self, proto, payload: bytes) -> None:
+        out = self.submits.challenge(payload)
+        if type(out) is Ask:
+            self._hold(proto, out)
+        elif out is not None:
+            proto.sendPacket(out)
 
     def _maybeResume(self) -> None:
         if self.paused and self.core.may_resume():
@@ -348,6 +374,8 @@ class QueueService(service.Service):
             self.core.progress(payload)
         elif key.startswith(SUBMIT_ROOT):
             self._submit(proto, key[len(SUBMIT_ROOT):], payload)
+        elif key == self.submits.challenge_key:
+            self._challenged(proto, payload)
         elif key == STATS_REQUEST:
             if self.store is not None:
                 self.store.flush()  # what the answer counts is in the kernel before it is told
