@@ -809,3 +809,29 @@ def test_a_write_errors_drop_row_keeps_offsets_increasing():
     firsts = [f for f, _ in out["files"]]
     assert firsts[0] == 1 and all(f == prev[1] + 1 for f, prev in zip(firsts[1:], out["files"]))
     assert out["lost_rows"] == 175 and out["pending"] == 175 and out["errors"] >= 2
+
+
+def test_a_leftover_journal_with_no_whole_batch_is_not_recovered_beside_the_new_run(tmp_path):
+    """CI (pure pass): killed just after its journal rec-<3001> was created, before a whole batch
+    reached it; the restarted writer's first file took the same name (the leftover unlinked), and
+    the recovery running beside it then read the new file as the leftover: it published the new
+    run's first rows and removed its journal, so seq 3001 came twice. Such a leftover goes at
+    start now, and the recovery only reads journals named below the new run's first seq."""
+    from sbus.pipeline.writer import JOURNAL_SUFFIX
+
+    d = str(tmp_path / "rec")
+    w = RecordingWriter(d, fsync=False)
+    w.extend(rows(100))
+    w.publish()
+    w.extend(rows(1, start_seq=101))
+    tmp = tmp_path / "rec" / "_tmp"
+    journal = "rec-%016d%s" % (101, JOURNAL_SUFFIX)
+    (tmp / journal).write_bytes((tmp / journal).read_bytes()[:100])  # no whole batch left
+    del w  # killed
+    w2 = RecordingWriter(d, fsync=False, recover_later=True)
+    assert w2.next_seq == 101 and w2.recovery.unclean
+    w2.extend(rows(5, start_seq=101))  # its first journal: rec-<101>, the leftover's name
+    found = w2.recover()
+    assert found.recovered == [], found.recovered
+    w2.close()
+    assert [r["seq"] for r in read_recording(d)] == list(range(1, 106))

@@ -129,6 +129,14 @@ def create_private(name: str, dir_fd: int) -> int:
         return os.open(name, _CREATE_FLAGS, FILE_MODE, dir_fd=dir_fd)
 
 
+def _named_seq(name: str, suffix: str) -> int:
+    """The seq in a ``rec-<seq><suffix>`` name; -1 for another name (no clash with ours)."""
+    try:
+        return int(name[len("rec-"):-len(suffix)])
+    except ValueError:
+        return -1
+
+
 #: While a writer runs, ``_tmp/`` holds this marker (its pid); a clean close removes it.
 MARKER = "running"
 PART_SUFFIX = ".parquet.part"
@@ -293,11 +301,17 @@ class RecordingWriter:
                 if last > self._journal_tail[0]:
                     self._journal_tail = (last, b.column(0).cast(pa.int64())[-1].as_py())
         names = [n for n in names if n != MARKER]
-        stems = {n[:-len(JOURNAL_SUFFIX)] for n in names if n.endswith(JOURNAL_SUFFIX)}
-        later = [n for n in names if n.endswith(JOURNAL_SUFFIX)
+        # The seq this writer starts from: a journal named at or past it holds no whole batch
+        # (its seqs would be below), and this writer's first files may take its name, which the
+        # recovery beside it must then not read as a leftover (it published and removed the new
+        # run's first rows: seq 3001 twice, CI). It goes now, with its .part.
+        start = max([hi for _, hi in self._published_at_start] + [self._journal_tail[0]]) + 1
+        stems = {n[:-len(JOURNAL_SUFFIX)] for n in names
+                 if n.endswith(JOURNAL_SUFFIX) and _named_seq(n, JOURNAL_SUFFIX) < start}
+        later = [n for n in names if (n.endswith(JOURNAL_SUFFIX) and n[:-len(JOURNAL_SUFFIX)] in stems)
                  or (n.endswith(PART_SUFFIX) and n[:-len(PART_SUFFIX)] in stems)]
         # the rest goes now (a quick unlink each): a leftover .part without its journal may bear
-        # the name this writer's first file takes; a journal's seqs are all below ours
+        # the name this writer's first file takes; a later journal's seqs are all below ours
         self._recover_tmp([n for n in names if n not in later])
         return later
 
