@@ -17,7 +17,9 @@ from twisted.internet import defer, protocol
 from sbus.client import ConnectionClosed
 from sbus.client.twisted import ReconnectingClient, SbusProtocol, connect, parse_whoami
 
-TIMEOUT = 10.0
+# An upper bound on an event, never a wait: a child process that starts Python, connects and
+# exits can take more than 10 s on a loaded CI machine (CI: child.ended timed out at 10 s).
+TIMEOUT = 30.0
 
 
 def reactor():
