@@ -605,6 +605,11 @@ class ReconnectingClient:
     `connectionLost(reason)`, or pass `protocolFactory`, to build on it.
     """
 
+    #: True for a client holding no session whose misses matter (a service): every reconnection
+    #: is a gap nobody counted, logged and counted (`gapEnded`). A client that claims a session
+    #: of its own (the relay's `SessionClaim`) leaves it False and calls `gapEnded` itself.
+    missesUncounted = False
+
     def __init__(self, reactor, address=None, protocolFactory=SbusProtocol, *,
                  initialDelay: float = 0.1, maxDelay: float = 10.0, factor: float = 2.0,
                  jitter: float = 0.1, max_packet: int = MAX_PACKET, connector=None, watch: bool = False):
@@ -622,6 +627,11 @@ class ReconnectingClient:
         self._lostAt: tuple[float, float] | None = None
         self.unknownGaps = 0
         self.unknownGapSeconds = 0.0
+        #: Attempts started at once because the socket reappeared (`wake` by the watch).
+        self.wakeups = 0
+        #: Why a lost bus is not watched for, as last found (None: it is, or will be tried).
+        self.watchMissing: str | None = None if watch else "not asked to watch"
+        self._watchLogged: str | None = None
         #: ``connector(reactor, address, max_packet, timeout) -> Deferred[socket]`` opens the
         #: socket (default: a plain connect); the bridge passes one that connects as a side's owner.
         self.connector = connector
@@ -769,6 +779,8 @@ class ReconnectingClient:
                 proto.flood(**self._flood)
             if self._session is not None:  # after the subscriptions, as the server asks
                 proto.session(*self._session).addCallbacks(self._answered, lambda _: None)
+            elif self.missesUncounted:
+                self.gapEnded(False)
         except ConnectionClosed:
             pass
         proto.whenLost().addCallback(self._lost, proto)
@@ -853,13 +865,25 @@ class ReconnectingClient:
             except (AddressError, TypeError):
                 return
             if addr.kind != "path":
+                if self.watchMissing is None:
+                    self.watchMissing = f"{addr.text} is not a socket file"
+                    log.info("not watching for the bus to come back: {why}; a restarted bus is found by "
+                             "the back-off alone (at most {d:g}s apart)", why=self.watchMissing, d=self.maxDelay)
                 return
             self._watch = SocketWatch(self.reactor, addr.value, self._appeared, self._arm)
         watch = self._watch
         before = watch.notifier
-        watch.arm()
+        self.watchMissing = watch.arm()
         if watch.level == "directory" and watch.notifier is not before:
             watch.check()  # a new watch: the socket may have come back before it was set
+        if watch.state != self._watchLogged:  # one line per change of what is watched
+            self._watchLogged = watch.state
+            if watch.level is None:
+                log.warn("not watching the bus's socket file: {why}; a restarted bus is found by the "
+                         "back-off alone (at most {d:g}s apart)", why=watch.state, d=self.maxDelay)
+            else:
+                log.info("{state}: a bus restarted at {where} is connected at once, not after the "
+                         "back-off", state=watch.state, where=watch.path)
 
     def _disarm(self) -> None:
         if self._watch is not None:
@@ -867,6 +891,7 @@ class ReconnectingClient:
 
     def _appeared(self) -> None:
         if self.wake():
+            self.wakeups += 1
             log.info("a socket appeared at {where}: connecting now, not after the back-off",
                      where=self._watch.path if self._watch is not None else self.address)
 
@@ -875,16 +900,24 @@ class ReconnectingClient:
         server, or one whose linger ran out) counted nothing for us while we were away, so
         what was published meanwhile is missed in a number nobody knows: one line naming the
         interval, and counted (`unknownGaps`); then `sessionClaimed`."""
-        lost, self._lostAt = self._lostAt, None
-        if lost is not None and reply.state == "new":
-            gap = max(0.0, self.reactor.seconds() - lost[0])
-            self.unknownGaps += 1
-            self.unknownGapSeconds += gap
-            log.warn("session {name}: the bus did not know it (restarted, or it lingered out): what "
-                     "was published for us between {t1} and {t2} ({gap:.3f} s) is missed, in a number "
-                     "nobody counted", name=reply.name.decode("utf-8", "replace"), t1=_clock(lost[1]),
-                     t2=_clock(time.time()), gap=gap)
+        self.gapEnded(reply.state != "new", reply.name)
         self.sessionClaimed(reply)
+
+    def gapEnded(self, counted: bool, session: bytes | None = None) -> None:
+        """Back on the bus after losing it: did anything count what was published for us
+        meanwhile (`counted`: a session claim's answer)? If not, one line naming the interval
+        and it is counted (`unknownGaps`, `unknownGapSeconds`: `svcstats.unknown_gaps`)."""
+        lost, self._lostAt = self._lostAt, None
+        if lost is None or counted:
+            return
+        gap = max(0.0, self.reactor.seconds() - lost[0])
+        self.unknownGaps += 1
+        self.unknownGapSeconds += gap
+        why = (f"back on the bus at {self.address}, holding no session there" if session is None else
+               f"session {session.decode('utf-8', 'replace')}: the bus did not know it (restarted, or "
+               "it lingered out)")
+        log.warn("{why}: what was published for us between {t1} and {t2} ({gap:.3f} s) is missed, in a "
+                 "number nobody counted", why=why, t1=_clock(lost[1]), t2=_clock(time.time()), gap=gap)
 
     def _schedule(self):
         if not self._running or self._call is not None:

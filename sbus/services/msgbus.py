@@ -133,6 +133,7 @@ from sbus.options import METRICS_OPTION, MISSING_BUS_HELP, positive_int
 from sbus.services.access import endpoint_kind, peer_credentials, server_endpoint
 from sbus.services.admission import Admission
 from sbus.services.shutdown import exit_zero_on_sigterm
+from sbus.services.svcstats import StatsResponder, unknown_gaps
 
 from sbus.core.codec import MAX_PACKET
 from sbus.core.credentials import CredentialError, check_key
@@ -718,6 +719,7 @@ class MsgbusService(service.MultiService):
         self.max_delay = max_delay
         self._reactor = reactor
         self.gateway = MsgbusGateway(**gateway_options)
+        self.responder = StatsResponder("sbus-msgbus", port, self.stats)
         self.client = None
         self.connects = 0
         self._loop = None
@@ -739,7 +741,10 @@ class MsgbusService(service.MultiService):
 
         class BusProtocol(SbusProtocol):
             def messageReceived(self, key, payload, packet):
-                gateway.busMessage(key, payload)
+                if key.startswith(KEY_PREFIX):
+                    gateway.busMessage(key, payload)
+                else:  # sbus/services/stats: the responder's callback
+                    SbusProtocol.messageReceived(self, key, payload, packet)
 
         class Client(ReconnectingClient):
             def connectionMade(self, proto):
@@ -761,7 +766,9 @@ class MsgbusService(service.MultiService):
 
         self.client = Client(self.reactor, self.bus_address, BusProtocol, maxDelay=self.max_delay,
                              max_packet=gateway.max_packet, watch=True)
+        self.client.missesUncounted = True  # no session: a reconnection's gap is logged and counted
         self.client.subscribe(KEY_PREFIX)
+        self.responder.serve(self.client)
         self.client.echo(False)
         gateway.bus = self.client
         self.client.start()
@@ -807,6 +814,8 @@ class MsgbusService(service.MultiService):
             "delivered": g.delivered, "published": g.published,
             "drops": {"slow_client": g.dropped_clients, "not_published": g.dropped_bus},
             "errors": g.errors, "refused": g.refused, "reconnects": max(0, self.connects - 1),
+            "unknown_gaps": unknown_gaps(self.client) if self.client is not None else unknown_gaps(),
+            "stats_requests": {"answered": self.responder.answered, "refused": self.responder.refused},
         }
 
     def _report(self, final: bool) -> None:

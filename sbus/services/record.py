@@ -62,6 +62,7 @@ from sbus.core import codec
 from sbus.core.credentials import SECRET_ROOT
 from sbus.core.patterns import matches
 from sbus.options import METRICS_OPTION, MISSING_BUS_HELP, RespelledOptions, session_name_option
+from sbus.services.svcstats import StatsResponder, unknown_gaps
 from sbus.pipeline.schema import (
     DEFAULT_ROLL_AGE,
     DEFAULT_ROLL_BYTES,
@@ -438,6 +439,9 @@ class RecordService(service.Service):
         self.session_linger = session_linger
         self._reactor = reactor
         self.client = None
+        #: The connection that answers ``sbus/services/stats`` (`sbus.services.svcstats`).
+        self.control = None
+        self.responder = StatsResponder("sbus-record", os.path.abspath(out), self.stats)
         self.sink: BoundedWriter | None = None
         self.recorder: Recorder | None = None
         self._done: defer.Deferred | None = None
@@ -536,6 +540,18 @@ class RecordService(service.Service):
             self.client.subscribe(p)
         if self.session_linger > 0:
             self.client.holdSession(self.session, self.session_linger)
+        else:
+            self.client.missesUncounted = True  # a reconnection's gap is logged and counted
+        # stats requests on a connection of their own: the recording one may hold the bus
+        # (lossless, writer full) or be paused, and must not count them as missed
+        class Control(ReconnectingClient):
+            def connectionFailed(self, reason):
+                pass  # the recording connection says it
+
+        self.control = Control(self.reactor, self.bus, maxDelay=5.0, watch=True)
+        self.control.echo(False)
+        self.responder.serve(self.control)
+        self.control.start()
         if self.lossy:
             self.client.flood(soft="queue", hard="discard")
         else:
@@ -651,6 +667,8 @@ class RecordService(service.Service):
             self._restore_call.cancel()
         d = self._lastSync()
         d.addBoth(lambda _: self.client.stop() if self.client is not None else None)
+        if self.control is not None:
+            d.addBoth(lambda _: self.control.stop())
 
         def flush(_):
             if self.sink is None:
@@ -711,6 +729,8 @@ class RecordService(service.Service):
             "queue_limit_bytes": sink.max_bytes,
             "degraded": self.degraded,
             "lost": {reason: n for reason, n in lost.items() if n},
+            "unknown_gaps": unknown_gaps(self.client),
+            "stats_requests": {"answered": self.responder.answered, "refused": self.responder.refused},
         }
 
     def _lastSync(self) -> defer.Deferred:

@@ -40,7 +40,8 @@ itself one client of the master:
   reconnects with exponential back-off (``--initial-delay`` to
   ``--max-delay``) and re-subscribes everything held.
 * **Master back: at once.** Where the master is a socket file (Linux), the
-  relay watches the file's directory with inotify (`MasterSocketWatch`): when
+  relay watches the file's directory with inotify (`sbus.client.socketwatch`, as every
+  service's `ReconnectingClient` with ``watch=True``): when
   a socket appears at the master's path (created, moved there, or its mode
   changed) while the relay waits, it tries at once instead of after the
   back-off. The file exists from ``bind()``, before the new master calls
@@ -49,7 +50,7 @@ itself one client of the master:
   ``WAKE_INTERVAL``. A relay of a relay is woken the same way when the relay
   above restarts (its socket reappears once it serves again). Without
   inotify (another OS, an abstract or ``/dev/fd/N`` master, a watch that
-  cannot be set) the back-off alone applies; the relay says so at start.
+  cannot be set) the back-off alone applies; the relay says so in its log.
 * **No planted symlinks.** The master's socket file is opened without
   following a final symlink (``O_PATH | O_NOFOLLOW``) and connected through
   that descriptor (``/proc/self/fd/N``): a symlink at the master's path is
@@ -96,7 +97,6 @@ from zope.interface import implementer
 
 from sbus.client import address as client_address
 from sbus.client.socketwatch import link_refusal, symlink_refusal
-from sbus.client.socketwatch import SocketWatch as MasterSocketWatch
 from sbus.client.twisted import ReconnectingClient, SbusProtocol, connect_socket, parse_whoami
 from sbus.core.credentials import SECRET_ROOT, secret_prefix, whoami
 from sbus.core.flood import Outbox
@@ -110,7 +110,7 @@ from sbus.server.config import ServerConfig
 from sbus.server.config import pattern_cost as _cost  # what the master charges for a pattern
 from sbus.services.admission import Admission, AdmittingFactory
 from sbus.services.session import DEFAULT_LINGER, SessionClaim, carried_note, session_name
-from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
+from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost, unknown_gaps
 
 log = Logger(namespace="sbus.relay")
 
@@ -354,8 +354,6 @@ class Relay(service.Service):
         self.failed_attempts = 0
         self.drops = Counter()
         self.subscribed_up = 0
-        #: Attempts made at once because the master's socket reappeared.
-        self.wakeups = 0
         #: Times without the master (after having had it): how many, the last and all, seconds.
         self.gaps = 0
         self.last_gap = 0.0
@@ -375,10 +373,8 @@ class Relay(service.Service):
         self.last_session_gap: float | None = None
         self._held_before = False
         self._session_state: str | None = None
-        self.watch: MasterSocketWatch | None = None
-        #: Why the master's socket is not watched (None: watched), as last logged.
-        self.watch_missing: str | None = "not started"
-        self._watch_logged: str | None = None
+        #: The back-off after being cut off right after connecting (`masterDown`), seconds.
+        self._backoff = 0.0
 
     # -- service life
 
@@ -397,53 +393,14 @@ class Relay(service.Service):
             p.relay = self
             return p
 
+        # watch=True: while away, the master's socket file reappearing wakes it at once
+        # (`sbus.client.socketwatch`; a relay of a relay: when the one above serves again)
         self.client = _MasterClient(self, self.reactor, self.upstream, protocolFactory,
                                     initialDelay=self.initialDelay, maxDelay=self.maxDelay,
-                                    max_packet=self.config.max_packet, connector=connect_master)
-        addr = client_address.resolve(self.upstream)
-        if addr.kind == "path":
-            self.watch = MasterSocketWatch(self.reactor, addr.value, self.masterAppeared, self._armWatch)
-            self._armWatch()
-        else:
-            self.watch_missing = "the master's address is not a path"
-            log.info("sbus-relay: the master's address is not a socket file: a restarted master is "
-                     "found by the back-off alone (at most {d:g}s apart)", d=self.maxDelay)
+                                    max_packet=self.config.max_packet, connector=connect_master, watch=True)
+        # our own session claim says whether a gap was counted (`_claimed`); without one, none is
+        self.client.missesUncounted = self.session_linger <= 0
         self.client.start()
-
-    def _armWatch(self) -> None:
-        """Watch the master's socket file (again: a removed or renamed directory loses the watch)."""
-        watch = self.watch
-        if watch is None:
-            return
-        before = watch.notifier
-        self.watch_missing = watch.arm()
-        if watch.level == "directory" and watch.notifier is not before:
-            watch.check()  # a new watch: the socket may have appeared before it was set
-        if watch.state == self._watch_logged:
-            return
-        self._watch_logged = watch.state
-        if watch.level == "directory":
-            log.info("sbus-relay: {state}: a master restarted at {up} is connected at once, not after the "
-                     "back-off", state=watch.state, up=self.upstream)
-        elif watch.level == "parent":
-            log.info("sbus-relay: {state}", state=watch.state)
-        else:
-            log.warn("sbus-relay: not watching the master's socket file: {why}; a restarted master is "
-                     "found by the back-off alone (at most {d:g}s apart)", why=watch.state, d=self.maxDelay)
-
-    def masterAppeared(self) -> None:
-        """A socket appeared at the master's path (`MasterSocketWatch`)."""
-        if self.up is not None or self.client is None or not self.running:
-            return
-        was_fast = self.reactor.seconds() < self.client.fast_until
-
-        def announce():
-            self.wakeups += 1
-            if not was_fast:
-                log.info("sbus-relay: a socket appeared at {up}: connecting now, not after the back-off",
-                         up=self.upstream)
-
-        self.client.wake(announce)
 
     def _role(self) -> str:
         """What identifies this relay to its master across restarts: the socket it serves."""
@@ -459,8 +416,6 @@ class Relay(service.Service):
 
     def stopService(self):
         service.Service.stopService(self)
-        if self.watch is not None:
-            self.watch.disarm()
         st = self.stats()
         log.info("sbus-relay stopped: forwarded up={up} down={down}; connects={c} reconnects={r} "
                  "(at once on the master's socket appearing: {w}); not sent upward: master_down={md} "
@@ -510,7 +465,6 @@ class Relay(service.Service):
     def masterUnreachable(self, reason, news: str | None = None):
         """`news`: the failure in one line when it is worth logging (the first, or a new error)."""
         self.failed_attempts += 1
-        self._armWatch()
         if news is not None:
             log.warn("sbus-relay: cannot connect to the master at {news}; {what}retrying quietly with "
                      "back-off", news=news, what="not serving yet, " if self.factory is None else "")
@@ -571,7 +525,7 @@ class Relay(service.Service):
             lived = self.reactor.seconds() - self._up_since
             if lived < 5.0:
                 # Cut off right after connecting: do not hot-loop; back off as if it had failed.
-                self._backoff = min(max(2 * getattr(self, "_backoff", 0.0), 1.0), self.maxDelay)
+                self._backoff = min(max(2 * self._backoff, 1.0), self.maxDelay)
                 self.client.backOffAtLeast(self._backoff)
             else:
                 self._backoff = 0.0
@@ -751,16 +705,17 @@ class Relay(service.Service):
             "reconnects": max(0, self.connects - 1),
             "disconnects": self.disconnects,
             "failed_attempts": self.failed_attempts,
-            "wakeups": self.wakeups,
+            "wakeups": self.client.wakeups if self.client is not None else 0,
             "master_gaps": {"count": self.gaps, "last_seconds": round(self.last_gap, 3),
                             "total_seconds": round(self.gap_seconds, 3),
                             "now_seconds": round(self.reactor.seconds() - self._down_since, 3)
                             if up is None and self.disconnects else 0.0},
-            "watching": self.watch_missing is None,
+            "watching": self.client is not None and self.client.watchMissing is None,
             "drops": dict(self.drops),
             "session": self._sessionStats(),
             "restart": self.gap_lost["restart"],
             "lost": lost(self.drops, self.gap_lost),
+            "unknown_gaps": unknown_gaps(self.client) if self.client is not None else unknown_gaps(),
             "stats_requests": {"answered": self.responder.answered, "refused": self.responder.refused},
             "queued_up_bytes": up.transport.queuedBytes() if up is not None else 0,
             "blocked_publishers": len(self.blocked),
@@ -825,6 +780,7 @@ class Relay(service.Service):
             self._session_state = reply.state
             return
         self._session_state = reply.state
+        self.client.gapEnded(reply.state != "new", reply.name)
         reason = "reconnect" if self._held_before else "restart"
         self._held_before = True
         if reply.state == "new":

@@ -1,4 +1,5 @@
-"""Statistics a person can ask a service for, over the bus (bridge, link, msgbus gateway).
+"""Statistics a person can ask a service for, over the bus (relay, bridge, link, NATS, queue,
+recorder, msgbus gateway).
 
 Request: publish ``MSG sbus/services/stats\\0<REPLY KEY>`` on a bus, where
 REPLY KEY is a secret key of the asker (``<own whoami>/anything``, e.g.
@@ -44,6 +45,15 @@ def lost(*counts: dict) -> dict:
     return dict(sorted(total.items()))
 
 
+def unknown_gaps(*clients) -> dict:
+    """The ``unknown_gaps`` entry of a service's stats: the times its `ReconnectingClient`s came
+    back to a bus that had counted nothing for them (restarted, or a session lingered out), and
+    their seconds in all; what was published meanwhile is lost in a number nobody knows (each
+    interval has its log line, `ReconnectingClient.gapEnded`)."""
+    return {"count": sum(c.unknownGaps for c in clients),
+            "seconds": round(sum(c.unknownGapSeconds for c in clients), 3)}
+
+
 def reply_owner_uid(key: bytes, whoami: bytes | None = None) -> int | None:
     """The uid a secret reply key reaches, published by a client whose whoami is `whoami`.
 
@@ -78,6 +88,19 @@ class StatsResponder:
         self.public = public            # callable: what other uids may see (default: nothing more)
         self.answered = 0
         self.refused = 0
+
+    def serve(self, client) -> None:
+        """Answer the requests that reach `client` (a `ReconnectingClient`, on every connection
+        it makes): each on the connection it came by, whose whoami decides the reply key."""
+        def received(key: bytes, payload: bytes) -> None:
+            proto = client.protocol
+            if proto is None or not proto.connected:
+                return
+            packet = self.answer(payload, proto.credentials)
+            if packet is not None and len(packet) <= client.max_packet:
+                proto.sendPacket(packet)
+
+        client.subscribe(STATS_REQUEST, received)
 
     def answer(self, payload: bytes, whoami: bytes | None = None) -> bytes | None:
         """The packet to publish for a request with this payload, received on a connection
