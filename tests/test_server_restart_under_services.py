@@ -48,7 +48,7 @@ SERVICES = {
 }
 #: Services whose stats show the gap nobody counted (`svcstats.unknown_gaps`), and the bus
 #: (relative to the test's directory: their own, or None for the one they serve) to ask on.
-GAPS_IN_STATS = {"sbus-record": None, "sbus-msgbus": None, "sbus-relay": "relay.socket"}
+GAPS_IN_STATS = {"sbus-record": None, "sbus-msgbus": None, "sbus-relay": "relay.socket", "sbus-queue": None}
 
 
 def answers_on(address: str) -> list[dict]:

@@ -32,7 +32,7 @@ from sbus.core.patterns import matches
 from sbus.core.workqueue import ACK_KEY, MEMBER_KEYS, MODES, NACK_KEY, OVERFLOWS, PROGRESS_KEY, REJECT_KEY, SERVES_ROOT, SUBMIT_ROOT, QueueCore, check_group
 from sbus.services.shutdown import exit_zero_on_sigterm
 from sbus.options import METRICS_OPTION
-from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
+from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost, unknown_gaps
 
 #: Seconds between looks at the deadlines (ack wait, nack delays): their resolution.
 TICK = 0.1
@@ -392,6 +392,8 @@ class QueueService(service.Service):
         st["intake_paused"] = self.paused
         st["pauses"] = self.pauses
         st["intake_disconnects"] = dict(self.intake_disconnects)
+        # what the bus counted nothing for while the intake was away (restarted, lingered out)
+        st["unknown_gaps"] = unknown_gaps(*(c for c in (self.intake,) if c is not None))
         st["bus"] = {"connected": bool(self.control and self.control.connected
                                        and self.intake and self.intake.connected),
                      "reconnects": max(0, self.intake_connects - 1) + max(0, self.control_connects - 1)}
