@@ -35,6 +35,7 @@ from twisted.internet import main as reasons
 from twisted.internet.task import Clock
 from twisted.python import failure
 
+from sbus import speedups
 from sbus.core import codec
 from sbus.core.credentials import SECRET_ROOT, CredentialError, Credentials, check_pattern, secret_prefix
 from sbus.core.patterns import reaches
@@ -695,6 +696,8 @@ class Simulation:
 
     def run(self) -> "Simulation":
         rng = self.rng
+        if self.path == "batch":
+            self._probe_edge()
         for _ in range(rng.randrange(2, 6)):
             self.new_client()
         for self.step in range(self.steps):
@@ -827,6 +830,25 @@ class Simulation:
         if factory.queue_budget.used < 0:
             self.fail(1, f"server: negative queued bytes {factory.queue_budget.used}")
         self._check_budgets()
+
+    def _probe_edge(self) -> None:
+        """The one part of the batch path the fake kernel replaces: the accelerator's two calls.
+        Handed a descriptor number no kernel gives (past a C int), they must refuse it, never
+        act on a truncated one (issue 32 fault 10: `recv_batch(2**40)` read fd 0). Invariant 6."""
+        accel = speedups.load()
+        if accel is None:
+            return
+        for fd in (2 ** 32 + 1, 2 ** 40):
+            for name, call in (("recv_batch", lambda: accel.recv_batch(fd, 1, 64)),
+                               ("send_batch", lambda: accel.send_batch(fd, [b"x"]))):
+                try:
+                    call()
+                except (OverflowError, ValueError):
+                    continue
+                except OSError as e:
+                    self.fail(6, f"the accelerator's {name} took descriptor {fd} to the kernel as another "
+                                 f"number ({e.strerror})")
+                self.fail(6, f"the accelerator's {name} acted on descriptor {fd}, which no kernel gave")
 
     def _check_turn(self, holds: int) -> None:
         """Invariant 10: one turn adds at most `interest_slice` holds to the interest table

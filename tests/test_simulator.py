@@ -214,3 +214,26 @@ def test_the_stats_reply_reads_the_reactors_clock():
     factory = BrokerFactory(reactor=clock)
     clock.advance(2.5)
     assert factory.stats()["uptime_s"] == 2.5
+
+
+def test_an_accelerator_that_truncates_a_descriptor_number_breaks_invariant_6(monkeypatch):
+    """Issue 32 fault 10: d939b1e's `recv_batch(2**32 + 1, ...)` called recvmmsg on fd 1
+    (ENOTSOCK); its built module failed the probe at seed 0. Here an accelerator that does the
+    same (raises the kernel's error for the truncated number) is named; today's refuses."""
+    import errno
+
+    import sbus.simulator as simulator
+
+    class Truncating:
+        @staticmethod
+        def recv_batch(fd, count, size):
+            raise OSError(errno.ENOTSOCK, "Socket operation on non-socket")
+
+        send_batch = recv_batch
+
+    monkeypatch.setattr(simulator.speedups, "load", lambda: Truncating)
+    with pytest.raises(AssertionError, match=r"invariant 6: the accelerator's recv_batch took descriptor 4294967297"):
+        Simulation(0, "batch", 50).run()
+    monkeypatch.undo()
+    if simulator.speedups.load() is not None:
+        Simulation(0, "batch", 50).run()
