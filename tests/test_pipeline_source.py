@@ -214,12 +214,15 @@ def test_stream_exactly_once_across_kill_9_of_the_query(bus, start_recorder, spa
 
 
 def test_the_docs_example_runs_as_written(spark, tmp_path, monkeypatch, capsys):
-    """docs/pipeline.md's ``format("sbus")`` example, on a recording with a published file,
-    rows only in the live journal and a drop row."""
+    """docs/pipeline.md's ``format("sbus")`` examples (the second, key filters, goes on from
+    the first), on a recording with a published file, rows only in the live journal and a
+    drop row."""
     import re
 
     text = open(os.path.join(ROOT, "docs", "pipeline.md")).read()
-    (code,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if 'format("sbus")' in b]
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if 'format("sbus")' in b]
+    assert len(blocks) == 2
+    code = "\n".join(blocks)
     monkeypatch.chdir(tmp_path)
     w = RecordingWriter("rec", fsync=False)
     w.extend(message_rows(1, 9, T0))
@@ -231,6 +234,8 @@ def test_the_docs_example_runs_as_written(spark, tmp_path, monkeypatch, capsys):
     assert re.search(r"\|\s*drop\|\s*1\|", out) and re.search(r"\|\s*message\|\s*15\|", out), out
     for key, n in ((b"a/0", 3), (b"b/0", 2), (b"b/2", 2)):
         assert re.search(rf"\|\s*{key.decode()}\|\s*{n}\|", out), out
+    assert re.search(r"\|\s*message\|\s*6\|", out), out  # keyPrefix b/: its six, and the drop row
+    assert "a/0 or b/2: 5" in out, out
     w.close()
 
 
@@ -327,3 +332,87 @@ def test_source_exactly_once_across_kill_9_of_the_recorder(bus, start_recorder, 
     numbers = [int(r["payload"]) for r in got if r["kind"] == "message"]
     assert len(numbers) == len(set(numbers)) and set(range(3000)) <= set(numbers)
     assert set(numbers) == {int(r["payload"]) for r in recorded if r["dropped"] == 0}
+
+
+def clustered_recording(directory):
+    """Two published files of ``a/*`` keys, one of ``b/*``, then in the journal ``c/*`` rows, a
+    drop row (key ``a/0``) and a gap row (key empty): 38 rows; the files' row groups hold one
+    prefix each, so their key statistics tell a reader which it may skip."""
+    w = RecordingWriter(str(directory), fsync=False)
+    seq = 1
+    for f, tag in enumerate((b"a", b"a", b"b")):
+        w.extend(message_rows(seq, 10, T0 + f * 1_000_000, tag=tag))
+        w.publish()
+        seq += 10
+    w.extend(message_rows(seq, 6, T0 + 4_000_000, tag=b"c"))
+    w.add_drop(T0 + 4_500_000, 37, 5, b"a/0", b"a/2")
+    w.add_drop(T0 + 4_600_000, 38, -1, b"", gap_payload(37, T0 + 4_500_000, T0 + 4_600_000, 0))
+    return w
+
+
+def test_key_filters_are_applied_in_the_reader(spark, tmp_path, capsys):
+    """Key filters skip rows in the reader: ``keyPrefix``/``keys`` (stream and batch) give the
+    matching messages and every drop and gap row, from fewer rows read (row groups skipped on
+    their key statistics, the journal's rows left out), and the stream hands Spark only those
+    (its numInputRows); a batch query's ``key = X`` / ``key IN (...)`` are pushed into the
+    reader (Spark does not filter them again) and give exactly the rows with those keys."""
+    from pyspark.sql import functions as F
+
+    from sbus.pipeline.source import KeyMatch, ReadCount, read_range, register
+
+    register(spark)
+    rec = tmp_path / "rec"
+    w = clustered_recording(rec)
+    everything = [(r["seq"], r["key"]) for r in spark.read.format("sbus").load(str(rec)).collect()]
+    assert len(everything) == 38
+    losses = [37, 38]
+
+    def seqs(df):
+        return sorted(r["seq"] for r in df.collect())
+
+    # the reader itself: fewer rows read than the range holds
+    count = ReadCount()
+    got = read_range(str(rec), 0, 38, match=(KeyMatch(prefix=b"b/", losses=True),), count=count)
+    assert sorted(s for t in got for s in t.column("seq").to_pylist()) == list(range(21, 31)) + losses
+    assert count.row_groups_skipped == 2 and count.rows_read == 10 + 8 and count.rows_out == 12
+
+    # options, batch and stream: the matching messages, and every loss
+    want_b = [s for s, k in everything if k.startswith(b"b/")] + losses
+    assert seqs(spark.read.format("sbus").option("keyPrefix", "b/").load(str(rec))) == want_b
+    want_keys = [s for s, k in everything if k in (b"a/1", b"c/0")] + losses
+    q = (spark.readStream.format("sbus").option("keys", "a/1,c/0").option("maxRecordsPerTrigger", 15)
+         .load(str(rec)).writeStream.format("memory").queryName("keyed").trigger(availableNow=True).start())
+    q.awaitTermination()
+    assert sorted(r["seq"] for r in spark.sql("select seq from keyed").collect()) == want_keys
+    assert sum(p["numInputRows"] for p in q.recentProgress) == len(want_keys) < 38  # all Spark was given
+    assert seqs(spark.read.format("sbus").option("keys", '["a/1", "c/0"]').load(str(rec))) == want_keys
+
+    # pushed down from the query: SQL's meaning (the drop row is there as its key is a/0)
+    df = spark.read.format("sbus").load(str(rec))
+    assert seqs(df.where(F.col("key").isin(b"c/1", b"a/0"))) == \
+        [s for s, k in everything if k in (b"c/1", b"a/0")]
+    q = df.where((F.col("key") == b"a/1") & (F.col("size") > 2))
+    q.explain(mode="formatted")
+    plan = capsys.readouterr().out
+    assert "PushedFilters: [IsNotNull(key), EqualTo(key" in plan, plan
+    (condition,) = [line for line in plan.splitlines() if line.startswith("Condition :")]
+    assert "size" in condition and "key" not in condition, plan  # Spark filters only on size
+    assert [(r["key"], r["size"] > 2) for r in q.collect()] == [(b"a/1", True)] * 4
+    w.close()
+
+
+def test_key_options_bad_input(spark, tmp_path):
+    """Both options at once, or a key list that is no list: one clear error."""
+    from sbus.pipeline.source import register
+
+    register(spark)
+    rec = tmp_path / "rec"
+    clustered_recording(rec).close()
+    for opts, words in (({"keys": "a/1", "keyPrefix": "a/"}, "keys or keyPrefix, not both"),
+                        ({"keys": "a/1,,a/2"}, "an empty key"),
+                        ({"keys": '["a/1", 2]'}, "a JSON list of strings")):
+        reader = spark.read.format("sbus")
+        for k, v in opts.items():
+            reader = reader.option(k, v)
+        with pytest.raises(Exception, match=words):
+            reader.load(str(rec)).collect()

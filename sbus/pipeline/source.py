@@ -33,6 +33,18 @@ Options (Kafka's names where there is one):
                           ``seq`` -1) whose ``recv_time`` is the newest row's plus this,
                           to move an event-time watermark past the recording's last windows
                           (``sbus-pipeline stream --close-at-end``)
+``keys``                  only the messages with one of these keys (comma-separated, or a
+                          JSON list of strings when a key holds a comma), and every drop
+                          and gap row (Kafka's ``subscribe``)
+``keyPrefix``             only the messages whose key starts with this, and every drop and
+                          gap row (Kafka's ``subscribePattern``; one of the two)
+
+Key filters: the two options above filter in the reader, stream and batch alike (skipped
+Parquet row groups, journal rows left out before they reach Spark). A batch read also takes
+``key = X``, ``key IN (...)`` (and ``StringStartsWith`` on key) from the query itself
+(`SbusBatchReader.pushFilters`; SQL's meaning: only the rows with such a key, losses
+included only if their key matches); Spark pushes filters into Python sources for batch
+reads only, and only with ``spark.sql.python.filterPushdown.enabled``, which `register` sets.
 
 The directory must be readable at the same path by the driver and every executor (local
 mode; a shared mount on a cluster); executors import this module, so the ``sbus`` package
@@ -59,9 +71,22 @@ class DataLoss(RuntimeError):
     """Rows the query has still to read are gone (retention deleted their file)."""
 
 
-def register(spark) -> None:
-    """Make ``format("sbus")`` known to `spark` (once per session; again is harmless)."""
-    spark.dataSource.register(SbusDataSource)
+#: Spark's switch for filter pushdown into Python sources (off by default; with it off, a
+#: reader that takes filters fails every batch read).
+PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"
+
+
+def register(spark, push_filters: bool = True) -> None:
+    """Make ``format("sbus")`` known to `spark` (once per session; again is harmless).
+
+    `push_filters`: batch reads take key filters from the query (`SbusBatchReader.pushFilters`);
+    this turns on `PUSHDOWN_CONF` for the session, which Spark requires for that. False
+    registers a reader without them (for a session that must keep the switch off)."""
+    if push_filters:
+        spark.conf.set(PUSHDOWN_CONF, "true")
+        spark.dataSource.register(SbusDataSource)
+    else:
+        spark.dataSource.register(SbusPlainDataSource)
 
 
 # -- what a recording holds (driver and executors alike)
@@ -174,6 +199,106 @@ def newest_time_us(directory: str, upto: int) -> int | None:
     return best
 
 
+# -- key filters
+
+def _successor(prefix: bytes) -> bytes | None:
+    """The least byte string greater than every string starting with `prefix` (None: none is)."""
+    p = prefix.rstrip(b"\xff")
+    return p[:-1] + bytes([p[-1] + 1]) if p else None
+
+
+class KeyMatch:
+    """Rows whose ``key`` is one of `keys`, or starts with `prefix` (one of the two); with
+    `losses`, every drop and gap row too (the ``keys``/``keyPrefix`` options: a filtered
+    stream still sees each loss). Picklable: it travels to the executors with the reader."""
+
+    def __init__(self, keys=None, prefix: bytes | None = None, losses: bool = False):
+        self.keys = None if keys is None else frozenset(keys)
+        self.prefix, self.losses = prefix, losses
+
+    def __repr__(self):
+        what = f"keys={sorted(self.keys)!r}" if self.keys is not None else f"prefix={self.prefix!r}"
+        return f"KeyMatch({what}, losses={self.losses})"
+
+    def expression(self):
+        """The row condition, as a pyarrow expression (on a table with ``dropped`` filled in)."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        key = pc.field("key")
+        if self.keys is not None:
+            e = key.isin(pa.array(sorted(self.keys), pa.binary()))
+        else:
+            e = pc.starts_with(key, pattern=self.prefix)
+        return e | (pc.field("dropped") != 0) if self.losses else e
+
+    def may_hold(self, low: bytes | None, high: bytes | None, losses: bool) -> bool:
+        """Whether a row group whose keys lie in [`low`, `high`] (None: unknown) may hold a
+        matching row; `losses`: it may hold drop or gap rows."""
+        if (self.losses and losses) or low is None or high is None:
+            return True
+        if self.keys is not None:
+            return any(low <= k <= high for k in self.keys)
+        end = _successor(self.prefix)
+        return high >= self.prefix and (end is None or low < end)
+
+
+class ReadCount:
+    """What reads took from the recording: rows decoded (row groups read, journal rows in the
+    range), row groups skipped on their statistics, and rows given to Spark."""
+
+    def __init__(self):
+        self.rows_read = self.row_groups_skipped = self.rows_out = 0
+
+    def add(self, other: "ReadCount", rows_out: int = 0) -> None:
+        self.rows_read += other.rows_read
+        self.row_groups_skipped += other.row_groups_skipped
+        self.rows_out += other.rows_out + rows_out
+
+
+def _stats(rg, column: int):
+    """(min, max) of a column in a row group, or None when the file has no statistics."""
+    st = rg.column(column).statistics if column >= 0 else None
+    return (st.min, st.max) if st is not None and st.has_min_max else None
+
+
+def _read_file(path: str, after: int, end: int, match, count: ReadCount):
+    """The rows of a published file with ``after < seq <= end`` that every `match` holds for,
+    reading only the row groups whose statistics allow such rows."""
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    md = pf.metadata
+    names = list(md.schema.names)
+    col = {n: (names.index(n) if n in names else -1) for n in ("seq", "key", "dropped")}
+    keep = []
+    for i in range(md.num_row_groups):
+        rg = md.row_group(i)
+        seq = _stats(rg, col["seq"])
+        if seq is not None and (seq[1] <= after or seq[0] > end):
+            continue
+        if match:
+            keys = _stats(rg, col["key"]) or (None, None)
+            dropped = _stats(rg, col["dropped"])
+            losses = dropped is None or dropped != (0, 0)
+            if not all(m.may_hold(keys[0], keys[1], losses) for m in match):
+                count.row_groups_skipped += 1
+                continue
+        keep.append(i)
+    if not keep:
+        return None
+    t = pf.read_row_groups(keep)
+    count.rows_read += t.num_rows
+    return _between(t, after, end)
+
+
+def _matching(table, match):
+    """`table` (with ``kind``) cut to the rows every `match` holds for."""
+    for m in match:
+        table = table.filter(m.expression())
+    return table
+
+
 # -- reading a range of seqs
 
 def _with_kind(table):
@@ -198,17 +323,20 @@ def _between(table, start: int, end: int):
     return table.filter(pc.and_(pc.greater(s, start), pc.less_equal(s, end)))
 
 
-def read_range(directory: str, start: int, end: int, *, lenient: bool = False):
+def read_range(directory: str, start: int, end: int, *, lenient: bool = False, match=(),
+               count: ReadCount | None = None):
     """The rows with ``start < seq <= end``, as Arrow tables in seq order (with ``kind``).
 
     Published files and journals are taken in the order of their first seq (a file before a
     journal of the same rows); each gives the rows past those taken. Raises `DataLoss` when
-    seqs in the range are in neither (deleted by retention), unless `lenient`."""
+    seqs in the range are in neither (deleted by retention), unless `lenient`. `match`: only
+    the rows every `KeyMatch` in it holds for (row groups that cannot hold one are not read);
+    `count`: a `ReadCount` to add to."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     for attempt in range(5):
         layout = Layout(directory)
+        tally = ReadCount()
         sources = sorted([(f, 0, last, path) for f, last, path in layout.files]
                          + [(f, 1, None, path) for f, path in layout.journals])
         out = []
@@ -233,31 +361,38 @@ def read_range(directory: str, start: int, end: int, *, lenient: bool = False):
                 whole = pa.Table.from_batches(batches)
                 t = _between(whole, covered, end)
                 last = whole.column("seq")[-1].as_py()
+                tally.rows_read += t.num_rows
             else:
                 try:
-                    t = pq.read_table(path, filters=[("seq", ">", covered), ("seq", "<=", end)])
+                    t = _read_file(path, covered, end, match, tally)
                 except FileNotFoundError:
                     again = True  # retention between the listing and the read
                     break
-            if t.num_rows:
-                out.append(_with_kind(t))
+            if t is not None and t.num_rows:
+                t = _matching(_with_kind(t), match)
+                if t.num_rows:
+                    out.append(t)
             covered = max(covered, min(last, end))
         if again or (covered < end and not lenient) or (hole and not lenient):
             if attempt < 4:
                 continue
             raise DataLoss(f"{directory}: seqs after {covered} up to {end} are no longer in the recording "
                            f"(deleted by retention?); failOnDataLoss=false skips them")
-        return out
+        break
+    if count is not None:  # the attempt that gave `out`
+        count.add(tally, sum(t.num_rows for t in out))
     return out
 
 
 # -- Spark's side (pyspark imported here only: the module is importable without it)
 
 try:
-    from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, InputPartition
+    from pyspark.sql.datasource import (DataSource, DataSourceReader, DataSourceStreamReader, EqualTo, In,
+                                        InputPartition, IsNotNull, StringStartsWith)
     from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows, SupportsTriggerAvailableNow
 except ImportError:  # pragma: no cover - without pyspark only the helpers above are usable
     DataSource = DataSourceReader = DataSourceStreamReader = object
+    EqualTo = In = IsNotNull = StringStartsWith = None
     InputPartition = SupportsTriggerAvailableNow = object
     ReadAllAvailable = ReadMaxRows = None
 
@@ -290,6 +425,35 @@ def _int_option(opts: dict, name: str, default):
 def _true(opts: dict, name: str, default: bool) -> bool:
     v = opts.get(name.lower())
     return default if v is None else str(v).strip().lower() in ("true", "1", "yes")
+
+
+def _key_options(opts: dict) -> tuple:
+    """The ``keys``/``keyPrefix`` options as `KeyMatch`es (losses always kept): () if neither."""
+    import json
+
+    keys, prefix = opts.get("keys"), opts.get("keyprefix")
+    if keys is not None and prefix is not None:
+        raise ValueError("sbus source: give keys or keyPrefix, not both")
+    if prefix is not None:
+        if not str(prefix):
+            raise ValueError("sbus source: keyPrefix is empty (leave it out to read every key)")
+        return (KeyMatch(prefix=str(prefix).encode(), losses=True),)
+    if keys is None:
+        return ()
+    text = str(keys).strip()
+    if text.startswith("["):
+        try:
+            names = json.loads(text)
+        except ValueError:
+            names = None
+        if not isinstance(names, list) or not all(isinstance(k, str) for k in names):
+            raise ValueError(f"sbus source: keys: a JSON list of strings, or keys separated by commas, "
+                             f"not {text!r}")
+    else:
+        names = text.split(",")
+    if not names or "" in names:
+        raise ValueError(f"sbus source: keys: an empty key in {text!r}")
+    return (KeyMatch(keys=[k.encode() for k in names], losses=True),)
 
 
 class SbusDataSource(DataSource):
@@ -325,6 +489,15 @@ class SbusDataSource(DataSource):
         return SbusStreamReader(self.directory, self.opts)
 
 
+class SbusPlainDataSource(SbusDataSource):
+    """``format("sbus")`` whose batch reader takes no filters from the query (`register` with
+    ``push_filters=False``: Spark fails a read whose reader takes filters when its pushdown
+    switch is off)."""
+
+    def reader(self, schema):
+        return SbusPlainBatchReader(self.directory, self.opts)
+
+
 def _split(start: int, end: int, step: int) -> list:
     out = []
     s = start
@@ -334,11 +507,11 @@ def _split(start: int, end: int, step: int) -> list:
     return out
 
 
-def _read(directory: str, part: SeqRange, lenient: bool):
+def _read(directory: str, part: SeqRange, lenient: bool, match=()):
     import pyarrow as pa
 
     if part.end > part.start:
-        for t in read_range(directory, part.start, part.end, lenient=lenient):
+        for t in read_range(directory, part.start, part.end, lenient=lenient, match=match):
             yield from t.to_batches()
     if part.close_us is not None:
         row = {"recv_time": pa.array([part.close_us], pa.timestamp("us", tz="UTC")),
@@ -348,13 +521,15 @@ def _read(directory: str, part: SeqRange, lenient: bool):
         yield pa.RecordBatch.from_pydict(row)
 
 
-class SbusBatchReader(DataSourceReader):
-    """Everything the recording holds now, published files and journals."""
+class SbusPlainBatchReader(DataSourceReader):
+    """Everything the recording holds now, published files and journals (with the key options,
+    only the rows they keep)."""
 
     def __init__(self, directory: str, opts: dict):
         self.directory = directory
         self.step = _int_option(opts, "seqsPerPartition", DEFAULT_SEQS_PER_PARTITION)
         self.lenient = not _true(opts, "failOnDataLoss", True)
+        self.match = _key_options(opts)
 
     def partitions(self):
         layout = Layout(self.directory)
@@ -364,7 +539,46 @@ class SbusBatchReader(DataSourceReader):
         return _split(first - 1, JournalTail().last_seq(layout), self.step) or [SeqRange(0, 0)]
 
     def read(self, partition):
-        return _read(self.directory, partition, self.lenient)
+        return _read(self.directory, partition, self.lenient, self.match)
+
+
+def _pushed_match(f):
+    """The `KeyMatch` a filter Spark pushes is (SQL's meaning: losses only if their key
+    matches), True for ``key IS NOT NULL`` (every row has a key), None if not one on ``key``.
+    (``key`` is binary: Spark pushes ``key = X`` and ``key IN (...)``; a LIKE or startswith
+    on it needs a cast, which Spark does not push, but a StringStartsWith is taken as given.)"""
+    if getattr(f, "attribute", None) != ("key",):
+        return None
+    if isinstance(f, IsNotNull):
+        return True
+    if isinstance(f, EqualTo) and isinstance(f.value, (bytes, str)):
+        return KeyMatch(keys=[_bytes(f.value)])
+    if isinstance(f, In) and all(isinstance(v, (bytes, str)) for v in f.value):
+        return KeyMatch(keys=[_bytes(v) for v in f.value])
+    if isinstance(f, StringStartsWith) and f.value:
+        return KeyMatch(prefix=_bytes(f.value))
+    return None
+
+
+def _bytes(v) -> bytes:
+    return v.encode() if isinstance(v, str) else v
+
+
+class SbusBatchReader(SbusPlainBatchReader):
+    """`SbusPlainBatchReader` that also takes the query's filters on ``key``."""
+
+    def pushFilters(self, filters):
+        """Take ``key = X``, ``key IN (...)``, ``key`` starts with, ``key IS NOT NULL`` (the
+        reader applies them exactly; Spark does not again); give back every other filter."""
+        left, taken = [], []
+        for f in filters:
+            m = _pushed_match(f)
+            if m is None:
+                left.append(f)
+            elif m is not True:
+                taken.append(m)
+        self.match = tuple(self.match) + tuple(taken)
+        return left
 
 
 class SbusStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -377,6 +591,7 @@ class SbusStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.max_rows = _int_option(opts, "maxRecordsPerTrigger", None)
         self.step = _int_option(opts, "seqsPerPartition", DEFAULT_SEQS_PER_PARTITION)
         self.lenient = not _true(opts, "failOnDataLoss", True)
+        self.match = _key_options(opts)
         close = opts.get("closeatend")
         self.close_after = float(close) if close not in (None, "") else None
         self.tail = JournalTail()
@@ -432,7 +647,7 @@ class SbusStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return parts
 
     def read(self, partition):
-        return _read(self.directory, partition, self.lenient)
+        return _read(self.directory, partition, self.lenient, self.match)
 
     def commit(self, end: dict) -> None:
         """Nothing to release: the recording belongs to the recorder (its retention deletes)."""
