@@ -416,3 +416,21 @@ def test_key_options_bad_input(spark, tmp_path):
             reader = reader.option(k, v)
         with pytest.raises(Exception, match=words):
             reader.load(str(rec)).collect()
+
+
+
+def test_a_session_with_pushdown_off_still_reads(spark, tmp_path):
+    """``register(spark, push_filters=False)``: a reader that takes no filters from the query,
+    so a session that keeps Spark's switch off reads (Spark filters on key itself)."""
+    from sbus.pipeline.source import PUSHDOWN_CONF, register
+
+    rec = tmp_path / "rec"
+    clustered_recording(rec).close()
+    register(spark, push_filters=False)
+    spark.conf.set(PUSHDOWN_CONF, "false")
+    try:
+        df = spark.read.format("sbus").load(str(rec)).where("key = X'612F31'")  # a/1
+        assert sorted(r["seq"] for r in df.collect()) == [2, 5, 8, 12, 15, 18]
+    finally:
+        register(spark)
+    assert spark.conf.get(PUSHDOWN_CONF) == "true"
