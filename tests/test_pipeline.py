@@ -367,7 +367,9 @@ def test_stream_does_not_count_its_own_output(bus, start_recorder, spark, tmp_pa
     rec.stop()
     assert not any(r["key"].startswith(b"_pipeline/") for r in read_recording(rec_dir))
     prefixes = {r["prefix"] for r in spark.read.parquet(str(out)).collect()}
-    assert prefixes == {"a", "b", "c"}
+    # d's window closes only if later rows come: under load its own 50 messages can straddle a
+    # window boundary. What matters: no prefix of the stream's own output.
+    assert {"a", "b", "c"} <= prefixes <= {"a", "b", "c", "d"}, prefixes
     private_tree(cp)
     private_tree(out)
 
