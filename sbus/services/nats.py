@@ -299,6 +299,34 @@ class _Sub:
         self.active = True
 
 
+class AckGate:
+    """What an importer may acknowledge: only numbers whose messages have left this process.
+
+    With nothing queued for the bus, everything seen. With a queue, the numbers seen when a
+    mark was set, once the transport has written every packet queued then (`packets_out`
+    reached the mark): a queue that never empties on a loaded machine still lets acks through,
+    one mark behind, where waiting for an empty queue starved them and a restart went uncounted.
+    """
+
+    def __init__(self):
+        self._mark = None   # (transport, packets_out to reach, {instance: last seen})
+
+    def upto(self, seen: dict, transport) -> dict | None:
+        """Per exporter instance, the last number that may be acknowledged now; None: all of
+        `seen` (nothing is queued); {}: nothing yet."""
+        if transport is None or not transport.queuedBytes():
+            self._mark = None
+            return None
+        mark = self._mark
+        ready: dict = {}
+        if mark is not None and mark[0] is transport and transport.packets_out >= mark[1]:
+            ready, mark = mark[2], None
+        if mark is None or mark[0] is not transport:
+            self._mark = (transport, transport.packets_out + transport.queued(),
+                          {inst: s[1] for inst, s in seen.items()})
+        return ready
+
+
 class NatsService(service.Service):
     name = "sbus-nats"
 
@@ -385,6 +413,7 @@ class NatsService(service.Service):
         self.acks = {"sent": 0, "received": 0, "refused": 0, "clamped": 0}
         self.seq_refused = 0
         self.importer_restarts = 0
+        self._ack_gate = AckGate()
         self._ack_loop = None
         self._sweep_at = 0.0
 
@@ -988,20 +1017,25 @@ class NatsService(service.Service):
     def _send_acks(self, final: bool = False) -> None:
         """Tell each exporter instance up to which of its sequence numbers this importer has
         handled (imported or counted as dropped): one message per exporter per ACK_INTERVAL,
-        only when something new arrived. Nothing is acknowledged while messages wait in this
-        process for the bus (kill -9 would lose them uncounted): an ack may lag, never lead."""
+        only when something new arrived. Nothing is acknowledged before it has left this process
+        for the bus (kill -9 would lose it uncounted): an ack may lag, never lead (`AckGate`)."""
         if not self._seen:
             return
         nc = self.nc
         if nc is None or not nc.is_connected:
             return
         proto = self.client.protocol if self.client else None
-        if (not final and proto is not None and proto.transport is not None
-                and proto.transport.queuedBytes() > 0):
+        transport = proto.transport if proto is not None else None
+        upto = None if final else self._ack_gate.upto(self._seen, transport)
+        if upto == {}:
             return
         now = self.reactor.seconds()
         for inst, seen in list(self._seen.items()):
             first, last, acked, when = seen
+            if upto is not None:
+                last = upto.get(inst)
+                if last is None:
+                    continue
             if last == acked:
                 if now - when > EXPORTER_IDLE:
                     del self._seen[inst]     # that exporter instance is gone
