@@ -25,6 +25,8 @@ import pytest
 from helpers import (LoggedProcess, SbusdProcess, connect, msg, recv, send, sub, sync, wait_until,
                      whoami)
 
+from test_server_restart_under_services import answers_on
+
 nats = pytest.importorskip("nats", reason="needs nats-py: pip install 'sbus[nats]'")
 
 NATS_SERVER = shutil.which("nats-server") or os.path.join(os.path.dirname(sys.executable), "nats-server")
@@ -687,6 +689,10 @@ def test_interest_after_the_bus_is_killed_and_restarted(tmp_path):
         bus = SbusdProcess(["-f", "-a", addr], tmp_path / "bus2.log", address=addr)
         procs.append(bus)
         y.wait_re("bus: reconnected to ")
+        # the new bus knew nothing of its session: the interval is logged and in its stats
+        y.wait_re("the bus did not know it")
+        gaps = [a["stats"]["unknown_gaps"] for a in answers_on(addr) if a.get("service") == "sbus-nats"]
+        assert gaps and gaps[0]["count"] == 1 and gaps[0]["seconds"] > 0, gaps
         wait_until(lambda: node.subscriptions() == [set()], "the dead bus's interest withdrawn")
         assert "bus: reconnected to " in y.log() and node.subscriptions() == [set()]
         s = subscriber(bus, b"t/y/")

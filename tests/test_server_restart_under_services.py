@@ -38,7 +38,7 @@ SERVICES = {
     "sbus-link": (["sbus-link", "--bus", "{bus}", "--listen", "unix:link.socket", "--initial-delay", "30",
                    "--max-delay", "60"], _answers("sbus-link"), UNKNOWN),
     "sbus-bridge": (["sbus-bridge", "--bus-a", "{bus}", "--bus-b", "{bus_b}", "--rule", "x/ a>b"],
-                    _answers("sbus-bridge"), None),
+                    _answers("sbus-bridge"), UNKNOWN),
     "sbus-queue": (["sbus-queue", "--bus", "{bus}", "--group", "jobs=jobs/"], _answers("sbus-queue"), UNKNOWN),
     "sbus-msgbus": (["sbus-msgbus", "--bus", "{bus}", "--port", "unix:gw.socket"],
                     _answers("sbus-msgbus"), SESSIONLESS),
@@ -48,7 +48,8 @@ SERVICES = {
 }
 #: Services whose stats show the gap nobody counted (`svcstats.unknown_gaps`), and the bus
 #: (relative to the test's directory: their own, or None for the one they serve) to ask on.
-GAPS_IN_STATS = {"sbus-record": None, "sbus-msgbus": None, "sbus-relay": "relay.socket", "sbus-queue": None}
+GAPS_IN_STATS = {"sbus-record": None, "sbus-msgbus": None, "sbus-relay": "relay.socket", "sbus-queue": None,
+                 "sbus-bridge": None, "sbus-link": None}
 
 
 def answers_on(address: str) -> list[dict]:

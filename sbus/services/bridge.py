@@ -141,7 +141,7 @@ from sbus.services.safeconnect import OwnerConnector, parse_user
 from sbus.services.session import DEFAULT_LINGER, SessionClaim, carried_note, session_name
 from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
 from sbus.services.spanning import PRIVATE_PATTERN, Tree, default_name, opt_trust_uid, send_urgent
-from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
+from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost, unknown_gaps
 
 SERVER_ID = b"server/id"
 
@@ -428,6 +428,7 @@ class BridgeService(service.Service):
             #: The public patterns we hold on this side (what our session counts there).
             self._public_patterns[side] = [TOPOLOGY, STATS_REQUEST, *seen]
             client.echo(False)
+            client.missesUncounted = self.session_linger <= 0   # no session: every reconnect a gap
             self.clients[side] = client
         self.tree = Tree(self.reactor, default_name("sbus-bridge", f"a={self.address['a']} b={self.address['b']}"),
                          {1: "a", 2: "b"}, self._sendTree, log, enabled=self.spanning_tree,
@@ -784,6 +785,8 @@ class BridgeService(service.Service):
             self._sessionLog(side, "refused", "side {side}: the server refused session {name!r} (see its "
                              "log): a gap of ours is not counted there", name=name)
             return
+        if proto is self.clients[side].protocol:   # a restarted bus counted nothing for us: said, counted
+            self.clients[side].gapEnded(reply.state != "new", reply.name)
         reason = "reconnect" if self._held_before[side] else "restart"
         self._held_before[side] = True
         self._session_logged[side] = reply.state
@@ -838,6 +841,7 @@ class BridgeService(service.Service):
             "reconnect": self._byDirection(self.gap_lost["reconnect"]),
             "session": self._sessionStats() if self.session_linger > 0 else None,
             "lost": lost(*self.drop_reasons.values(), {"failover_gap": self.window.gap}, self.gap_lost),
+            "unknown_gaps": unknown_gaps(*self.clients.values()),
             "paused_reading": {s: self._pausedCount[s] for s in SIDES},
             "server_id": {s: v.decode("ascii", "replace") for s, v in self.server_ids.items()},
             "spanning_tree": self.tree.stats() if self.tree is not None else None,

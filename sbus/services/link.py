@@ -152,7 +152,7 @@ from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
 from sbus.services.session import carried_note
 from sbus.core.topology import HELLO_KEY, RESERVED as TOPOLOGY
 from sbus.services.spanning import Tree, default_name, opt_trust_uid, send_urgent
-from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
+from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost, unknown_gaps
 
 log = Logger(namespace="sbus.link")
 
@@ -863,6 +863,7 @@ class Link(service.MultiService):
             "whoami_answers": self.whoami_answers,
             "drops": dict(self.drops),
             "lost": lost(self.drops, {"failover_gap": self._failoverGap()}),
+            "unknown_gaps": unknown_gaps(self.bus),
             "standby_not_forwarded": dict(self.standby),
             "standby": {
                 "delivered_by_active": self._byDirection(self.window.delivered),

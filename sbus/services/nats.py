@@ -125,7 +125,7 @@ from sbus.core.patterns import matches
 from sbus.options import METRICS_OPTION, MISSING_BUS_HELP, RespelledOptions
 from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
 from sbus.services.session import carried_note
-from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost
+from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost, unknown_gaps
 
 #: Exit status when another sbus-nats of the same --name runs on the bus (a configuration error,
 #: sysexits' EX_CONFIG: contrib/systemd's unit does not restart on it).
@@ -590,6 +590,7 @@ class NatsService(service.Service):
         state = reply.state
         self.session["state"] = state
         if state in ("new", "resumed"):
+            self.client.gapEnded(state == "resumed", reply.name)  # a restarted bus: said and counted
             missed = max(0, min(reply.missed, 1 << 62))
             gap = max(0.0, reply.gap)
             self.session.update(missed=self.session["missed"] + missed, gap=gap, linger=reply.linger)
@@ -1133,6 +1134,7 @@ class NatsService(service.Service):
             "imported": self.imported,
             "drops": dict(sorted(self.drops.items())),
             "lost": lost(self.drops, self.gaps),
+            "unknown_gaps": unknown_gaps(self.client) if self.client is not None else unknown_gaps(),
             "secret_filtered": self.secret_filtered,
             "secret_refused": self.secret_refused,
             "own_origin_dropped": self.own_origin,
