@@ -88,7 +88,9 @@ Restarted: the gap counted
 On each side the bridge holds a ``server/session`` named after its role (the side, both
 addresses, the rules: `BridgeService.roleName`), so the same command started again claims the
 same one. When it dies its patterns linger on each bus, counting what they match. A bridge
-claims only once it forwards and has forwarded its window; the gap's loss is what the session
+claims only once it forwards and the other side's server has read its window (a round trip
+behind it: the claim's answer ends the count, so nothing it counts as passed on may still wait
+in the bridge, where a kill would lose it uncounted); the gap's loss is what the session
 counted less what this connection received, or published there itself, before the claim
 (`sbus.services.session.SessionClaim`): exact whenever the claim comes, and 0 for a standby
 that watched the whole gap. It goes to ``lost.restart`` (``reconnect``: our own connection
@@ -102,9 +104,11 @@ Reconnection, back-pressure, statistics
 Each side is a `ReconnectingClient`: it reconnects independently with
 back-off and re-subscribes; while one side is down, messages for it are
 dropped and counted (a bus keeps nothing for absent clients). When the
-connection to one side has more than its queue limit waiting (the transport
-limit, 4 MiB), the bridge stops reading from the other side until it drains;
-the other server then applies its own flood control to the bridge.
+connection to one side has more than `MAX_UNSENT` messages waiting (its socket
+is full), the bridge stops reading from the other side until it drains; the
+other server then applies its own flood control to the bridge. What waits
+there is counted by our session if we are killed; what waits in the bridge
+would be lost with nobody counting it, so the bridge holds little.
 
 A stats line is logged every ``--stats-interval`` seconds (if anything
 changed) and at stop: messages forwarded each way, reconnects per side,
@@ -155,6 +159,10 @@ SIDE_OF_PORT = {1: "a", 2: "b"}
 PROBE_SEGMENT = b"/sbus-bridge/echo-probe/"
 #: While we forward and another live bridge of our role holds the session, ask again this often.
 SESSION_RETRY = 0.5
+#: Messages we hold unsent for one side (its socket is full) before we stop reading the other:
+#: a kill -9 loses what a bridge holds, counted by nobody (a lingering session counts only what
+#: the server still had), so we hold little; the kernel's socket buffer keeps the flow going.
+MAX_UNSENT = 64
 #: Why a session's gap was lost: this process's first connection to a side (a restart), or a
 #: later one (our connection to that side broke while its server stayed up).
 GAP_REASONS = ("restart", "reconnect")
@@ -388,9 +396,13 @@ class BridgeService(service.Service):
                 claim: SessionClaim | None = None
                 probe_key: bytes | None = None
                 probe_seen = False
+                pauser: "_Pauser | None" = None
 
                 def messageReceived(self, key, payload, packet):
                     bridge._received(side, self, key, payload, packet)
+
+                def outboxDrained(self):
+                    bridge._drained(self)
 
             return BridgeProtocol
 
@@ -499,7 +511,8 @@ class BridgeService(service.Service):
             pass
         proto.echo_filter = RecentPackets()  # until the probe shows echo/off is honoured
         # back-pressure: when this side's queue is full, stop reading the other side
-        proto.transport.registerProducer(_Pauser(self, other), True)
+        proto.pauser = _Pauser(self, other)
+        proto.transport.registerProducer(proto.pauser, True)
         if self._paused[side]:
             proto.transport.pauseProducing()
         who = proto.credentials or b""
@@ -651,7 +664,14 @@ class BridgeService(service.Service):
         dest.sendPacket(out)
         self.forwarded[side] += 1
         self._published(dest, OTHER[side], target)
+        if dest.transport.queued() > MAX_UNSENT and not self._paused[side]:
+            dest.pauser.pauseProducing()   # the rest waits in `side`'s server, which counts it
         return True
+
+    def _drained(self, dest) -> None:
+        """`dest` sent all it held: read again from the side we stopped for it (`_forward`)."""
+        if dest.pauser is not None and self._paused[dest.pauser.source]:
+            dest.pauser.resumeProducing()
 
     # -- standing by and taking over
 
@@ -708,7 +728,19 @@ class BridgeService(service.Service):
                  n=len(out), ab=sum(1 for s, _, _ in out if s == "a"), ba=sum(1 for s, _, _ in out if s == "b"),
                  gab=gap["a"], gba=gap["b"])
         for side in SIDES:    # what we saw is forwarded now: the gap before us is ours to count
+            self._claimWhenDelivered(side)
+
+    def _claimWhenDelivered(self, side: str) -> None:
+        """Claim `side`'s session once the other side's server has read what we forwarded there at
+        takeover (a round trip behind it). The claim's answer ends the count of the gap before
+        us, less what we saw: killed while the window still waited in our queue, those would be
+        lost with nobody counting them (a second kill right after a takeover). Killed before the
+        claim, the predecessor's session goes on counting, over-counting at worst."""
+        dest = self.clients[OTHER[side]].protocol
+        if dest is None or not dest.connected:
             self._claim(side)
+            return
+        dest.sync().addBoth(lambda _: self._claim(side))
 
     # -- the session: what a predecessor's gap lost
 
