@@ -231,9 +231,9 @@ def test_stream_counts_exactly_once_across_restart(bus, spark, tmp_path):
     spark.conf.set("spark.sql.shuffle.partitions", "2")  # the shared session's setting
 
 
-def run_cli(*args):
+def run_cli(*args, timeout=60):
     return subprocess.run([sys.executable, "-m", "sbus.pipeline", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_cli_errors_are_one_line(tmp_path):
@@ -244,6 +244,13 @@ def test_cli_errors_are_one_line(tmp_path):
         (["report", str(tmp_path / "empty"), "--out", str(tmp_path / "r")], "no recorded files"),
         (["stream", str(tmp_path / "missing"), "--out", "o", "--checkpoint", "c"], "no such directory"),
         (["report", str(tmp_path / "empty"), "--out", "r", "--window", "0s"], "--window must be positive"),
+        (["stream", str(tmp_path / "empty"), "--out", "o", "--checkpoint", "c", "--keys", "a,,b"], "an empty key"),
+        (["stream", str(tmp_path / "empty"), "--out", "o", "--checkpoint", "c", "--key-prefix", ""],
+         "--key-prefix is empty"),
+        (["stream", str(tmp_path / "empty"), "--out", "o", "--checkpoint", "c", "--key", "a", "--key-prefix", "b"],
+         "not both"),
+        (["stream", str(tmp_path / "empty"), "--out", "o", "--checkpoint", "c", "--source", "files",
+          "--keys", "a"], "need the sbus source"),
     ):
         p = run_cli(*args)
         assert p.returncode == 2, (args, p.stderr)
@@ -498,3 +505,26 @@ def test_available_now_says_what_it_holds_back_and_can_close_it(spark, tmp_path)
     held = stream.run(spark, str(rec), str(out), str(cp), log=said.append, close_at_end=True, **kw)
     assert held == [] and said == []
     assert output() == windows_of(rows)  # every window, once; the closing row counted nowhere
+
+
+def test_stream_command_key_filters(spark, tmp_path):
+    """``sbus-pipeline stream --key-prefix P`` (and ``--keys``/``--key``) pass the source's key
+    filter: only those messages are counted, and drop rows still arrive (their losses counted)."""
+    rec, out = tmp_path / "rec", tmp_path / "out"
+    rec.mkdir()
+    rows = write_phase(rec, range(0, 16, 5), 1)  # keys p0/.., p1/.., p2/..; windows of 10 s
+    w = RecordingWriter(str(rec), fsync=False)
+    w.add_drop(T0 + 16_000_000, len(rows) + 1, 9, b"p0/k0", b"p2/k1")
+    w.publish()
+    p = run_cli("stream", str(rec), "--out", str(out), "--checkpoint", str(tmp_path / "cp"), "--window", "10s",
+                "--available-now", "--close-at-end", "--key-prefix", "p1", "-q", "--master", "local[1]", timeout=240)
+    assert p.returncode == 0, p.stderr
+    got = defaultdict(lambda: [0, 0, 0])
+    for r in spark.read.parquet(str(out)).collect():
+        k = ((epoch_us(r["window_start"].astimezone(dt.timezone.utc)) - T0) // 1_000_000, r["prefix"])
+        got[k][0] += r["messages"]
+        got[k][1] += r["bytes"]
+        got[k][2] += r["dropped"]
+    want = {k: v + [0] for k, v in windows_of([r for r in rows if r[2].startswith(b"p1")]).items()}
+    want[(10, None)] = [0, 0, 9]  # the drop row: no prefix, its 9 lost messages
+    assert dict(got) == want

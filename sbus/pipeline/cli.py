@@ -3,6 +3,7 @@
     sbus-pipeline report DIR --out REPORT_DIR [--window 60s] [--depth 1] [--top 20] [--master URL]
     sbus-pipeline stream DIR --out OUT --checkpoint CP [--window 60s] [--watermark 0s]
                          [--source sbus|files] [--max-records-per-trigger N] [--max-files-per-trigger 10]
+                         [--keys K1,K2 | --key K ... | --key-prefix P]
                          [--trigger 10s | --available-now [--close-at-end]] [--drop-late]
                          [--publish-to KEY_PREFIX --bus ADDRESS] [--master URL]
 
@@ -81,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sbus source: at most N rows per micro-batch (default: all available)")
     s.add_argument("--max-files-per-trigger", type=int, default=10, metavar="N",
                    help="--source files: at most N files per micro-batch (default 10)")
+    s.add_argument("--keys", action="append", default=None, metavar="K1,K2",
+                   help="sbus source: only the messages with one of these keys (comma-separated; "
+                        "repeatable), and every drop and gap row")
+    s.add_argument("--key", action="append", default=None, metavar="K", dest="key",
+                   help="sbus source: like --keys, one key as written (for a key with a comma; repeatable)")
+    s.add_argument("--key-prefix", default=None, metavar="P",
+                   help="sbus source: only the messages whose key starts with P, and every drop and gap row")
     s.add_argument("--drop-late", action="store_true",
                    help="accept that Spark drops rows later than the watermark (counted and said; "
                         "without it such a run exits 1)")
@@ -123,6 +131,12 @@ def main(argv=None) -> int:
     for name in ("max_records_per_trigger", "max_files_per_trigger"):
         if args.command == "stream" and getattr(args, name) is not None and getattr(args, name) <= 0:
             print(f"{PROG}: --{name.replace('_', '-')} must be positive", file=sys.stderr)
+            return EXIT_USAGE
+    if args.command == "stream":
+        try:
+            keys = _stream_keys(args)
+        except ValueError as e:
+            print(f"{PROG}: {e}", file=sys.stderr)
             return EXIT_USAGE
     if args.shuffle_partitions is not None and args.shuffle_partitions <= 0:
         print(f"{PROG}: --shuffle-partitions must be positive", file=sys.stderr)
@@ -186,6 +200,7 @@ def main(argv=None) -> int:
                        max_files_per_trigger=args.max_files_per_trigger, trigger=args.trigger,
                        available_now=args.available_now, publish_to=args.publish_to, bus=args.bus,
                        shuffle_partitions=int(partitions), close_at_end=args.close_at_end,
+                       keys=keys, key_prefix=args.key_prefix,
                        log=lambda text: print(f"{PROG}: {text}", file=sys.stderr, flush=True))
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
@@ -201,6 +216,25 @@ def main(argv=None) -> int:
         except Exception:
             pass
     return 0
+
+
+def _stream_keys(args) -> list[str] | None:
+    """The keys of ``--keys``/``--key`` (None: neither); ValueError (one line) for a bad combination
+    or an empty key. The source takes them as a JSON list, so a key may hold a comma."""
+    given = [k for text in args.keys or () for k in text.split(",")] + list(args.key or ())
+    if not (args.keys or args.key or args.key_prefix is not None):
+        return None
+    if args.source != "sbus":
+        raise ValueError("--keys, --key and --key-prefix need the sbus source (not --source files)")
+    if args.key_prefix is not None:
+        if args.keys or args.key:
+            raise ValueError("give --keys/--key or --key-prefix, not both")
+        if not args.key_prefix:
+            raise ValueError("--key-prefix is empty (leave it out to read every key)")
+        return None
+    if "" in given:
+        raise ValueError("--keys/--key: an empty key (keys are separated by commas)")
+    return given
 
 
 def _size(path: str) -> int:

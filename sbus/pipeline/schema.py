@@ -136,6 +136,14 @@ def parse_name(name: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
+def named_seq(name: str, suffix: str) -> int | None:
+    """The seq in a ``rec-<seq><suffix>`` name (a journal's, a part's), None for any other name."""
+    if not (name.startswith(PREFIX) and name.endswith(suffix)):
+        return None
+    digits = name[len(PREFIX):len(name) - len(suffix)]
+    return int(digits) if digits.isdigit() else None
+
+
 def published_files(directory: str) -> list[tuple[int, int, str]]:
     """[(first_seq, last_seq, path)] of the published files, in recording order."""
     out = []

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import os
 
-from .schema import GAP, JOURNAL_SUFFIX, PREFIX, TMP_DIR, published_files
+from .schema import GAP, JOURNAL_SUFFIX, TMP_DIR, named_seq, published_files
 
 NAME = "sbus"
 #: The source's schema: the recording's columns and ``kind``.
@@ -101,12 +101,9 @@ def journals(directory: str) -> list[tuple[int, str]]:
     except FileNotFoundError:
         return []
     for e in entries:
-        n = e.name
-        if n.startswith(PREFIX) and n.endswith(JOURNAL_SUFFIX):
-            try:
-                out.append((int(n[len(PREFIX):-len(JOURNAL_SUFFIX)]), e.path))
-            except ValueError:
-                continue
+        seq = named_seq(e.name, JOURNAL_SUFFIX)
+        if seq is not None:
+            out.append((seq, e.path))
     out.sort()
     return out
 

@@ -71,12 +71,28 @@ def publish_root(name: str) -> str:
 SOURCES = ("sbus", "files")
 
 
+def key_filter(reader, keys=None, key_prefix: str | None = None):
+    """`reader` with the sbus source's ``keys`` (a JSON list: a key may hold a comma) or
+    ``keyPrefix`` option, if given (drop and gap rows still come)."""
+    import json
+
+    if keys is not None:
+        reader = reader.option("keys", json.dumps(list(keys)))
+    if key_prefix is not None:
+        reader = reader.option("keyPrefix", key_prefix)
+    return reader
+
+
 def source_stream(spark, directory: str, *, source: str = "sbus", max_records_per_trigger: int | None = None,
-                  max_files_per_trigger: int | None = None, close_after: float | None = None):
+                  max_files_per_trigger: int | None = None, close_after: float | None = None,
+                  keys=None, key_prefix: str | None = None):
     """The recording as a stream: rows ``recv_time, key, size, seq, dropped``; with the sbus
     source and `close_after`, a closing row (seq `CLOSE_SEQ`) after the last row available at
-    the start of an ``availableNow`` run, `close_after` seconds after the newest one."""
+    the start of an ``availableNow`` run, `close_after` seconds after the newest one; `keys` or
+    `key_prefix`: only those messages (sbus source)."""
     cols = ("recv_time", "key", "size", "seq", "dropped")
+    if source != "sbus" and (keys is not None or key_prefix is not None):
+        raise ValueError("key filters need the sbus source")
     if source == "files":
         reader = spark.readStream.schema(read_schema())
         if max_files_per_trigger:
@@ -85,7 +101,7 @@ def source_stream(spark, directory: str, *, source: str = "sbus", max_records_pe
     from .source import register
 
     register(spark)
-    reader = spark.readStream.format("sbus")
+    reader = key_filter(spark.readStream.format("sbus"), keys, key_prefix)
     if max_records_per_trigger:
         reader = reader.option("maxRecordsPerTrigger", int(max_records_per_trigger))
     if close_after is not None:
@@ -95,7 +111,8 @@ def source_stream(spark, directory: str, *, source: str = "sbus", max_records_pe
 
 def aggregated_stream(spark, directory: str, *, window_seconds: float, depth: int,
                       watermark_seconds: float, source: str = "sbus", max_records_per_trigger: int | None = None,
-                      max_files_per_trigger: int | None = None, close_at_end: bool = False):
+                      max_files_per_trigger: int | None = None, close_at_end: bool = False,
+                      keys=None, key_prefix: str | None = None):
     """The per-(window, prefix) aggregation of the recording as it comes. `close_at_end`
     (sbus source, availableNow): the closing row moves the watermark past every window
     and counts nowhere."""
@@ -103,7 +120,8 @@ def aggregated_stream(spark, directory: str, *, window_seconds: float, depth: in
 
     close_after = window_seconds + watermark_seconds if close_at_end else None
     src = source_stream(spark, directory, source=source, max_records_per_trigger=max_records_per_trigger,
-                        max_files_per_trigger=max_files_per_trigger, close_after=close_after)
+                        max_files_per_trigger=max_files_per_trigger, close_after=close_after,
+                        keys=keys, key_prefix=key_prefix)
     src = src.withWatermark("recv_time", spark_interval(watermark_seconds) if watermark_seconds > 0 else "0 seconds")
     # a closing row moves the watermark (above) and is then left out: it counts nowhere. (The
     # condition names recv_time so that Spark does not push it below the watermark, which it
@@ -113,17 +131,18 @@ def aggregated_stream(spark, directory: str, *, window_seconds: float, depth: in
     return out.withColumn("window_seconds", F.lit(float(window_seconds)))
 
 
-def batch_read(spark, directory: str, source: str = "sbus"):
+def batch_read(spark, directory: str, source: str = "sbus", keys=None, key_prefix: str | None = None):
     """The whole recording now, read the way the stream reads it."""
     if source == "files":
         return spark.read.schema(read_schema()).parquet(directory)
     from .source import register
 
     register(spark)
-    return spark.read.format("sbus").load(os.path.abspath(local_path(directory)))
+    return key_filter(spark.read.format("sbus"), keys, key_prefix).load(os.path.abspath(local_path(directory)))
 
 
-def held_back(spark, directory: str, watermark, window_seconds: float, source: str = "sbus") -> list[tuple]:
+def held_back(spark, directory: str, watermark, window_seconds: float, source: str = "sbus",
+              keys=None, key_prefix: str | None = None) -> list[tuple]:
     """The windows the watermark has not passed (append mode holds them until newer data
     arrives): [(window_start, window_end, messages, lost)] from the recording."""
     import datetime as dt
@@ -137,7 +156,7 @@ def held_back(spark, directory: str, watermark, window_seconds: float, source: s
     w_us = int(window_seconds * 1e6)
     wm_us = int(watermark.timestamp() * 1e6)
     cutoff = dt.datetime.fromtimestamp((wm_us // w_us) * w_us / 1e6, dt.timezone.utc)
-    df = batch_read(spark, directory, source).where(F.col("recv_time") >= F.lit(cutoff))
+    df = batch_read(spark, directory, source, keys, key_prefix).where(F.col("recv_time") >= F.lit(cutoff))
     rows = (df.groupBy(F.window("recv_time", spark_interval(window_seconds)).alias("w"))
             .agg(F.count(F.when(dropped_col() == 0, F.lit(1))).alias("messages"), F.sum(lost_col()).alias("lost"))
             .orderBy("w.start").collect())
@@ -286,7 +305,7 @@ def start(spark, directory: str, out: str, checkpoint: str, *, window_seconds: f
           max_records_per_trigger: int | None = None, max_files_per_trigger: int | None = 10,
           trigger: str | None = None, available_now: bool = False, publish_to: str | None = None,
           bus: str | None = None, query_name: str = "sbus-windows", shuffle_partitions: int | None = None,
-          close_at_end: bool = False):
+          close_at_end: bool = False, keys=None, key_prefix: str | None = None):
     """Start the query (and the publisher, if asked); return the started StreamingQuery objects.
 
     `shuffle_partitions` applies to a new checkpoint only: Spark keeps the number a
@@ -302,7 +321,8 @@ def start(spark, directory: str, out: str, checkpoint: str, *, window_seconds: f
         return aggregated_stream(spark, directory, window_seconds=window_seconds, depth=depth,
                                  watermark_seconds=watermark_seconds, source=source,
                                  max_records_per_trigger=max_records_per_trigger,
-                                 max_files_per_trigger=max_files_per_trigger, close_at_end=close_at_end)
+                                 max_files_per_trigger=max_files_per_trigger, close_at_end=close_at_end,
+                                 keys=keys, key_prefix=key_prefix)
 
     def triggered(writer):
         if available_now:
@@ -368,7 +388,7 @@ def run(spark, directory: str, out: str, checkpoint: str, *, timeout: float | No
     if not kw.get("available_now"):
         return []
     held = held_back(spark, directory, watermark_of(queries[0]), kw.get("window_seconds", 60.0),
-                     kw.get("source", "sbus"))
+                     kw.get("source", "sbus"), kw.get("keys"), kw.get("key_prefix"))
     if log is not None:
         for start_t, end_t, n, lost in held:
             log(f"held back until newer data arrives: the window {start_t.isoformat()} .. {end_t.isoformat()} "

@@ -74,6 +74,7 @@ from .schema import (  # noqa: F401  (constants re-exported)
     TMP_DIR,
     arrow_schema,
     file_name,
+    named_seq,
     published_files,
 )
 
@@ -127,14 +128,6 @@ def create_private(name: str, dir_fd: int) -> int:
     except FileExistsError:
         os.unlink(name, dir_fd=dir_fd)
         return os.open(name, _CREATE_FLAGS, FILE_MODE, dir_fd=dir_fd)
-
-
-def _named_seq(name: str, suffix: str) -> int:
-    """The seq in a ``rec-<seq><suffix>`` name; -1 for another name (no clash with ours)."""
-    try:
-        return int(name[len("rec-"):-len(suffix)])
-    except ValueError:
-        return -1
 
 
 #: While a writer runs, ``_tmp/`` holds this marker (its pid); a clean close removes it.
@@ -306,8 +299,10 @@ class RecordingWriter:
         # recovery beside it must then not read as a leftover (it published and removed the new
         # run's first rows: seq 3001 twice, CI). It goes now, with its .part.
         start = max([hi for _, hi in self._published_at_start] + [self._journal_tail[0]]) + 1
+        # (a journal of another name counts as below: no clash with ours)
         stems = {n[:-len(JOURNAL_SUFFIX)] for n in names
-                 if n.endswith(JOURNAL_SUFFIX) and _named_seq(n, JOURNAL_SUFFIX) < start}
+                 if n.endswith(JOURNAL_SUFFIX) and (named_seq(n, JOURNAL_SUFFIX) is None
+                                                    or named_seq(n, JOURNAL_SUFFIX) < start)}
         later = [n for n in names if (n.endswith(JOURNAL_SUFFIX) and n[:-len(JOURNAL_SUFFIX)] in stems)
                  or (n.endswith(PART_SUFFIX) and n[:-len(PART_SUFFIX)] in stems)]
         # the rest goes now (a quick unlink each): a leftover .part without its journal may bear
@@ -394,9 +389,8 @@ class RecordingWriter:
         began with a write error's drop row covers the seqs before that row), unless a published
         file holds some of those."""
         first = table.column("seq")[0].as_py()
-        try:
-            named = int(name[len("rec-"):-len(JOURNAL_SUFFIX)])
-        except ValueError:
+        named = named_seq(name, JOURNAL_SUFFIX)
+        if named is None:
             return first
         if named < first and not any(lo < first and hi >= named for lo, hi in self._published_at_start):
             return named
