@@ -87,7 +87,9 @@ through a link who could not open its socket.
 peer are dropped (``drops.bus_down``). When the connection dies, what we
 sent that the peer had not acknowledged is counted as ``drops.in_flight``
 (it may have published up to one bus round trip's worth of it: counted
-lost, never uncounted).
+lost, never uncounted). A half stops reading its bus while ``MAX_UNACKED``
+messages await the peer's acknowledgement: what a ``kill -9`` finds in the
+half nobody counts, what waits in the bus's server its session counts.
 
 **Failover without loss** (issue 23; docs/deploy.md). Each half keeps a
 `sbus.core.standby.Window` of the direction it publishes (peer's bus -> its
@@ -160,7 +162,8 @@ VERSION = 1
 #: Seconds a connection has to prove it holds the shared key.
 AUTH_TIMEOUT = 10.0
 #: Bytes read from a peer connection at once (Twisted's default is 64 KiB; the same number is
-#: the output queued for the peer before we stop reading our bus).
+#: the output queued for the peer before we stop reading our bus, though `MAX_UNACKED` stops it
+#: first with a peer that acknowledges).
 READ_SIZE = 1 << 20
 #: Largest frame before the peer proved the key (auth and proof frames are ~100 bytes).
 PREAUTH_MAX_LENGTH = 1024
@@ -181,6 +184,13 @@ SEEN = b"link/seen"
 #: ``link/ack\0N``: the first N messages the peer sent on this connection are handled here
 #: (published on our bus, which answered a round trip after them, or counted as dropped).
 ACK = b"link/ack"
+#: Messages sent to the peer and not yet acknowledged (``link/ack``) before we stop reading our
+#: bus: a kill -9 loses what a half holds for its peer (its queue, its socket) with nobody
+#: counting it (its own ``in_flight`` count dies with it; our session counts only what the bus
+#: still had), so we hold little, and the rest waits in our bus's server, which counts it. Up to
+#: 1 MiB (the transport's limit) and the kernel's buffers were held before: a half killed right
+#: after its takeover, with its peer held by a slow bus, lost them uncounted (issue 34).
+MAX_UNACKED = 256
 #: Default --session-linger, seconds (the server clamps it to its --max-session-linger).
 SESSION_LINGER = 60.0
 #: Seconds the takeover waits for the peer's answer to ``link/sync``.
@@ -747,6 +757,9 @@ class Link(service.MultiService):
         #: Every open stream connection (the active peer, and any still saying hello).
         self.conns: set[PeerProtocol] = set()
         self._local_paused = False
+        #: Why we do not read our bus: "buffer" (the peer's transport is full), "acks" (the peer
+        #: has `MAX_UNACKED` of ours unacknowledged).
+        self._local_holds: set[str] = set()
         self._peer_paused = False
         self.to_remote = 0
         self.from_remote = 0
@@ -1023,13 +1036,20 @@ class Link(service.MultiService):
         if self.peer is not None:
             self.peer.transport.resumeProducing()
 
-    def _pauseLocal(self):
+    def _pauseLocal(self, why: str = "buffer"):
+        first = not self._local_holds
+        self._local_holds.add(why)
+        if not first:
+            return
         self._local_paused = True
         self.tree.paused(BUS_PORT, True)
         if self.local is not None:
             self.local.transport.pauseProducing()
 
-    def _resumeLocal(self):
+    def _resumeLocal(self, why: str = "buffer"):
+        self._local_holds.discard(why)
+        if self._local_holds:
+            return
         self._local_paused = False
         self.tree.paused(BUS_PORT, False)
         if self.local is not None:
@@ -1096,6 +1116,8 @@ class Link(service.MultiService):
         peer.sendString(packet)
         peer.msgs_sent += 1
         self.to_remote += 1
+        if peer.acks and peer.msgs_sent - peer.acked >= MAX_UNACKED and "acks" not in self._local_holds:
+            self._pauseLocal("acks")   # the rest waits in our bus's server, which counts it
 
     def _replyKey(self, asker: bytes) -> bytes | None:
         if parse_whoami(asker) is None or self.local is None:
@@ -1214,6 +1236,7 @@ class Link(service.MultiService):
                 self.drops["in_flight"] += in_flight
             self.tree.port_down(PEER_PORT)
             if self._local_paused:
+                self._local_holds.clear()
                 self._resumeLocal()
             log.warn("sbus-link: link to {peer} down ({why}); {n} message(s) sent it had not confirmed "
                      "(counted lost: in_flight); local messages are dropped until it is back",
@@ -1233,6 +1256,8 @@ class Link(service.MultiService):
             self.tree.port_down(PEER_PORT)
         self.peer = peer
         self.peer_connects += 1
+        if "acks" in self._local_holds:   # held for the old peer's acknowledgements
+            self._resumeLocal("acks")
         peer.ready = True
         self.tree.port_up(PEER_PORT)
         peer.transport.registerProducer(_Pauser(self._pauseLocal, self._resumeLocal), True)
@@ -1380,6 +1405,8 @@ class Link(service.MultiService):
         if not peer.acked <= n <= peer.msgs_sent:
             return self._peerError(peer, f"link/ack of {n}: sent {peer.msgs_sent}, acknowledged {peer.acked}")
         peer.acked = n
+        if "acks" in self._local_holds and peer is self.peer and peer.msgs_sent - n < MAX_UNACKED:
+            self._resumeLocal("acks")
         return None
 
     # -- standing by and taking over (sbus.core.standby)
