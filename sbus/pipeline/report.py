@@ -52,19 +52,29 @@ SUMMARY_PERCENTILES = (0.5, 0.9, 0.99, 0.999)
 TABLES = ("windows", "window_stats", "top_keys", "size_hist", "summary")
 
 
-#: The one Spark pass (`compute`) groups every row four ways at once (Spark's grouping sets);
+#: The one Spark pass (`compute`) groups every row several ways at once (Spark's grouping sets);
 #: each output row belongs to one set, told by its ``gid`` (Spark's ``grouping_id()``).
 GROUP_COLS = ("w_us", "prefix", "msize", "sec_us", "key_s")
 SETS = {"windows": ("w_us", "prefix"),  # the windows table
         "sizes": ("w_us", "msize"),  # per window and payload size: window_stats, size_hist, summary
         "seconds": ("sec_us",),  # per 1-second window: the headline's peak rate
         "keys": ("key_s",)}  # per key: top_keys and the number of distinct keys
+#: With a window of whole seconds, each second lies in one window: one set per (second, prefix)
+#: gives both the windows table and the seconds (summed in `derive`), so Spark expands and
+#: aggregates every row three times instead of four (the report's pass took ~25 % less).
+WHOLE_SECOND_SETS = {"second_prefix": ("sec_us", "prefix"), "sizes": SETS["sizes"], "keys": SETS["keys"]}
 
 
-def _gid(name: str) -> int:
+def group_sets(window_seconds: float) -> dict:
+    """The grouping sets `compute` asks of Spark for this window (`SETS` or `WHOLE_SECOND_SETS`)."""
+    width = round(window_seconds * 1000) * 1000
+    return WHOLE_SECOND_SETS if width % 1_000_000 == 0 else SETS
+
+
+def _gid(name: str, sets: dict = SETS) -> int:
     """``grouping_id()`` of the set `name`: a bit per grouping column left out (first = highest)."""
     n = len(GROUP_COLS)
-    return sum(1 << (n - 1 - i) for i, c in enumerate(GROUP_COLS) if c not in SETS[name])
+    return sum(1 << (n - 1 - i) for i, c in enumerate(GROUP_COLS) if c not in sets[name])
 
 
 def read(spark, directory: str):
@@ -79,7 +89,8 @@ def compute(spark, directory: str, window_seconds: float, depth: int = 1):
     """The report's one pass over the recording: a DataFrame of counts (`derive` builds the
     tables from it, in Python), and the recording's DataFrame (for a chart in other windows).
 
-    Every row is counted in four groupings (`SETS`) in one aggregation: per (window, prefix);
+    Every row is counted in four groupings (`SETS`; three with a window of whole seconds,
+    `group_sets`) in one aggregation: per (window, prefix);
     per (window, payload size) of the messages (so per-window and overall exact percentiles,
     the histogram and the totals follow from counts: a row per window and size instead of a
     Spark job per table); per second; per key. The driver gets a row per group: with many
@@ -104,7 +115,7 @@ def compute(spark, directory: str, window_seconds: float, depth: int = 1):
         (us - F.pmod(us, F.lit(1_000_000))).alias("sec_us"),
         F.when(is_msg, F.col("key").cast("string")).alias("key_s"),
         "recv_time", "size", "dropped")
-    agg = rows.groupingSets([list(s) for s in SETS.values()], *GROUP_COLS).agg(
+    agg = rows.groupingSets([list(s) for s in group_sets(window_seconds).values()], *GROUP_COLS).agg(
         F.grouping_id().alias("gid"),
         F.count(F.when(is_msg, F.lit(1))).alias("messages"),
         F.sum("size").alias("bytes"),  # every row's (as the windows table counts them)
@@ -183,17 +194,31 @@ def derive(parts, window_seconds: float, depth: int, top: int, gaps=()) -> tuple
 
     schemas = _table_schemas()
     gid = parts.column("gid")
+    sets = group_sets(window_seconds)
 
     def part(name):
-        return parts.filter(pc.equal(gid, _gid(name)))
+        return parts.filter(pc.equal(gid, _gid(name, sets)))
 
     def ints(t, col):
         return t.column(col).cast(pa.int64()).to_numpy(zero_copy_only=False)
 
     # windows: per (window, prefix)
-    w = part("windows")
-    windows = pa.table({"window_start": w["window_start"], "window_end": w["window_end"], "prefix": w["prefix"],
-                        "messages": w["messages"], "bytes": w["bytes"], "dropped": w["lost"]})
+    if "windows" in sets:
+        w = part("windows")
+        windows = pa.table({"window_start": w["window_start"], "window_end": w["window_end"], "prefix": w["prefix"],
+                            "messages": w["messages"], "bytes": w["bytes"], "dropped": w["lost"]})
+    else:  # summed from the (second, prefix) counts: each second lies in one window
+        sp = part("second_prefix")
+        width = round(window_seconds * 1000) * 1000
+        sec_us = ints(sp, "sec_us")
+        sp = sp.append_column("w_us", pa.array(sec_us - sec_us % width, pa.int64()))
+        g = sp.group_by(["w_us", "prefix"], use_threads=False).aggregate(
+            [("messages", "sum"), ("bytes", "sum"), ("lost", "sum")])
+        w_us = g.column("w_us").to_numpy(zero_copy_only=False)
+        ts = pa.timestamp("us", tz="UTC")
+        windows = pa.table({"window_start": pa.array(w_us, pa.int64()).cast(ts),
+                            "window_end": pa.array(w_us + width, pa.int64()).cast(ts), "prefix": g["prefix"],
+                            "messages": g["messages_sum"], "bytes": g["bytes_sum"], "dropped": g["lost_sum"]})
     windows = windows.sort_by([(c, "ascending", "at_end") for c in ORDER["windows"]]).cast(schemas["windows"])
 
     # window_stats: per window, from its per-size counts (and a row of its drop and gap rows)
@@ -260,7 +285,12 @@ def derive(parts, window_seconds: float, depth: int, top: int, gaps=()) -> tuple
     counts = [(int(a), int(n)) for a, n in zip(sizes, per_size)]
 
     # the busiest second (the earliest of ties) and the busiest keys
-    sec = part("seconds")
+    if "seconds" in sets:
+        sec = part("seconds")
+    else:  # summed over the prefixes
+        g = part("second_prefix").group_by("sec_us", use_threads=False).aggregate(
+            [("messages", "sum"), ("msg_bytes", "sum")])
+        sec = pa.table({"sec_us": g["sec_us"], "messages": g["messages_sum"], "msg_bytes": g["msg_bytes_sum"]})
     sec = sec.filter(pc.greater(sec.column("messages"), 0))
     peak_second, peak_n, peak_b = None, 0, None
     if sec.num_rows:
