@@ -371,8 +371,6 @@ def last_stats(service) -> dict:
 TWO_KILLS_AFTER = 24000
 
 
-@pytest.mark.xfail(strict=False, reason="issue 34 fault 2: the longer flow (a helper's fix at the end of "
-                   "this stop) is not yet through a loaded CI run; strict once it is")
 @pytest.mark.parametrize("transport", ["key", "tls"])
 def test_two_kills_in_a_row_each_gap_is_counted(start_bus, services, tmp_path, pki, transport):  # noqa: F811
     """The connecting half killed, restarted 0.2 s later, and its successor killed as soon as it
