@@ -64,6 +64,9 @@ _ACCEPT_CAP = 64
 #: Not smaller: at 16 KiB a 1 -> 1 stream of 4 KiB messages lost up to half its rate
 #: (docs/performance.md "Kernel send buffers").
 SERVER_SNDBUF = 64 << 10
+#: SO_SNDBUF of a connection whose uid has no room left for SERVER_SNDBUF in its budget (the
+#: kernel raises it to its minimum, about 4.5 KiB counted): what is reserved then (issue 33.7).
+SERVER_SNDBUF_LEAST = 2048
 _ACCEPT_ERRORS_BACKOFF = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 _buffers: dict[int, memoryview] = {}
@@ -169,6 +172,16 @@ class SeqPacketTransport:
         except OSError:
             return
         self._sndbuf = size
+
+    def sendBufferCharge(self) -> int:
+        """What this socket's send buffer may hold, as the kernel counts it (twice SO_SNDBUF):
+        what the server reserves for it from its uid's budget (issue 33.7); 0: not kept small."""
+        if not self._sndbuf:
+            return 0
+        try:
+            return self.socket.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        except OSError:
+            return 0
 
     def _sendGrown(self, packet: bytes, exc: OSError) -> bool | None:
         """The kernel refused `packet` (EMSGSIZE). On a socket kept small, raise SO_SNDBUF to fit

@@ -47,6 +47,11 @@ __all__ = ["Simulation", "Violation", "run", "main"]
 
 IN, OUT, HUP = 1, 4, 16
 _SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
+#: SO_SNDBUF as the fake kernel reports it: twice what is set, at least SOCK_MIN_SNDBUF (4608 on
+#: x86-64), divided by 128: the simulator's caps are kilobytes where the server's are megabytes, so
+#: a uid's first connections reserve their buffer (1 KiB) and the rest the floor (issue 33.7).
+KERNEL_SCALE = 128
+KERNEL_MIN_SNDBUF = 4608 // KERNEL_SCALE
 
 
 class Violation(AssertionError):
@@ -70,6 +75,7 @@ class FakeSocket:
         self.shut_rd = False  # we shut our reading side: sends to us fail
         self.shut_wr = False  # we shut our writing side: the peer reads end of file
         self.reset = False  # ECONNRESET once: the peer closed with packets of ours unread
+        self.sndbuf = 0  # SO_SNDBUF as set (0: never), counted twice with the kernel's floor as Linux does
 
     # what the transport asks of a socket
     def setblocking(self, flag):
@@ -81,10 +87,13 @@ class FakeSocket:
     def getsockopt(self, level, opt, *args):
         if opt == _SO_PEERPIDFD:
             raise OSError(errno.ENOPROTOOPT, "no SO_PEERPIDFD here")
+        if opt == socket.SO_SNDBUF and self.sndbuf:
+            return max(2 * self.sndbuf // KERNEL_SCALE, KERNEL_MIN_SNDBUF)
         return 1 << 24
 
-    def setsockopt(self, *args):
-        pass
+    def setsockopt(self, level, opt, value, *args):
+        if opt == socket.SO_SNDBUF:
+            self.sndbuf = value
 
     def getpeername(self):
         return ""
@@ -469,6 +478,8 @@ class Simulation:
         cfg = self.config
         t = self.transport_class(ours, observed, self.reactor, max_packet=cfg.max_packet, drain_cap=cfg.drain_cap,
                                  queue_bytes=cfg.queue_bytes, queue_packets=cfg.queue_packets, peer=cred)
+        if self.factory.smallSendBuffer(cred.uid):  # as `SeqPacketPort` does at accept
+            t.keepSendBufferSmall()
         proto.makeConnection(t)
         t.startReading()
         self.clients.append(client)
@@ -829,6 +840,7 @@ class Simulation:
                 self.fail(1, f"uid {uid}: negative queued bytes {user.queue.used}")
         if factory.queue_budget.used < 0:
             self.fail(1, f"server: negative queued bytes {factory.queue_budget.used}")
+        self._check_kernel_reserved()
         self._check_budgets()
 
     def _probe_edge(self) -> None:
@@ -861,6 +873,29 @@ class Simulation:
         if added > self.interest_slice + self.step_packets:
             self.fail(10, f"one turn put {added} holds into the interest table (slice "
                           f"{self.interest_slice}, {self.step_packets} packets or patterns taken over)")
+
+    def _check_kernel_reserved(self) -> None:
+        """Invariant 1, the kernel's part (issue 33.7): each live connection's send buffer is
+        reserved from its uid's budget, within the cap but for the kernel's floor each; a gone
+        one has given its reservation back; nothing reserved is left to a uid that went."""
+        reserved = Counter()
+        live = Counter()
+        for c in self.clients:
+            proto = c.proto
+            if c.gone or not proto.transport.connected:
+                if c.gone and proto.kernel_reserved:
+                    self.fail(1, f"client {c.n}: gone with {proto.kernel_reserved} kernel bytes still reserved")
+                continue
+            reserved[c.cred.uid] += proto.kernel_reserved
+            live[c.cred.uid] += 1
+        cap = self.config.max_uid_queue_bytes
+        for uid, n in reserved.items():
+            if n > cap + live[uid] * KERNEL_MIN_SNDBUF:
+                self.fail(1, f"uid {uid}: {n} kernel bytes reserved for {live[uid]} connections over its cap of {cap}")
+            user = self.factory.users.get(uid)
+            if user is None or user.queue.used < n:
+                self.fail(1, f"uid {uid}: {n} kernel bytes reserved, its budget holds "
+                             f"{user.queue.used if user else 'nothing'}")
 
     def _check_budgets(self) -> None:
         now = self.reactor.seconds()

@@ -67,3 +67,30 @@ def test_one_more_watcher_is_refused_when_its_view_would_go_over():
     # a uid holding a few patterns watches on many connections (every request/reply client does)
     few = _user(2_000, watchers=1000)
     assert few.watch_refusal(128 * MIB) is None
+
+
+def test_kernel_send_buffers_are_reserved_from_the_uids_queue_budget_and_the_servers():
+    server = Budget(10 * MIB)
+    user = UserCharge(1000, MIB, server, now=0.0)
+    want = 128 << 10
+    reserved = 0
+    while user.kernel_fits(want):
+        user.reserve_kernel(want)
+        reserved += want
+    assert reserved == MIB  # eight sockets' buffers fill a 1 MiB uid budget
+    assert user.queue.used == server.used == MIB  # the same budget its queues use
+    assert not user.kernel_fits(1)
+    assert not user.idle(0.0)
+    for _ in range(8):
+        user.release_kernel(want)
+    assert user.queue.used == server.used == 0
+    assert user.idle(0.0)
+
+
+def test_the_servers_budget_bounds_kernel_buffers_too():
+    server = Budget(256 << 10)
+    a = UserCharge(1, MIB, server, now=0.0)
+    b = UserCharge(2, MIB, server, now=0.0)
+    a.reserve_kernel(128 << 10)
+    b.reserve_kernel(128 << 10)
+    assert not a.kernel_fits(1) and not b.kernel_fits(1)  # each uid has room, the server does not

@@ -191,7 +191,7 @@ def test_a_first_watcher_build_in_one_turn_breaks_invariant_10():
     reactor turn): with the build unsliced, as on d939b1e, invariant 10 names it (seed 2 first;
     63 of seeds 0..299); sliced, as now, the same seeds pass."""
     failed = []
-    for seed in (2, 3, 7):
+    for seed in (2, 7, 11):  # (3 no longer: kernel reservations (issue 33.7) changed its drops)
         sim = Simulation(seed, "pure", 300)
         sim.factory.interest_slice = 10**9  # the whole build in the first watcher's turn
         with pytest.raises(AssertionError) as e:

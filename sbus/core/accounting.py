@@ -109,6 +109,26 @@ class UserCharge:
         self.subscriptions -= n
         self.subscription_bytes -= cost
 
+    def kernel_fits(self, n: int) -> bool:
+        """Whether this uid's queue budget and the server's have room to reserve `n` more bytes
+        of a connection's kernel send buffer (`reserve_kernel`)."""
+        queue, server = self.queue, self.queue.parent
+        return queue.used + n <= queue.limit and (server is None or server.used + n <= server.limit)
+
+    def reserve_kernel(self, n: int) -> None:
+        """Reserve `n` bytes of a connection's kernel send buffer (as the kernel counts it) from
+        this uid's queue budget and the server's, as its queues are (issue 33.7): its connections
+        that never read exhaust the budget their queues use. Given back by `release_kernel`."""
+        self.queue.used += n
+        if self.queue.parent is not None:
+            self.queue.parent.used += n
+
+    def release_kernel(self, n: int) -> None:
+        """Give back what `reserve_kernel` reserved (the connection's socket is closed)."""
+        self.queue.used -= n
+        if self.queue.parent is not None:
+            self.queue.parent.used -= n
+
     def idle(self, now: float) -> bool:
         """Nothing charged and nothing owed: no connection, nothing queued, its routing work
         earned back (the object may go; kept while in debt, a uid that closes its last

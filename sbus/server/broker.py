@@ -24,6 +24,7 @@ from zope.interface import implementer
 
 from sbus.core import codec, flood
 from sbus.core.accounting import WORK_SLICE, UserCharge
+from sbus.seqpacket import SERVER_SNDBUF_LEAST
 from sbus.core.churn import ConnectionChurn
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key, check_pattern, secret_prefix, whoami
 from sbus.core.interest import InterestTable
@@ -99,7 +100,7 @@ class BrokerProtocol(protocol.Protocol):
         "owner", "_cached", "_prefix", "_secret_root", "charge", "_workWait", "_sliceWork",
         "dropped", "_dropFirst", "_dropLast", "_queuedSinceNotice",
         "_replyHeld", "statsWanted", "_watching", "outbox", "dirty", "extensions", "_waitingReplies",
-        "_run", "_lastClients",
+        "_run", "_lastClients", "kernel_reserved",
     )
 
     def __init__(self, factory: "BrokerFactory", cred):
@@ -117,6 +118,8 @@ class BrokerProtocol(protocol.Protocol):
         self.holds: Holds | None = None
         self.reason = CLOSED
         self.subscriptions = 0
+        #: Bytes of its socket's kernel send buffer reserved from its uid's budget (`reserveSendBuffer`).
+        self.kernel_reserved = 0
         #: Estimated memory its patterns pin (see `pattern_cost`).
         self.subscription_bytes = 0
         #: The hold budget (see `_block`), and while this client holds publishers, the call that
@@ -1209,6 +1212,7 @@ class BrokerFactory(protocol.Factory):
         user.connections += 1
         client.charge = user
         client.outbox.set_budget(user.queue)
+        self.reserveSendBuffer(client, user)
         alive = client.watchOwner()
         self.router.add_client(client, secret_prefix(self.config.cred_prefix, client.cred) if alive else None)
         if self.config.log_connections:
@@ -1258,6 +1262,22 @@ class BrokerFactory(protocol.Factory):
         except Exception:
             log.failure("could not disconnect client {client}", client=client.label)
 
+    def reserveSendBuffer(self, client: BrokerProtocol, user: UserCharge) -> None:
+        """Charge the kernel send buffer of a client's socket to its uid, as its queue is (issue
+        33.7): a uid with room reserves the small buffer; one without is set to the kernel's
+        minimum and reserves that, so its connections that never read exhaust the budget their
+        queues use. Given back in `clientGone`."""
+        transport = client.transport
+        size = getattr(transport, "sendBufferCharge", None)
+        want = size() if size is not None else 0
+        if not want:
+            return
+        if not user.kernel_fits(want):
+            transport.keepSendBufferSmall(SERVER_SNDBUF_LEAST)
+            want = transport.sendBufferCharge()
+        user.reserve_kernel(want)
+        client.kernel_reserved = want
+
     def clientGone(self, client: BrokerProtocol):
         uid = client.cred.uid
         session = self.sessions.leave(client, uid)
@@ -1279,6 +1299,8 @@ class BrokerFactory(protocol.Factory):
                 del self.uid_clients[uid]
         user = client.charge
         if user is not None:
+            user.release_kernel(client.kernel_reserved)  # (the socket is closed, whatever stands in)
+            client.kernel_reserved = 0
             if ghost is None:
                 user.connections -= 1  # (a stand-in counts as one of its uid's connections)
             user.release_patterns(client.subscriptions - (ghost.subscriptions if ghost else 0),
