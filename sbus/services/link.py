@@ -1116,8 +1116,11 @@ class Link(service.MultiService):
         peer.sendString(packet)
         peer.msgs_sent += 1
         self.to_remote += 1
-        if peer.acks and peer.msgs_sent - peer.acked >= MAX_UNACKED and "acks" not in self._local_holds:
-            self._pauseLocal("acks")   # the rest waits in our bus's server, which counts it
+        if (peer.acks and peer.msgs_sent - peer.acked >= MAX_UNACKED and peer.msgs_in == peer.ack_sent
+                and "acks" not in self._local_holds):
+            # the rest waits in our bus's server, which counts it; not while we owe the peer
+            # acknowledgements: ours need our bus's answer (both halves held would wait forever)
+            self._pauseLocal("acks")
 
     def _replyKey(self, asker: bytes) -> bytes | None:
         if parse_whoami(asker) is None or self.local is None:
@@ -1374,6 +1377,8 @@ class Link(service.MultiService):
     def acknowledge(self, peer: PeerProtocol) -> None:
         """Tell the peer how many of its messages we handled, once our bus answered a round trip
         after them (then they are on the bus); one round trip at a time."""
+        if "acks" in self._local_holds and peer is self.peer:
+            self._resumeLocal("acks")   # our acknowledgement needs our bus's answer: read it
         if peer.ack_busy or not peer.acks or peer is not self.peer:
             return
         n = peer.msgs_in
