@@ -88,7 +88,7 @@ peer are dropped (``drops.bus_down``). When the connection dies, what we
 sent that the peer had not acknowledged is counted as ``drops.in_flight``
 (it may have published up to one bus round trip's worth of it: counted
 lost, never uncounted). A half stops reading its bus while ``MAX_UNACKED``
-messages await the peer's acknowledgement: what a ``kill -9`` finds in the
+messages (or ``MAX_UNACKED_BYTES``) await the peer's acknowledgement: what a ``kill -9`` finds in the
 half nobody counts, what waits in the bus's server its session counts.
 
 **Failover without loss** (issue 23; docs/deploy.md). Each half keeps a
@@ -124,7 +124,7 @@ import math
 import json
 import os
 import socket
-from collections import Counter
+from collections import Counter, deque
 
 from twisted.application import service
 from twisted.application.internet import ClientService, backoffPolicy
@@ -190,7 +190,13 @@ ACK = b"link/ack"
 #: still had), so we hold little, and the rest waits in our bus's server, which counts it. Up to
 #: 1 MiB (the transport's limit) and the kernel's buffers were held before: a half killed right
 #: after its takeover, with its peer held by a slow bus, lost them uncounted (issue 34).
-MAX_UNACKED = 256
+MAX_UNACKED = 2048
+#: ... and at most this many bytes of them (1 KiB messages: 256). The count alone at 256 cost a
+#: fifth of the link's rate with small messages (bench/services.py --only link: 0.16 of direct
+#: against 0.21); 2,048 small ones or 256 KiB keep it (0.20-0.21) and still hold little.
+MAX_UNACKED_BYTES = 256 << 10
+#: How often `PeerProtocol.marks` records what was sent (bytes acknowledged are known to a mark).
+_MARK_EVERY = 16
 #: Default --session-linger, seconds (the server clamps it to its --max-session-linger).
 SESSION_LINGER = 60.0
 #: Seconds the takeover waits for the peer's answer to ``link/sync``.
@@ -551,6 +557,11 @@ class PeerProtocol(Int32StringReceiver, TimeoutMixin):
         #: MSG frames sent to the peer, and how many of them it acknowledged.
         self.msgs_sent = 0
         self.acked = 0
+        #: Bytes of them sent, acknowledged (as of the last mark at or before the ack), and marks
+        #: (messages sent, bytes sent) every `_MARK_EVERY` messages.
+        self.bytes_sent = 0
+        self.bytes_acked = 0
+        self.marks: deque = deque()
         #: MSG frames received from the peer, the count last acknowledged, and whether an
         #: acknowledgement's bus round trip is under way.
         self.msgs_in = 0
@@ -1115,9 +1126,13 @@ class Link(service.MultiService):
             return
         peer.sendString(packet)
         peer.msgs_sent += 1
+        peer.bytes_sent += len(packet)
         self.to_remote += 1
-        if (peer.acks and peer.msgs_sent - peer.acked >= MAX_UNACKED and peer.msgs_in == peer.ack_sent
-                and "acks" not in self._local_holds):
+        if not peer.msgs_sent % _MARK_EVERY:
+            peer.marks.append((peer.msgs_sent, peer.bytes_sent))
+        if (peer.acks and (peer.msgs_sent - peer.acked >= MAX_UNACKED
+                           or peer.bytes_sent - peer.bytes_acked >= MAX_UNACKED_BYTES)
+                and peer.msgs_in == peer.ack_sent and "acks" not in self._local_holds):
             # the rest waits in our bus's server, which counts it; not while we owe the peer
             # acknowledgements: ours need our bus's answer (both halves held would wait forever)
             self._pauseLocal("acks")
@@ -1410,7 +1425,15 @@ class Link(service.MultiService):
         if not peer.acked <= n <= peer.msgs_sent:
             return self._peerError(peer, f"link/ack of {n}: sent {peer.msgs_sent}, acknowledged {peer.acked}")
         peer.acked = n
-        if "acks" in self._local_holds and peer is self.peer and peer.msgs_sent - n < MAX_UNACKED:
+        marks = peer.marks
+        if n == peer.msgs_sent:
+            marks.clear()
+            peer.bytes_acked = peer.bytes_sent
+        else:
+            while marks and marks[0][0] <= n:
+                peer.bytes_acked = marks.popleft()[1]   # (at most a mark's worth under: holds longer)
+        if ("acks" in self._local_holds and peer is self.peer and peer.msgs_sent - n < MAX_UNACKED
+                and peer.bytes_sent - peer.bytes_acked < MAX_UNACKED_BYTES):
             self._resumeLocal("acks")
         return None
 
