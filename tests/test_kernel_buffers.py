@@ -212,7 +212,12 @@ def test_kernel_send_buffers_of_a_uid_are_charged_to_its_cap(shared_dir, tmp_pat
 
         wait_until(all_full, "every non-reader's queue full or dropping", timeout=60)
         queues = server_send_queues(address)
+        # the totals tell queued bytes and the reserved kernel buffers apart
+        total = stats(p, timeout=30)
         p.close()
+        assert total["queued_bytes"] == sum(q["queued_bytes"] for q in total["queues"]), \
+            (total["queued_bytes"], total.get("kernel_reserved_bytes"))
+        assert total["kernel_reserved_bytes"] >= CONNECTIONS * 4096, total["kernel_reserved_bytes"]
     finally:
         os.write(stop_w, b"s")
         t.join(60)

@@ -65,7 +65,8 @@ class WorkBudget:
 class UserCharge:
     """One uid's connections, patterns, queued bytes and routing work."""
 
-    __slots__ = ("uid", "connections", "subscriptions", "subscription_bytes", "queue", "work", "watchers")
+    __slots__ = ("uid", "connections", "subscriptions", "subscription_bytes", "queue", "work", "watchers",
+                 "kernel")
 
     def __init__(self, uid: int, queue_limit: int, server_queue: Budget, now: float):
         self.uid = uid
@@ -78,6 +79,8 @@ class UserCharge:
         #: Its connections watching `server/interest`: each keeps a view of the uid's patterns,
         #: charged like them (`pattern_refusal`, `watch_refusal`) unless the uid sees everything.
         self.watchers = 0
+        #: Of `queue`'s bytes, those reserved for its connections' kernel send buffers (not queued).
+        self.kernel = 0
 
     def pattern_refusal(self, cost: int, max_subscriptions: int, max_bytes: int, views: bool = True) -> str | None:
         """Why one more pattern of `cost` would be over this uid's limits, or None. With
@@ -119,12 +122,14 @@ class UserCharge:
         """Reserve `n` bytes of a connection's kernel send buffer (as the kernel counts it) from
         this uid's queue budget and the server's, as its queues are (issue 33.7): its connections
         that never read exhaust the budget their queues use. Given back by `release_kernel`."""
+        self.kernel += n
         self.queue.used += n
         if self.queue.parent is not None:
             self.queue.parent.used += n
 
     def release_kernel(self, n: int) -> None:
         """Give back what `reserve_kernel` reserved (the connection's socket is closed)."""
+        self.kernel -= n
         self.queue.used -= n
         if self.queue.parent is not None:
             self.queue.parent.used -= n

@@ -1614,11 +1614,14 @@ class BrokerFactory(protocol.Factory):
                 "packets_in": c.packets_in, "packets_out": t.packets_out,
                 "drops": dict(c.drops or {}),
             })
+        # (the budgets also hold the kernel send buffers reserved for connections: not queued)
         if private:
             user = self.users.get(viewer_uid)
-            queued = user.queue.used if user is not None else 0
+            kernel = user.kernel if user is not None else 0
+            queued = user.queue.used - kernel if user is not None else 0
         else:
-            queued = self.queue_budget.used
+            kernel = sum(u.kernel for u in self.users.values())
+            queued = self.queue_budget.used - kernel
         result = {
             "clients": len(clients),
             "subscriptions": subscriptions if private else self.router.subscription_count,
@@ -1627,6 +1630,7 @@ class BrokerFactory(protocol.Factory):
             "bytes_in": totals["bytes_in"],
             "bytes_out": totals["bytes_out"],
             "queued_bytes": queued,
+            "kernel_reserved_bytes": kernel,
             "drops": dict(drops),
             "disconnects": dict(disconnects),
             "refused": {} if private else dict(self.refused),
