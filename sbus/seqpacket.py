@@ -156,7 +156,9 @@ class SeqPacketTransport:
         self._aborted = False
         #: The delayed call that will finish the connection (abort, failed send), if any.
         self._closing = None
-        #: The SO_SNDBUF a bigger packet's send raises for a moment (`keepSendBufferSmall`); 0: not kept small.
+        #: The send buffer as the kernel counts it (twice SO_SNDBUF, at least its floor) while kept
+        #: small (`keepSendBufferSmall`): what a bigger packet's send raises for a moment, and what
+        #: the server reserves for it (`sendBufferCharge`); 0: not kept small.
         self._sndbuf = 0
         #: The rest of a read batch, held back while the protocol holds this peer (`_route`).
         self._stash = None
@@ -169,19 +171,15 @@ class SeqPacketTransport:
         packet limit. A packet too big for it is still sent whole (`_sendGrown`)."""
         try:
             self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+            self._sndbuf = self.socket.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         except OSError:
             return
-        self._sndbuf = size
 
     def sendBufferCharge(self) -> int:
         """What this socket's send buffer may hold, as the kernel counts it (twice SO_SNDBUF):
-        what the server reserves for it from its uid's budget (issue 33.7); 0: not kept small."""
-        if not self._sndbuf:
-            return 0
-        try:
-            return self.socket.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
-        except OSError:
-            return 0
+        what the server reserves for it from its uid's budget (issue 33.7), the same after the
+        socket is closed (given back then); 0: not kept small."""
+        return self._sndbuf
 
     def _sendGrown(self, packet: bytes, exc: OSError) -> bool | None:
         """The kernel refused `packet` (EMSGSIZE). On a socket kept small, raise SO_SNDBUF to fit
@@ -193,7 +191,7 @@ class SeqPacketTransport:
         None: the send failed, the peer is gone (`_sendFailed`)."""
         if self._sndbuf and len(packet) <= self.max_packet:
             sock = self.socket
-            if self._unread() * 2 > self._sndbuf:  # (the kernel counts twice SO_SNDBUF, writable at a quarter)
+            if self._unread() * 4 > self._sndbuf:  # (writable at a quarter of what the kernel counts)
                 return False
             size_buffers(sock, len(packet))
             try:
@@ -207,7 +205,7 @@ class SeqPacketTransport:
                 self.bytes_out += len(packet)
                 return True
             finally:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._sndbuf)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._sndbuf // 2)
             if exc.errno not in _PACKET_ERRORS:
                 self._sendFailed(exc)
                 return None

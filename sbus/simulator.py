@@ -876,26 +876,26 @@ class Simulation:
 
     def _check_kernel_reserved(self) -> None:
         """Invariant 1, the kernel's part (issue 33.7): each live connection's send buffer is
-        reserved from its uid's budget, within the cap but for the kernel's floor each; a gone
-        one has given its reservation back; nothing reserved is left to a uid that went."""
+        reserved from its uid's budget, within the cap but for the kernel's floor each; what a
+        uid has reserved is exactly its live connections' buffers (a gone one gave its back)."""
         reserved = Counter()
         live = Counter()
         for c in self.clients:
             proto = c.proto
-            if c.gone or not proto.transport.connected:
-                if c.gone and proto.kernel_reserved:
-                    self.fail(1, f"client {c.n}: gone with {proto.kernel_reserved} kernel bytes still reserved")
+            if c.gone:   # (the server's `clientGone` ran: `left`)
                 continue
-            reserved[c.cred.uid] += proto.kernel_reserved
+            reserved[c.cred.uid] += proto.transport.sendBufferCharge()
             live[c.cred.uid] += 1
         cap = self.config.max_uid_queue_bytes
         for uid, n in reserved.items():
             if n > cap + live[uid] * KERNEL_MIN_SNDBUF:
                 self.fail(1, f"uid {uid}: {n} kernel bytes reserved for {live[uid]} connections over its cap of {cap}")
-            user = self.factory.users.get(uid)
-            if user is None or user.queue.used < n:
-                self.fail(1, f"uid {uid}: {n} kernel bytes reserved, its budget holds "
-                             f"{user.queue.used if user else 'nothing'}")
+        for uid, user in self.factory.users.items():
+            if user.kernel != reserved.get(uid, 0):
+                self.fail(1, f"uid {uid}: {user.kernel} kernel bytes reserved, its live connections' "
+                             f"buffers are {reserved.get(uid, 0)} (one that went kept its reservation?)")
+            if user.queue.used < user.kernel:
+                self.fail(1, f"uid {uid}: {user.kernel} kernel bytes reserved, its budget holds {user.queue.used}")
 
     def _check_budgets(self) -> None:
         now = self.reactor.seconds()

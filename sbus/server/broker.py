@@ -100,7 +100,7 @@ class BrokerProtocol(protocol.Protocol):
         "owner", "_cached", "_prefix", "_secret_root", "charge", "_workWait", "_sliceWork",
         "dropped", "_dropFirst", "_dropLast", "_queuedSinceNotice",
         "_replyHeld", "statsWanted", "_watching", "outbox", "dirty", "extensions", "_waitingReplies",
-        "_run", "_lastClients", "kernel_reserved",
+        "_run", "_lastClients",
     )
 
     def __init__(self, factory: "BrokerFactory", cred):
@@ -118,8 +118,6 @@ class BrokerProtocol(protocol.Protocol):
         self.holds: Holds | None = None
         self.reason = CLOSED
         self.subscriptions = 0
-        #: Bytes of its socket's kernel send buffer reserved from its uid's budget (`reserveSendBuffer`).
-        self.kernel_reserved = 0
         #: Estimated memory its patterns pin (see `pattern_cost`).
         self.subscription_bytes = 0
         #: The hold budget (see `_block`), and while this client holds publishers, the call that
@@ -1071,6 +1069,13 @@ def _control_table():
 _CONTROL = _control_table()
 
 
+def _kernel_charge(transport) -> int:
+    """What a transport's kernel send buffer is charged (`SeqPacketTransport.sendBufferCharge`;
+    0 for a transport that keeps no small buffer)."""
+    charge = getattr(transport, "sendBufferCharge", None)
+    return charge() if charge is not None else 0
+
+
 class BrokerFactory(protocol.Factory):
     """The bus: its router, its clients and its counters."""
 
@@ -1268,15 +1273,13 @@ class BrokerFactory(protocol.Factory):
         minimum and reserves that, so its connections that never read exhaust the budget their
         queues use. Given back in `clientGone`."""
         transport = client.transport
-        size = getattr(transport, "sendBufferCharge", None)
-        want = size() if size is not None else 0
+        want = _kernel_charge(transport)
         if not want:
             return
         if not user.kernel_fits(want):
             transport.keepSendBufferSmall(SERVER_SNDBUF_LEAST)
             want = transport.sendBufferCharge()
         user.reserve_kernel(want)
-        client.kernel_reserved = want
 
     def clientGone(self, client: BrokerProtocol):
         uid = client.cred.uid
@@ -1299,8 +1302,9 @@ class BrokerFactory(protocol.Factory):
                 del self.uid_clients[uid]
         user = client.charge
         if user is not None:
-            user.release_kernel(client.kernel_reserved)  # (the socket is closed, whatever stands in)
-            client.kernel_reserved = 0
+            # what `reserveSendBuffer` reserved (the socket is closed, whatever stands in; no slot
+            # of its own: an idle connection's memory is at its goal, docs/performance.md)
+            user.release_kernel(_kernel_charge(client.transport))
             if ghost is None:
                 user.connections -= 1  # (a stand-in counts as one of its uid's connections)
             user.release_patterns(client.subscriptions - (ghost.subscriptions if ghost else 0),
