@@ -365,6 +365,18 @@ def test_single_bridge_killed_again_counts_every_gap(start_bus, services, how): 
 BURST = 40000
 
 
+def marker_across(address: str, prefix: bytes, n: int, receiver) -> list:
+    """Publish PREFIX<n> on `address` after everything else and wait until `receiver` has it
+    (once it is across, all that comes has); stop the receiver; what it got below n."""
+    with connect(address) as marker:
+        send(marker, msg(prefix + b"%d" % n, b"end"))
+        sync(marker)
+    wait_until(lambda: receiver.has(n), "the marker across", DONE_TIMEOUT)
+    receiver.stopping = True
+    receiver.join(5)
+    return [i for i in receiver.got if i < n]
+
+
 def test_killed_right_after_its_takeover_what_it_still_held_is_counted(start_bus, services):  # noqa: F811
     """Attack: the successor is killed (-9) right after its takeover, while the window it forwarded
     still waits in its own queue for bus b (b's server holds it: the far subscriber does not read
@@ -395,13 +407,7 @@ def test_killed_right_after_its_takeover_what_it_still_held_is_counted(start_bus
     assert pub.error is None and pub.sent == BURST, (pub.error, pub.sent)
     bridges.append(bridge(services, a.address, b.address))
     bridges[2].wait_log(re.compile(r"side a: resumed session"), timeout=DONE_TIMEOUT)
-    with connect(a.address) as marker:    # after everything: once it is across, all that comes has
-        send(marker, msg(prefix + b"%d" % BURST, b"end"))
-        sync(marker)
-    wait_until(lambda: receiver.has(BURST), "the marker across", DONE_TIMEOUT)
-    receiver.stopping = True
-    receiver.join(5)
-    got = [i for i in receiver.got if i < BURST]
+    got = marker_across(a.address, prefix, BURST, receiver)
     assert all(x < y for x, y in zip(got, got[1:])), "duplicated or out of order"
     counted = sum(counted_by_logs(*bridges).values())
     uncounted = BURST - len(got) - counted

@@ -10,6 +10,7 @@ queued to send, and `tb`, SO_SNDBUF, of each of the server's accepted sockets).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import select
@@ -60,11 +61,10 @@ def _hold_not_reading(address: str, key: bytes, ready_w: int, stop_r: int) -> st
     return "held"
 
 
-@pytest.mark.timeout(180)
-def test_connections_of_one_uid_that_never_read_pin_little_kernel_memory(start_bus, shared_dir):
-    address = os.path.join(shared_dir, "bus.socket")
-    start_bus("-o", address=address)
-    key = unique("kbuf/").encode()
+@contextlib.contextmanager
+def non_readers(address: str, key: bytes):
+    """CONNECTIONS connections of uid 65534 subscribed to `key` that never read, ready inside
+    the block, closed after it (and checked to have held)."""
     ready_r, ready_w = os.pipe()
     stop_r, stop_w = os.pipe()
     result = []
@@ -73,6 +73,19 @@ def test_connections_of_one_uid_that_never_read_pin_little_kernel_memory(start_b
     t.start()
     try:
         assert select.select([ready_r], [], [], 120)[0], f"the non-readers never got ready: {result}"
+        yield
+    finally:
+        os.write(stop_w, b"s")
+        t.join(60)
+    assert result == ["held"], result
+
+
+@pytest.mark.timeout(180)
+def test_connections_of_one_uid_that_never_read_pin_little_kernel_memory(start_bus, shared_dir):
+    address = os.path.join(shared_dir, "bus.socket")
+    start_bus("-o", address=address)
+    key = unique("kbuf/").encode()
+    with non_readers(address, key):
         p = connect(address, big=True, timeout=60)
         payload = b"x" * 1000
         for _ in range(1200):  # 1.2 MB for each: more than the 880 KB a socket took before
@@ -86,10 +99,6 @@ def test_connections_of_one_uid_that_never_read_pin_little_kernel_memory(start_b
         wait_until(all_full, "every non-reader's kernel send buffer full", timeout=60)
         queues = server_send_queues(address)
         p.close()
-    finally:
-        os.write(stop_w, b"s")
-        t.join(60)
-    assert result == ["held"], result
     held = sorted(queues, reverse=True)[:CONNECTIONS]  # (the publisher's own socket holds nothing)
     assert len(held) == CONNECTIONS, queues
     pinned = sum(q for q, _ in held)
@@ -192,37 +201,28 @@ def test_kernel_send_buffers_of_a_uid_are_charged_to_its_cap(shared_dir, tmp_pat
     address = os.path.join(shared_dir, "bus.socket")
     bus = TwistdBus(address, tmp_path / "twistd.log", ("--mode", "0777", "--max-uid-queue-bytes", str(UID_CAP)))
     key = unique("kcap/").encode()
-    ready_r, ready_w = os.pipe()
-    stop_r, stop_w = os.pipe()
-    result = []
-    t = threading.Thread(target=lambda: result.append(run_as(
-        ATTACKER, ATTACKER, lambda: _hold_not_reading(address, key, ready_w, stop_r))), daemon=True)
-    t.start()
     try:
-        assert select.select([ready_r], [], [], 120)[0], f"the non-readers never got ready: {result}"
-        p = connect(address, big=True, timeout=60)
-        for _ in range(300):  # 300 KB for each: more than its share of the cap
-            send(p, msg(key, b"x" * 1000))
-        sync(p, timeout=120)
-        rows = []
+        with non_readers(address, key):
+            p = connect(address, big=True, timeout=60)
+            for _ in range(300):  # 300 KB for each: more than its share of the cap
+                send(p, msg(key, b"x" * 1000))
+            sync(p, timeout=120)
+            rows = []
 
-        def all_full():
-            rows[:] = [q for q in stats(p, timeout=30)["queues"] if q["uid"] == ATTACKER]
-            return len(rows) == CONNECTIONS and all(q["queued_bytes"] or sum(q["drops"].values()) for q in rows)
+            def all_full():
+                rows[:] = [q for q in stats(p, timeout=30)["queues"] if q["uid"] == ATTACKER]
+                return len(rows) == CONNECTIONS and all(q["queued_bytes"] or sum(q["drops"].values()) for q in rows)
 
-        wait_until(all_full, "every non-reader's queue full or dropping", timeout=60)
-        queues = server_send_queues(address)
-        # the totals tell queued bytes and the reserved kernel buffers apart
-        total = stats(p, timeout=30)
-        p.close()
-        assert total["queued_bytes"] == sum(q["queued_bytes"] for q in total["queues"]), \
-            (total["queued_bytes"], total.get("kernel_reserved_bytes"))
-        assert total["kernel_reserved_bytes"] >= CONNECTIONS * 4096, total["kernel_reserved_bytes"]
+            wait_until(all_full, "every non-reader's queue full or dropping", timeout=60)
+            queues = server_send_queues(address)
+            # the totals tell queued bytes and the reserved kernel buffers apart
+            total = stats(p, timeout=30)
+            p.close()
     finally:
-        os.write(stop_w, b"s")
-        t.join(60)
         bus.stop()
-    assert result == ["held"], result
+    assert total["queued_bytes"] == sum(q["queued_bytes"] for q in total["queues"]), \
+        (total["queued_bytes"], total.get("kernel_reserved_bytes"))
+    assert total["kernel_reserved_bytes"] >= CONNECTIONS * 4096, total["kernel_reserved_bytes"]
     held = sorted(queues, reverse=True)[:CONNECTIONS]
     kernel = sum(q for q, _ in held)
     queued = sum(q["queued_bytes"] for q in rows)

@@ -29,7 +29,7 @@ import pytest
 from helpers import SERVICE_TIMEOUT, child_env, connect, msg, recv, send, sub, sync, wait_until
 from test_lossless import HARD_BLOCK
 from test_failover import (AFTER_KILL, DONE_TIMEOUT, LINK_TAKEOVER, WATCHING, Receiver, far_subscriber,
-                           run_flow, service_stats)
+                           marker_across, run_flow, service_stats)
 from test_link import FramedPeer, pki  # noqa: F401  (fixture)
 from test_topology_services import TWISTD, settled, services  # noqa: F401  (fixture)
 
@@ -468,13 +468,7 @@ def test_killed_right_after_its_takeover_what_it_held_for_its_peer_is_counted(st
     last = link.restart("connect")
     last.wait_log(RESUMED)
     settled(link.halves, forwarding=2, timeout=DONE_TIMEOUT)
-    with connect(b.address) as marker:    # after everything: once it is across, all that comes has
-        send(marker, msg(prefix + b"%d" % HELD_BURST, b"end"))
-        sync(marker)
-    wait_until(lambda: receiver.has(HELD_BURST), "the marker across", DONE_TIMEOUT)
-    receiver.stopping = True
-    receiver.join(5)
-    got = [i for i in receiver.got if i < HELD_BURST]
+    got = marker_across(b.address, prefix, HELD_BURST, receiver)
     in_order("far", got, HELD_BURST)
     lost = lost_on(a.address, b.address)
     for reason, count in last_stats(dead[1])["lost"].items():
