@@ -17,7 +17,7 @@ import tempfile
 
 import pytest
 
-from helpers import TwistdBus, connect, msg, recv, run_as, send, sub, sync
+from helpers import TwistdBus, connect, msg, recv, run_as, send, sub, sync, wait_until
 from test_bridge import TIMEOUT, TwistdProcess
 from test_msgbus import MsgbusClient, gateway  # noqa: F401  (fixture)
 from pipeline_conftest import start_recorder  # noqa: F401  (fixture)
@@ -341,7 +341,10 @@ def test_recorder_on_a_full_disk_marks_every_lost_message(bus, start_recorder, s
     os.unlink(filler)                          # space again
     publish_all(bus.address, [(b"d/%d" % i, b"w" * 100) for i in range(30)])
     sent += 30
-    wait_rows(out, 1)
+    # the last message recorded (published once space is back) before the clean stop: a stop
+    # records nothing the recorder has not read yet, and a loaded machine had not read d/*
+    wait_until(lambda: any(r["key"] == b"d/29" for r in read_recording(out)),
+               "d/29 recorded once space is back", 60, interval=0.2)
     rec.stop()
     rows = read_recording(out)
     recorded = [r for r in rows if not r["dropped"]]
