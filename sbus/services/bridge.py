@@ -402,7 +402,7 @@ class BridgeService(service.Service):
                     bridge._received(side, self, key, payload, packet)
 
                 def outboxDrained(self):
-                    bridge._drained(self)
+                    bridge.outboxDrained(self)
 
             return BridgeProtocol
 
@@ -668,7 +668,7 @@ class BridgeService(service.Service):
             dest.pauser.pauseProducing()   # the rest waits in `side`'s server, which counts it
         return True
 
-    def _drained(self, dest) -> None:
+    def outboxDrained(self, dest) -> None:
         """`dest` sent all it held: read again from the side we stopped for it (`_forward`)."""
         if dest.pauser is not None and self._paused[dest.pauser.source]:
             dest.pauser.resumeProducing()
