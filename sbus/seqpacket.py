@@ -114,7 +114,7 @@ class SeqPacketTransport:
         "connected", "disconnecting", "_fd", "_reading", "_writing",
         "_buf", "_producer", "_producerPaused", "_streaming", "_host", "packets_out",
         "bytes_out", "packets_unsendable", "_aborted", "_closing", "_batchDone", "_sendRefused",
-        "_drainLeft", "_drainReason", "_paused", "_sndbuf", "_stash", "_many", "__weakref__",
+        "_drainLeft", "_drainReason", "_paused", "_sndbuf", "_grown", "_stash", "_many", "__weakref__",
     )
 
     def __init__(self, sock, protocol, reactor, *, max_packet, drain_cap=DEFAULT_DRAIN_CAP,
@@ -160,6 +160,9 @@ class SeqPacketTransport:
         #: small (`keepSendBufferSmall`): what a bigger packet's send raises for a moment, and what
         #: the server reserves for it (`sendBufferCharge`); 0: not kept small.
         self._sndbuf = 0
+        #: What the kernel counts for the one big packet `_sendGrown` sent through the small
+        #: buffer, charged to the peer's uid (`sendBufferCharged`) until the peer has read it; 0: none.
+        self._grown = 0
         #: The rest of a read batch, held back while the protocol holds this peer (`_route`).
         self._stash = None
         #: The protocol takes a run of packets at once (`packetsReceived`).
@@ -177,32 +180,50 @@ class SeqPacketTransport:
 
     def sendBufferCharge(self) -> int:
         """What this socket's send buffer may hold, as the kernel counts it (twice SO_SNDBUF):
-        what the server reserves for it from its uid's budget (issue 33.7), the same after the
-        socket is closed (given back then); 0: not kept small."""
-        return self._sndbuf
+        what the server reserves for it from its uid's budget (issue 33.7), plus a big packet
+        sent whole and not read yet (`_sendGrown`); the same after the socket is closed (given
+        back then); 0: not kept small."""
+        return self._sndbuf + self._grown
 
     def _sendGrown(self, packet: bytes, exc: OSError) -> bool | None:
         """The kernel refused `packet` (EMSGSIZE). On a socket kept small, raise SO_SNDBUF to fit
         it, send it, and set it back: the kernel then holds it and takes nothing more until the
         peer has read it. Raised only while the peer reads: while more than a quarter of the small
         buffer is still unread (where the kernel stops calling it writable), the packet waits as
-        for a full socket, so a peer that does not read pins at most one big packet. True: sent,
-        or dropped as unsendable (`_unsendable`); False: the socket is full, wait to write;
-        None: the send failed, the peer is gone (`_sendFailed`)."""
+        for a full socket, so a peer that does not read pins at most one big packet; and only if
+        the protocol lets it (`mayGrowSendBuffer`: the peer's uid has room for it, issue 33.7),
+        which charges what the kernel counts for it (`sendBufferCharged`) until the peer has read
+        it, and else wakes this transport (`startWriting`) when it may try again. True: sent, or
+        dropped as unsendable (`_unsendable`); False: wait to write; None: the send failed, the
+        peer is gone (`_sendFailed`)."""
         if self._sndbuf and len(packet) <= self.max_packet:
             sock = self.socket
-            if self._unread() * 4 > self._sndbuf:  # (writable at a quarter of what the kernel counts)
+            unread = self.unreadBytes()
+            if unread * 4 > self._sndbuf:  # (writable at a quarter of what the kernel counts)
+                self.startWriting()
+                return False
+            if self._grown:  # the last big packet has been read
+                self._grownRead()
+            protocol = self.protocol
+            may = getattr(protocol, "mayGrowSendBuffer", None)
+            if may is not None and not may(len(packet)):
+                self.stopWriting()  # (writable, but its uid has no room: woken when it may have)
                 return False
             size_buffers(sock, len(packet))
             try:
                 sock.send(packet, _NOSIGNAL)
             except BlockingIOError:
+                self.startWriting()
                 return False
             except OSError as e:
                 exc = e
             else:
                 self.packets_out += 1
                 self.bytes_out += len(packet)
+                if may is not None:
+                    self._grown = max(self.unreadBytes() - unread, len(packet))
+                    protocol.sendBufferCharged(self._grown)
+                    self.startWriting()  # writable again once the peer has read it: given back then
                 return True
             finally:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._sndbuf // 2)
@@ -212,8 +233,14 @@ class SeqPacketTransport:
         self._unsendable(packet, exc)
         return True
 
-    def _unread(self) -> int:
-        """Bytes this socket has sent that the peer has not read yet (SIOCOUTQ)."""
+    def _grownRead(self) -> None:
+        """The peer has read the big packet `_sendGrown` sent: give its charge back."""
+        grown, self._grown = self._grown, 0
+        self.protocol.sendBufferCharged(-grown)
+
+    def unreadBytes(self) -> int:
+        """Bytes this socket has sent that the peer has not read yet, as the kernel counts them
+        (SIOCOUTQ: the packets' memory, not their length). The simulator's kernel answers it."""
         try:
             return struct.unpack("i", fcntl.ioctl(self._fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0]
         except OSError:
@@ -364,8 +391,7 @@ class SeqPacketTransport:
                 sent = self._sendGrown(packet, e)
                 if sent is None:
                     return True
-                if not sent:
-                    self.startWriting()
+                if not sent:  # (it waits for the socket or for its uid's room: `_sendGrown`)
                     return False
                 outbox.pop()
                 continue
@@ -447,11 +473,14 @@ class SeqPacketTransport:
 
     def doWrite(self):
         """Send queued packets until the kernel says EAGAIN or the queue is empty."""
+        if self._grown and self.unreadBytes() * 4 <= self._sndbuf:
+            self._grownRead()  # (writable again: the peer has read the big packet)
         if not self.flush():
             self._refused()
             return None
         self.outbox.writable()
-        self.stopWriting()
+        if not self._grown:  # (else watched until the peer has read it)
+            self.stopWriting()
         if self.disconnecting:
             if self._closing is not None or self._drainReason is not None:
                 return None  # a failed send (or an abort) finishes it, after reading what is left
@@ -606,6 +635,8 @@ class SeqPacketTransport:
         producer, self._producer = self._producer, None
         if producer is not None:
             producer.stopProducing()
+        if self._grown:  # (the kernel freed it with the socket)
+            self._grownRead()
         self.protocol.connectionLost(reason)
 
     # -- ITransport odds and ends
@@ -882,8 +913,7 @@ class BatchSeqPacketTransport(SeqPacketTransport):
                     sent = self._sendGrown(batch[0], e)
                     if sent is None:
                         return True
-                    if not sent:
-                        self.startWriting()
+                    if not sent:  # (it waits for the socket or for its uid's room: `_sendGrown`)
                         return False
                     outbox.pop()  # sent with a bigger buffer, or dropped
                     continue

@@ -52,6 +52,8 @@ _SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
 #: a uid's first connections reserve their buffer (1 KiB) and the rest the floor (issue 33.7).
 KERNEL_SCALE = 128
 KERNEL_MIN_SNDBUF = 4608 // KERNEL_SCALE
+#: SO_SNDBUFFORCE (what `size_buffers` falls back on): the size of a buffer raised for one big packet.
+_SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
 
 
 class Violation(AssertionError):
@@ -75,7 +77,9 @@ class FakeSocket:
         self.shut_rd = False  # we shut our reading side: sends to us fail
         self.shut_wr = False  # we shut our writing side: the peer reads end of file
         self.reset = False  # ECONNRESET once: the peer closed with packets of ours unread
-        self.sndbuf = 0  # SO_SNDBUF as set (0: never), counted twice with the kernel's floor as Linux does
+        #: SO_SNDBUF as the kernel counts it (0: never set): a packet bigger is refused (EMSGSIZE),
+        #: none is taken while our unread bytes reach it, and we are writable at a quarter of it.
+        self.sndbuf = 0
 
     # what the transport asks of a socket
     def setblocking(self, flag):
@@ -88,12 +92,23 @@ class FakeSocket:
         if opt == _SO_PEERPIDFD:
             raise OSError(errno.ENOPROTOOPT, "no SO_PEERPIDFD here")
         if opt == socket.SO_SNDBUF and self.sndbuf:
-            return max(2 * self.sndbuf // KERNEL_SCALE, KERNEL_MIN_SNDBUF)
+            return self.sndbuf
         return 1 << 24
 
     def setsockopt(self, level, opt, value, *args):
+        """SO_SNDBUF counts twice what is set, at least the floor, as Linux does, scaled down
+        (KERNEL_SCALE) for the sizes the server asks for (1 KiB and up); a smaller value is one
+        the transport read back and halves to set it again (`_sendGrown`), already scaled.
+        SO_SNDBUFFORCE raises it for one big packet, unscaled."""
         if opt == socket.SO_SNDBUF:
-            self.sndbuf = value
+            scale = KERNEL_SCALE if value >= 1024 else 1
+            self.sndbuf = max(2 * value // scale, KERNEL_MIN_SNDBUF)
+        elif opt == _SO_SNDBUFFORCE:
+            self.sndbuf = 2 * value
+
+    def unread(self) -> int:
+        """What we sent that the peer has not read (SIOCOUTQ)."""
+        return 0 if self.closed else self.peer.nbytes
 
     def getpeername(self):
         return ""
@@ -121,10 +136,13 @@ class FakeSocket:
     def _check_send(self, packet: bytes):
         if self.closed:
             raise OSError(errno.EBADF, "closed")
+        sndbuf = self.sndbuf
+        if sndbuf and len(packet) > sndbuf:
+            raise OSError(errno.EMSGSIZE, "Message too long")
         peer = self.peer
         if self.shut_wr or peer.closed or peer.shut_rd:
             raise BrokenPipeError(errno.EPIPE, "Broken pipe")
-        if peer.queue and peer.nbytes + len(packet) > peer.capacity:
+        if peer.queue and (peer.nbytes + len(packet) > peer.capacity or (sndbuf and peer.nbytes >= sndbuf)):
             raise BlockingIOError(errno.EAGAIN, "full")
 
     def send(self, packet, flags=0) -> int:
@@ -204,7 +222,8 @@ class FakeSocket:
         peer = self.peer
         if self.queue or self.reset or peer.closed or peer.shut_wr or self.shut_rd:
             ev |= IN
-        if peer.closed or peer.shut_rd or not peer.queue or peer.nbytes < peer.capacity:
+        if peer.closed or peer.shut_rd or not peer.queue or (
+                peer.nbytes < peer.capacity and (not self.sndbuf or peer.nbytes * 4 <= self.sndbuf)):
             ev |= OUT
         if peer.closed:
             ev |= HUP
@@ -230,8 +249,17 @@ class Kernel:
             self.on_sent(sock, packet)
 
 
+class SimTransport(SeqPacketTransport):
+    """The transport with its SIOCOUTQ answered by the fake socket."""
+
+    __slots__ = ()
+
+    def unreadBytes(self) -> int:
+        return self.socket.unread()
+
+
 class SimBatchTransport(BatchSeqPacketTransport):
-    """The batch transport with its two kernel calls answered by the fake socket."""
+    """The batch transport with its kernel calls answered by the fake socket."""
 
     __slots__ = ()
 
@@ -240,6 +268,9 @@ class SimBatchTransport(BatchSeqPacketTransport):
 
     def sendBatch(self, batch: list) -> int:
         return self.socket.send_batch(batch)
+
+    def unreadBytes(self) -> int:
+        return self.socket.unread()
 
 
 class SimReactor(Clock):
@@ -448,7 +479,7 @@ class Simulation:
         self.factory.protocol = SimBrokerProtocol
         #: Holds the interest table's build may add in one turn (invariant 10).
         self.interest_slice = self.factory.interest_slice = rng.choice([1, 3, 10_000])
-        self.transport_class = SimBatchTransport if path == "batch" else SeqPacketTransport
+        self.transport_class = SimBatchTransport if path == "batch" else SimTransport
         self.clients: list[Client] = []
         self.by_server_sock: dict[int, Client] = {}
         self.ghosts: dict[tuple, int] = {}  # (uid, session name) -> messages its stand-in counted (model)
@@ -888,7 +919,8 @@ class Simulation:
             live[c.cred.uid] += 1
         cap = self.config.max_uid_queue_bytes
         for uid, n in reserved.items():
-            if n > cap + live[uid] * KERNEL_MIN_SNDBUF:
+            # (the cap, the floor for each connection, and one big packet sent through a raised buffer)
+            if n > cap + live[uid] * KERNEL_MIN_SNDBUF + self.config.max_packet:
                 self.fail(1, f"uid {uid}: {n} kernel bytes reserved for {live[uid]} connections over its cap of {cap}")
         for uid, user in self.factory.users.items():
             if user.kernel != reserved.get(uid, 0):
@@ -896,6 +928,8 @@ class Simulation:
                              f"buffers are {reserved.get(uid, 0)} (one that went kept its reservation?)")
             if user.queue.used < user.kernel:
                 self.fail(1, f"uid {uid}: {user.kernel} kernel bytes reserved, its budget holds {user.queue.used}")
+            if not 0 <= user.grown <= user.kernel:
+                self.fail(1, f"uid {uid}: {user.grown} bytes of big packets charged, {user.kernel} reserved in all")
 
     def _check_budgets(self) -> None:
         now = self.reactor.seconds()

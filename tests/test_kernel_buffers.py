@@ -231,3 +231,109 @@ def test_kernel_send_buffers_of_a_uid_are_charged_to_its_cap(shared_dir, tmp_pat
     assert kernel + queued <= UID_CAP + CONNECTIONS * (16 << 10), \
         f"{kernel} bytes in the kernel and {queued} queued for {CONNECTIONS} non-readers of a {UID_CAP}-byte cap"
     assert sum(tb > 16 << 10 for _, tb in held) <= UID_CAP // (64 << 10), sorted(tb for _, tb in held)
+
+
+@pytest.mark.timeout(180)
+def test_big_packets_to_non_readers_of_a_uid_are_charged_to_its_cap(shared_dir, tmp_path):
+    """Issue 33.7, the big-packet hole: a packet bigger than a small send buffer is sent with the
+    buffer raised for it, and a non-reader then pins it in the kernel. Each of CONNECTIONS
+    non-readers of one uid pinned one (about 40 MB here, against a 4 MiB cap); now each is
+    charged to its uid (`UserCharge.may_grow`), so they pin the cap and one big packet."""
+    address = os.path.join(shared_dir, "bus.socket")
+    bus = TwistdBus(address, tmp_path / "twistd.log", ("--mode", "0777", "--max-uid-queue-bytes", str(UID_CAP)))
+    key = unique("kbig/").encode()
+    size = 200_000
+    try:
+        with non_readers(address, key):
+            p = connect(address, big=True, timeout=60)
+            for n in range(3):
+                send(p, msg(key, bytes([n]) * size))
+            sync(p, timeout=120)
+            rows = []
+
+            def all_held():
+                rows[:] = [q for q in stats(p, timeout=30)["queues"] if q["uid"] == ATTACKER]
+                return len(rows) == CONNECTIONS and all(q["queued_bytes"] or sum(q["drops"].values()) for q in rows)
+
+            wait_until(all_held, "every non-reader's big packets queued, dropped or in the kernel", timeout=60)
+            queues = server_send_queues(address)
+            p.close()
+    finally:
+        bus.stop()
+    held = sorted(queues, reverse=True)[:CONNECTIONS]
+    kernel = sum(q for q, _ in held)
+    queued = sum(q["queued_bytes"] for q in rows)
+    assert kernel + queued <= UID_CAP + CONNECTIONS * (16 << 10) + 2 * size, \
+        f"{kernel} bytes in the kernel and {queued} queued for {CONNECTIONS} non-readers of a {UID_CAP}-byte cap"
+
+
+def kernel_count(size: int) -> int:
+    """What this kernel counts for one unread packet of `size` bytes (SIOCOUTQ)."""
+    import fcntl
+    import struct
+    import termios
+
+    from sbus.address import size_buffers
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with a, b:
+        size_buffers(a, size)
+        a.send(b"x" * size)
+        return struct.unpack("i", fcntl.ioctl(a.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+
+
+def _reader_beside_a_pinner(address: str, keys: tuple, want: bytes, pipes) -> str:
+    """As uid 65534: a subscriber of keys[0] that does not read (it pins a big packet) and a
+    reader of keys[1]; the non-reader closes when told, and the reader must then get `want`."""
+    ready_w, close_r = pipes
+    pinner = connect(address, big=True, timeout=60)
+    reader = connect(address, big=True, timeout=60)
+    for c, key in ((pinner, keys[0]), (reader, keys[1])):
+        send(c, sub(key))
+        sync(c)
+    os.write(ready_w, b"r")
+    if not select.select([close_r], [], [], 120)[0]:
+        return "never told to close"
+    pinner.close()
+    got = recv(reader, timeout=60)
+    return "ok" if got == want else f"got {len(got)} bytes, not the {len(want)} sent"
+
+
+@pytest.mark.timeout(180)
+def test_a_big_packet_without_room_waits_for_its_uid_and_is_sent_when_room_comes(shared_dir, tmp_path):
+    """A connection whose uid has no room for a big packet's raised buffer (another of its
+    connections pins one unread, issue 33.7) keeps it queued, charged, without spinning on its
+    writable socket, and sends it whole once the uid has room again (the pinner closed)."""
+    address = os.path.join(shared_dir, "bus.socket")
+    size = 400_000
+    # Two 128 KiB buffers, one pinned packet (as this kernel counts it) and one queued fit; the
+    # raised buffer for a second (`mayGrowSendBuffer` asks for half again its length) does not.
+    cap = (256 << 10) + kernel_count(size + 100) + size + (size >> 2)
+    bus = TwistdBus(address, tmp_path / "twistd.log", ("--mode", "0777", "--max-uid-queue-bytes", str(cap)))
+    keys = (unique("pin/").encode(), unique("wait/").encode())
+    want = msg(keys[1], b"w" * size)
+    (ready_r, ready_w), (close_r, close_w) = os.pipe(), os.pipe()
+    result = []
+    t = threading.Thread(target=lambda: result.append(run_as(
+        ATTACKER, ATTACKER, lambda: _reader_beside_a_pinner(address, keys, want, (ready_w, close_r)))), daemon=True)
+    t.start()
+    try:
+        assert select.select([ready_r], [], [], 120)[0], f"the subscribers never got ready: {result}"
+        p = connect(address, big=True, timeout=60)
+        base = stats(p, timeout=30)["kernel_reserved_bytes"]
+        send(p, msg(keys[0], b"p" * size))
+        wait_until(lambda: stats(p, timeout=30)["kernel_reserved_bytes"] >= base + size,
+                   "the pinned packet charged to its uid", timeout=60)
+        send(p, want)
+        wait_until(lambda: sum(q["queued_bytes"] for q in stats(p, timeout=30)["queues"] if q["uid"] == ATTACKER)
+                   >= size, "the reader's big packet waiting for room, queued", timeout=60)
+        os.write(close_w, b"c")
+        t.join(120)
+        assert result == ["ok"], result
+        # the reader's packet read, the pinner gone: what they held is given back
+        wait_until(lambda: stats(p, timeout=30)["kernel_reserved_bytes"] <= base - (128 << 10),
+                   "the big packets' charges given back", timeout=60)
+        p.close()
+    finally:
+        os.write(close_w, b"c")
+        bus.stop()

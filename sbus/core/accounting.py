@@ -66,7 +66,7 @@ class UserCharge:
     """One uid's connections, patterns, queued bytes and routing work."""
 
     __slots__ = ("uid", "connections", "subscriptions", "subscription_bytes", "queue", "work", "watchers",
-                 "kernel")
+                 "kernel", "grown", "growing")
 
     def __init__(self, uid: int, queue_limit: int, server_queue: Budget, now: float):
         self.uid = uid
@@ -81,6 +81,11 @@ class UserCharge:
         self.watchers = 0
         #: Of `queue`'s bytes, those reserved for its connections' kernel send buffers (not queued).
         self.kernel = 0
+        #: Of `kernel`, what big packets sent whole through a small buffer hold until read (`grow`).
+        self.grown = 0
+        #: Its connections waiting for room to send a big packet (`may_grow`), in the order they
+        #: asked (a dict: replayed alike in the simulator); None while there are none.
+        self.growing = None
 
     def pattern_refusal(self, cost: int, max_subscriptions: int, max_bytes: int, views: bool = True) -> str | None:
         """Why one more pattern of `cost` would be over this uid's limits, or None. With
@@ -133,6 +138,38 @@ class UserCharge:
         self.queue.used -= n
         if self.queue.parent is not None:
             self.queue.parent.used -= n
+
+    def may_grow(self, n: int, who) -> bool:
+        """Whether a connection `who` of this uid may send a packet the kernel counts as about
+        `n` bytes through a send buffer raised for it (`grow`): if the budgets have room, or if
+        no other big packet of the uid waits unread (so one always can: a uid's queues over its
+        cap cannot stall its own readers for ever). If not, `who` waits for the next `shrink`.
+        So a uid's connections that never read pin its cap and one big packet, not one each."""
+        if not self.grown or self.kernel_fits(n):
+            return True
+        if self.growing is None:
+            self.growing = {}
+        self.growing[who] = None
+        return False
+
+    def grow(self, n: int) -> None:
+        """A big packet the kernel counts as `n` bytes was sent through a raised send buffer:
+        charged like the buffers until its peer has read it (`shrink`)."""
+        self.reserve_kernel(n)
+        self.grown += n
+
+    def shrink(self, n: int) -> list:
+        """The peer has read (or closed with) a big packet charged by `grow`: give it back, and
+        return the connections waiting for room (`may_grow`) to try again."""
+        self.release_kernel(n)
+        self.grown -= n
+        waiting, self.growing = self.growing, None
+        return list(waiting) if waiting else []
+
+    def forget(self, who) -> None:
+        """`who` went: it waits for nothing any more (`may_grow`)."""
+        if self.growing is not None:
+            self.growing.pop(who, None)
 
     def idle(self, now: float) -> bool:
         """Nothing charged and nothing owed: no connection, nothing queued, its routing work

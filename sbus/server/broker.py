@@ -522,6 +522,27 @@ class BrokerProtocol(protocol.Protocol):
         """The transport's socket refused packets nobody judged yet (see `flush`)."""
         self.refused(None)
 
+    def mayGrowSendBuffer(self, n: int) -> bool:
+        """May the transport send a packet of `n` bytes through its small send buffer, raised
+        for it (issue 33.7)? Only if the uid has room for what the kernel will count (up to
+        half again a big packet's length: its head is a power-of-two allocation), or pins no
+        other big packet; else the transport waits, woken by `sendBufferCharged`."""
+        user = self.charge
+        return user is None or user.may_grow(n + (n >> 1), self)
+
+    def sendBufferCharged(self, n: int) -> None:
+        """The transport's kernel holds `n` more bytes (a big packet sent whole, charged to the
+        uid), or `-n` fewer (read, or closed with): given back, and the uid's connections that
+        waited for room try again."""
+        user = self.charge
+        if user is None:
+            return
+        if n > 0:
+            user.grow(n)
+            return
+        for client in user.shrink(-n):
+            client.transport.startWriting()
+
     def refused(self, feeder) -> None:
         action, dropped = self.outbox.refused()
         if action != flood.QUEUED:
@@ -1305,6 +1326,7 @@ class BrokerFactory(protocol.Factory):
             # what `reserveSendBuffer` reserved (the socket is closed, whatever stands in; no slot
             # of its own: an idle connection's memory is at its goal, docs/performance.md)
             user.release_kernel(_kernel_charge(client.transport))
+            user.forget(client)
             if ghost is None:
                 user.connections -= 1  # (a stand-in counts as one of its uid's connections)
             user.release_patterns(client.subscriptions - (ghost.subscriptions if ghost else 0),
