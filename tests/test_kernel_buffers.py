@@ -192,6 +192,19 @@ def test_a_relay_gives_root_the_big_send_buffer_too(start_bus, tmp_path):
 UID_CAP = 4 << 20
 
 
+def attackers_all_held(p) -> list:
+    """Wait until every non-reader's socket refused (what the server holds for it is queued or
+    dropped); its stats rows then."""
+    rows = []
+
+    def all_held():
+        rows[:] = [q for q in stats(p, timeout=30)["queues"] if q["uid"] == ATTACKER]
+        return len(rows) == CONNECTIONS and all(q["queued_bytes"] or sum(q["drops"].values()) for q in rows)
+
+    wait_until(all_held, "every non-reader's queue full or dropping", timeout=60)
+    return rows
+
+
 @pytest.mark.timeout(180)
 def test_kernel_send_buffers_of_a_uid_are_charged_to_its_cap(shared_dir, tmp_path):
     """Issue 33.7, what was left: each connection's kernel send buffer is reserved from its uid's
@@ -207,13 +220,7 @@ def test_kernel_send_buffers_of_a_uid_are_charged_to_its_cap(shared_dir, tmp_pat
             for _ in range(300):  # 300 KB for each: more than its share of the cap
                 send(p, msg(key, b"x" * 1000))
             sync(p, timeout=120)
-            rows = []
-
-            def all_full():
-                rows[:] = [q for q in stats(p, timeout=30)["queues"] if q["uid"] == ATTACKER]
-                return len(rows) == CONNECTIONS and all(q["queued_bytes"] or sum(q["drops"].values()) for q in rows)
-
-            wait_until(all_full, "every non-reader's queue full or dropping", timeout=60)
+            rows = attackers_all_held(p)
             queues = server_send_queues(address)
             # the totals tell queued bytes and the reserved kernel buffers apart
             total = stats(p, timeout=30)
@@ -249,13 +256,7 @@ def test_big_packets_to_non_readers_of_a_uid_are_charged_to_its_cap(shared_dir, 
             for n in range(3):
                 send(p, msg(key, bytes([n]) * size))
             sync(p, timeout=120)
-            rows = []
-
-            def all_held():
-                rows[:] = [q for q in stats(p, timeout=30)["queues"] if q["uid"] == ATTACKER]
-                return len(rows) == CONNECTIONS and all(q["queued_bytes"] or sum(q["drops"].values()) for q in rows)
-
-            wait_until(all_held, "every non-reader's big packets queued, dropped or in the kernel", timeout=60)
+            rows = attackers_all_held(p)
             queues = server_send_queues(address)
             p.close()
     finally:
