@@ -94,3 +94,22 @@ def test_the_servers_budget_bounds_kernel_buffers_too():
     a.reserve_kernel(128 << 10)
     b.reserve_kernel(128 << 10)
     assert not a.kernel_fits(1) and not b.kernel_fits(1)  # each uid has room, the server does not
+
+
+def test_big_packets_pin_a_uids_cap_and_one_more_and_the_waiters_are_woken_in_order():
+    """Issue 33.7: a big packet sent through a raised buffer is charged until read; a connection
+    without room waits and is woken when it is given back; one pinned packet per uid always goes
+    (a uid over its cap still reaches its readers, one at a time)."""
+    server = Budget(10 * MIB)
+    user = UserCharge(1000, MIB, server, now=0.0)
+    user.reserve_kernel(MIB)  # the cap full of buffers and queues
+    assert user.may_grow(600 << 10, "a")  # nothing pinned: it goes, past the cap
+    user.grow(600 << 10)
+    assert user.queue.used == server.used == MIB + (600 << 10) and user.grown == 600 << 10
+    assert not user.may_grow(1, "b") and not user.may_grow(1, "c") and not user.may_grow(1, "b")
+    assert user.shrink(600 << 10) == ["b", "c"]  # once each, in the order they asked
+    assert user.grown == 0 and user.queue.used == MIB and user.growing is None
+    user.grow(10)
+    assert not user.may_grow(1, "d")
+    user.forget("d")  # it went
+    assert user.shrink(10) == []
