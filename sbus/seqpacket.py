@@ -610,8 +610,9 @@ class SeqPacketTransport:
     def connectionLost(self, reason):
         """The reactor says the connection is gone. If it is held paused (flood control), the
         hang-up was seen on the write side, and what the peer sent before it went still waits
-        in our receive queue, as after a failed send: it is read when the hold ends."""
-        if self.connected and self._paused and not self.disconnecting:
+        in our receive queue, as after a failed send: it is read when the hold ends. So is the
+        rest of a batch held back (`_stash`) whose hold ended, not yet handed over (`_resumed`)."""
+        if self.connected and (self._paused or self._stash is not None) and not self.disconnecting:
             self._sendFailed(reason.value if isinstance(reason, failure.Failure) else reason)
             return
         self._finish(reason)
