@@ -67,6 +67,17 @@ SERVER_SNDBUF = 64 << 10
 #: SO_SNDBUF of a connection whose uid has no room left for SERVER_SNDBUF in its budget (the
 #: kernel raises it to its minimum, about 4.5 KiB counted): what is reserved then (issue 33.7).
 SERVER_SNDBUF_LEAST = 2048
+
+
+def kernel_send_floor() -> int:
+    """The smallest send buffer this kernel gives a socket, as it counts it (SERVER_SNDBUF_LEAST
+    asked: SOCK_MIN_SNDBUF, 4,608 bytes on x86-64): what each connection pins at least."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with a, b:
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SERVER_SNDBUF_LEAST)
+        return a.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+
+
 _ACCEPT_ERRORS_BACKOFF = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 _buffers: dict[int, memoryview] = {}
@@ -179,11 +190,13 @@ class SeqPacketTransport:
             return
 
     def sendBufferCharge(self) -> int:
-        """What this socket's send buffer may hold, as the kernel counts it (twice SO_SNDBUF):
-        what the server reserves for it from its uid's budget (issue 33.7), plus a big packet
-        sent whole and not read yet (`_sendGrown`); the same after the socket is closed (given
-        back then); 0: not kept small."""
-        return self._sndbuf + self._grown
+        """What this socket may hold in the kernel, as the kernel counts it: what the server
+        reserves for it from its uid's budget (issue 33.7). Twice its buffer (itself twice
+        SO_SNDBUF): Linux takes a packet while the buffer is not full, and a packet that fits is
+        at most the buffer's size, so one may reach past it. Plus a big packet sent whole and not
+        read yet (`_sendGrown`). The same after the socket is closed (given back then); 0: not
+        kept small."""
+        return 2 * self._sndbuf + self._grown
 
     def _sendGrown(self, packet: bytes, exc: OSError) -> bool | None:
         """The kernel refused `packet` (EMSGSIZE). On a socket kept small, raise SO_SNDBUF to fit

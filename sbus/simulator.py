@@ -475,7 +475,7 @@ class Simulation:
         self.work = WorkClock(rng.choice([1e-4, 0.02]))
         self.procs: dict[int, Proc] = {}
         self.factory = BrokerFactory(self.config, reactor=self.reactor, owners=SimOwners(self),
-                                     work_clock=self.work)
+                                     work_clock=self.work, kernel_floor=KERNEL_MIN_SNDBUF)
         self.factory.protocol = SimBrokerProtocol
         #: Holds the interest table's build may add in one turn (invariant 10).
         self.interest_slice = self.factory.interest_slice = rng.choice([1, 3, 10_000])
@@ -907,7 +907,7 @@ class Simulation:
 
     def _check_kernel_reserved(self) -> None:
         """Invariant 1, the kernel's part (issue 33.7): each live connection's send buffer is
-        reserved from its uid's budget, within the cap but for the kernel's floor each; what a
+        reserved from its uid's budget, within the cap but for one big packet; what a
         uid has reserved is exactly its live connections' buffers (a gone one gave its back)."""
         reserved = Counter()
         live = Counter()
@@ -915,12 +915,17 @@ class Simulation:
             proto = c.proto
             if c.gone:   # (the server's `clientGone` ran: `left`)
                 continue
-            reserved[c.cred.uid] += proto.transport.sendBufferCharge()
+            charge = proto.transport.sendBufferCharge()
+            reserved[c.cred.uid] += charge
             live[c.cred.uid] += 1
+            held = proto.transport.unreadBytes()
+            if charge and held > charge:
+                self.fail(1, f"client {c.n}: {held} bytes unread in the kernel, {charge} reserved for it")
         cap = self.config.max_uid_queue_bytes
         for uid, n in reserved.items():
-            # (the cap, the floor for each connection, and one big packet sent through a raised buffer)
-            if n > cap + live[uid] * KERNEL_MIN_SNDBUF + self.config.max_packet:
+            # (the cap, and one big packet sent through a raised buffer: a connection for which not
+            # even the kernel's minimum fits is refused)
+            if n > cap + self.config.max_packet:
                 self.fail(1, f"uid {uid}: {n} kernel bytes reserved for {live[uid]} connections over its cap of {cap}")
         for uid, user in self.factory.users.items():
             if user.kernel != reserved.get(uid, 0):

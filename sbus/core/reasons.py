@@ -42,3 +42,5 @@ class Refusal(StrEnum):
 
     USER_NOT_ALLOWED = "user_not_allowed"
     TOO_MANY_CONNECTIONS = "too_many_connections"
+    #: Its uid's queue budget has no room even for the kernel's smallest send buffer (issue 33.7).
+    OVER_UID_QUEUE_CAP = "over_uid_queue_cap"

@@ -24,7 +24,7 @@ from zope.interface import implementer
 
 from sbus.core import codec, flood
 from sbus.core.accounting import WORK_SLICE, UserCharge
-from sbus.seqpacket import SERVER_SNDBUF_LEAST
+from sbus.seqpacket import SERVER_SNDBUF_LEAST, kernel_send_floor
 from sbus.core.churn import ConnectionChurn
 from sbus.core.credentials import SECRET_ROOT, CredentialError, check_key, check_pattern, secret_prefix, whoami
 from sbus.core.interest import InterestTable
@@ -1108,7 +1108,7 @@ class BrokerFactory(protocol.Factory):
     upstream = None
 
     def __init__(self, config: ServerConfig | None = None, on_empty=None, router=None, reactor=None,
-                 owners=None, work_clock=None):
+                 owners=None, work_clock=None, kernel_floor=None):
         if reactor is None:
             from twisted.internet import reactor
         self.reactor = reactor
@@ -1117,6 +1117,9 @@ class BrokerFactory(protocol.Factory):
         #: clock that measures the reactor time a request costs its uid.
         self.owners = owners if owners is not None else Owner
         self.work_clock = work_clock if work_clock is not None else time.perf_counter
+        #: And the smallest send buffer the kernel gives a socket, as it counts it: a connection
+        #: of a uid is charged twice that at least (`reserveSendBuffer`, `sendBufferCharge`).
+        self.least_charge = 2 * (kernel_floor if kernel_floor is not None else kernel_send_floor())
         self.config = config or ServerConfig()
         self.router = router if router is not None else Router()
         self.clients: set[BrokerProtocol] = set()
@@ -1202,6 +1205,12 @@ class BrokerFactory(protocol.Factory):
             self.refused[Refusal.TOO_MANY_CONNECTIONS] += 1
             log.warn("refused connection from pid={pid} uid={uid}: uid has {n} connections, the limit",
                      pid=cred.pid, uid=cred.uid, n=limit)
+            return None
+        if user is not None and self.smallSendBuffer(cred.uid) and not user.kernel_fits(self.least_charge):
+            self.refused[Refusal.OVER_UID_QUEUE_CAP] += 1
+            log.warn("refused connection from pid={pid} uid={uid}: its queues and kernel buffers fill its "
+                     "{cap}-byte cap (its clients do not read); not even the kernel's smallest send buffer fits",
+                     pid=cred.pid, uid=cred.uid, cap=user.queue.limit)
             return None
         return self.protocol(self, cred)
 
@@ -1290,14 +1299,17 @@ class BrokerFactory(protocol.Factory):
 
     def reserveSendBuffer(self, client: BrokerProtocol, user: UserCharge) -> None:
         """Charge the kernel send buffer of a client's socket to its uid, as its queue is (issue
-        33.7): a uid with room reserves the small buffer; one without is set to the kernel's
-        minimum and reserves that, so its connections that never read exhaust the budget their
-        queues use. Given back in `clientGone`."""
+        33.7): a uid with room reserves the small buffer, room kept for the kernel's minimum of
+        every connection it may still open; one without is set to the kernel's minimum and
+        reserves that (`buildProtocol` refuses a connection for which even that does not fit).
+        So its connections that never read, however many, exhaust the budget their queues use
+        and no more. Given back in `clientGone`."""
         transport = client.transport
         want = _kernel_charge(transport)
         if not want:
             return
-        if not user.kernel_fits(want):
+        spare = max(0, self.config.max_uid_connections - user.connections)
+        if not user.kernel_fits(want + spare * self.least_charge):
             transport.keepSendBufferSmall(SERVER_SNDBUF_LEAST)
             want = transport.sendBufferCharge()
         user.reserve_kernel(want)
