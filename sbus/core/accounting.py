@@ -158,11 +158,15 @@ class UserCharge:
         self.reserve_kernel(n)
         self.grown += n
 
-    def shrink(self, n: int) -> list:
-        """The peer has read (or closed with) a big packet charged by `grow`: give it back, and
-        return the connections waiting for room (`may_grow`) to try again."""
+    def shrink(self, n: int) -> None:
+        """The peer has read (or closed with) a big packet charged by `grow`: give it back (the
+        connections waiting for room then try again: `take_waiting`)."""
         self.release_kernel(n)
         self.grown -= n
+
+    def take_waiting(self) -> list:
+        """The connections waiting for room (`may_grow`), in the order they asked, to try again
+        (the uid's budget may have room now: its queues drain too)."""
         waiting, self.growing = self.growing, None
         return list(waiting) if waiting else []
 

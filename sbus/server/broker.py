@@ -39,6 +39,9 @@ from sbus.server.config import ServerConfig, allowed_uid_set, pattern_cost
 
 log = Logger()
 
+#: Seconds after which a uid's connections waiting for room to send a big packet look again,
+#: if the packet of its that pins the room stays unread (issue 33.7): its queues may drain.
+GROW_RETRY = 0.5
 _WHOAMI_REPLY = b"CMSG " + codec.WHOAMI + b"\0"
 _STATS_REPLY = b"CMSG " + codec.STATS + b"\0"
 _ID_REPLY = b"CMSG " + codec.SERVER_ID + b"\0"
@@ -526,9 +529,14 @@ class BrokerProtocol(protocol.Protocol):
         """May the transport send a packet of `n` bytes through its small send buffer, raised
         for it (issue 33.7)? Only if the uid has room for what the kernel will count (up to
         half again a big packet's length: its head is a power-of-two allocation), or pins no
-        other big packet; else the transport waits, woken by `sendBufferCharged`."""
+        other big packet; else the transport waits, woken when that packet is given back
+        (`sendBufferCharged`), or to look again after a while (`BrokerFactory.growLater`: the
+        uid's queues may drain while that packet stays unread)."""
         user = self.charge
-        return user is None or user.may_grow(n + (n >> 1), self)
+        if user is None or user.may_grow(n + (n >> 1), self):
+            return True
+        self.factory.growLater(user)
+        return False
 
     def sendBufferCharged(self, n: int) -> None:
         """The transport's kernel holds `n` more bytes (a big packet sent whole, charged to the
@@ -540,8 +548,8 @@ class BrokerProtocol(protocol.Protocol):
         if n > 0:
             user.grow(n)
             return
-        for client in user.shrink(-n):
-            client.transport.startWriting()
+        user.shrink(-n)
+        self.factory.growNow(user)
 
     def refused(self, feeder) -> None:
         action, dropped = self.outbox.refused()
@@ -1120,6 +1128,9 @@ class BrokerFactory(protocol.Factory):
         #: And the smallest send buffer the kernel gives a socket, as it counts it: a connection
         #: of a uid is charged twice that at least (`reserveSendBuffer`, `sendBufferCharge`).
         self.least_charge = 2 * (kernel_floor if kernel_floor is not None else kernel_send_floor())
+        #: Per uid with connections waiting for room to send a big packet: the call that lets
+        #: them try again (`growLater`).
+        self.growRetry: dict[UserCharge, object] = {}
         self.config = config or ServerConfig()
         self.router = router if router is not None else Router()
         self.clients: set[BrokerProtocol] = set()
@@ -1182,6 +1193,10 @@ class BrokerFactory(protocol.Factory):
                 ghost.timer.cancel()
         if self._listCall is not None and self._listCall.active():
             self._listCall.cancel()
+        for call in self.growRetry.values():
+            if call.active():
+                call.cancel()
+        self.growRetry.clear()
         self.stopping = True
         if not self.clients:
             self.logChurn()
@@ -1313,6 +1328,23 @@ class BrokerFactory(protocol.Factory):
             transport.keepSendBufferSmall(SERVER_SNDBUF_LEAST)
             want = transport.sendBufferCharge()
         user.reserve_kernel(want)
+
+    def growLater(self, user: UserCharge) -> None:
+        """A connection of `user` waits for room to send a big packet (`mayGrowSendBuffer`):
+        let its waiting connections try again in GROW_RETRY seconds, if nothing wakes them
+        before (one timer per uid, whatever the number waiting)."""
+        if user not in self.growRetry:
+            self.growRetry[user] = self.reactor.callLater(GROW_RETRY, self.growNow, user)
+
+    def growNow(self, user: UserCharge) -> None:
+        """Let the connections of `user` waiting for room to send a big packet try again."""
+        call = self.growRetry.pop(user, None)
+        if call is not None and call.active():
+            call.cancel()
+        for client in user.take_waiting():
+            transport = client.transport
+            if transport is not None and transport.connected:
+                transport.startWriting()
 
     def clientGone(self, client: BrokerProtocol):
         uid = client.cred.uid
