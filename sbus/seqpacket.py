@@ -364,8 +364,10 @@ class SeqPacketTransport:
             if packet.__class__ is int:
                 protocol.packetTooLarge(packet)
             elif not packet:
-                # A zero-length packet reads exactly like end of file: the peer closed.
+                # A zero-length packet reads exactly like end of file: the peer closed. Nothing
+                # after it is read (`connectionLost` finishes at once, no drain).
                 why = main.CONNECTION_DONE
+                self.disconnecting = True
                 break
             elif deliver(packet) is True and many is not None and i < n and self._reading:
                 i = many(packets, i)  # it said it takes more at once: offer it the rest
@@ -621,11 +623,13 @@ class SeqPacketTransport:
         self._finish(reason)
 
     def connectionLost(self, reason):
-        """The reactor says the connection is gone. If it is held paused (flood control), the
-        hang-up was seen on the write side, and what the peer sent before it went still waits
-        in our receive queue, as after a failed send: it is read when the hold ends. So is the
-        rest of a batch held back (`_stash`) whose hold ended, not yet handed over (`_resumed`)."""
-        if self.connected and (self._paused or self._stash is not None) and not self.disconnecting:
+        """The reactor says the connection is gone. What the peer sent before it went may still
+        wait in our receive queue, as after a failed send, and is read first (`_sendFailed`,
+        when the hold ends if it is held by flood control): the hang-up may have been seen while
+        we were not reading (held, or writing only) and reach us after the hold ended, in the
+        same turn; the rest of a batch held back (`_stash`) goes first. (Found by the simulator:
+        a hold ending between the reactor's poll and its hand-over lost what was unread.)"""
+        if self.connected and not self.disconnecting:
             self._sendFailed(reason.value if isinstance(reason, failure.Failure) else reason)
             return
         self._finish(reason)

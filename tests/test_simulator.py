@@ -30,6 +30,7 @@ REGRESSIONS = [
     (982, "pure", "a send failure met in doWrite closed at once without reading the peer's packets"),
     (951464251630, "batch", "a drain that met end of file while held lost the held-back rest of its batch"),
     (951464249804, "batch", "(the model) a SUB taken during a drain was counted as refused"),
+    (557144232817, "pure", "a hang-up polled while held, served after the hold ended, lost what was unread"),
 ]
 
 
@@ -277,6 +278,46 @@ def test_a_hang_up_between_a_hold_and_its_resume_loses_none_of_the_held_back_bat
     t.resumeProducing()  # the rest is handed over in the next turn...
     theirs.close()
     t.connectionLost(failure.Failure(error.ConnectionDone()))  # ...but the hang-up is served first
+    for _ in range(10):
+        reactor.advance(0)
+    assert p.got == sent and p.lost
+
+
+def test_a_hang_up_polled_while_held_and_served_after_the_hold_ended_loses_nothing_unread():
+    """Found by the simulator (seed 557144232817): the reactor polled a hang-up while the
+    publisher was held (not reading), another event of the same turn ended the hold, and the
+    hang-up, served then, finished the connection with the publisher's packets unread."""
+    from twisted.internet import error, protocol
+    from twisted.python import failure
+
+    from sbus.seqpacket import SeqPacketTransport
+    from sbus.simulator import SimReactor
+
+    class Held(protocol.Protocol):
+        def __init__(self):
+            self.got = []
+            self.lost = False
+
+        def packetReceived(self, packet):
+            self.got.append(packet)
+
+        def connectionLost(self, reason):
+            self.lost = True
+
+    reactor = SimReactor()
+    ours, theirs = Kernel().pair(1 << 20, 1 << 20)
+    p = Held()
+    t = SeqPacketTransport(ours, p, reactor, max_packet=1 << 16, drain_cap=64)
+    p.makeConnection(t)
+    t.startReading()
+    t.pauseProducing()  # held
+    sent = [b"MSG k\0" + bytes([n]) for n in range(3)]
+    for packet in sent:
+        theirs.send(packet)
+    theirs.close()
+    assert ours.events() & HUP
+    t.resumeProducing()  # the hold ends in the same turn...
+    t.connectionLost(failure.Failure(error.ConnectionDone()))  # ...before the hang-up is served
     for _ in range(10):
         reactor.advance(0)
     assert p.got == sent and p.lost
