@@ -52,29 +52,22 @@ SUMMARY_PERCENTILES = (0.5, 0.9, 0.99, 0.999)
 TABLES = ("windows", "window_stats", "top_keys", "size_hist", "summary")
 
 
-#: The one Spark pass (`compute`) groups every row several ways at once (Spark's grouping sets);
-#: each output row belongs to one set, told by its ``gid`` (Spark's ``grouping_id()``).
-GROUP_COLS = ("w_us", "prefix", "msize", "sec_us", "key_s")
-SETS = {"windows": ("w_us", "prefix"),  # the windows table
-        "sizes": ("w_us", "msize"),  # per window and payload size: window_stats, size_hist, summary
-        "seconds": ("sec_us",),  # per 1-second window: the headline's peak rate
-        "keys": ("key_s",)}  # per key: top_keys and the number of distinct keys
-#: With a window of whole seconds, each second lies in one window: one set per (second, prefix)
-#: gives both the windows table and the seconds (summed in `derive`), so Spark expands and
-#: aggregates every row three times instead of four (the report's pass took ~25 % less).
-WHOLE_SECOND_SETS = {"second_prefix": ("sec_us", "prefix"), "sizes": SETS["sizes"], "keys": SETS["keys"]}
+#: The one Spark pass (`compute`) groups every row two ways at once (Spark's grouping sets);
+#: each output row belongs to one set, told by its ``gid`` (Spark's ``grouping_id()``). Every
+#: column of a row's kind is a grouping column and the only aggregates are a count, a sum and a
+#: min and max, so Spark's aggregation does little per row (issue 35: the report's pass was over
+#: twice a bare scan's time with three sets of nine aggregates); `derive` sums the rest.
+GROUP_COLS = ("w_us", "size", "dropped", "sec_us", "key")
+SETS = {"sizes": ("w_us", "size", "dropped"),  # per window, payload size and kind: window_stats,
+        # size_hist, the summary; and the windows table's row of the drop and gap rows
+        "keys": ("w_us", "sec_us", "key")}  # per window, second and key of the messages: the
+# windows table (by the keys' prefixes), the busiest second, top_keys
 
 
-def group_sets(window_seconds: float) -> dict:
-    """The grouping sets `compute` asks of Spark for this window (`SETS` or `WHOLE_SECOND_SETS`)."""
-    width = round(window_seconds * 1000) * 1000
-    return WHOLE_SECOND_SETS if width % 1_000_000 == 0 else SETS
-
-
-def _gid(name: str, sets: dict = SETS) -> int:
+def _gid(name: str) -> int:
     """``grouping_id()`` of the set `name`: a bit per grouping column left out (first = highest)."""
     n = len(GROUP_COLS)
-    return sum(1 << (n - 1 - i) for i, c in enumerate(GROUP_COLS) if c not in sets[name])
+    return sum(1 << (n - 1 - i) for i, c in enumerate(GROUP_COLS) if c not in SETS[name])
 
 
 def read(spark, directory: str):
@@ -89,16 +82,15 @@ def compute(spark, directory: str, window_seconds: float, depth: int = 1):
     """The report's one pass over the recording: a DataFrame of counts (`derive` builds the
     tables from it, in Python), and the recording's DataFrame (for a chart in other windows).
 
-    Every row is counted in four groupings (`SETS`; three with a window of whole seconds,
-    `group_sets`) in one aggregation: per (window, prefix);
-    per (window, payload size) of the messages (so per-window and overall exact percentiles,
-    the histogram and the totals follow from counts: a row per window and size instead of a
-    Spark job per table); per second; per key. The driver gets a row per group: with many
-    distinct keys or sizes per window that grows, never beyond the recording's rows. Drop rows (``dropped`` > 0) count only as ``lost`` and ``drop_rows``, gap
-    rows (``dropped`` -1) only as ``gap_rows``; ``first``/``last`` are the messages' times."""
+    Every row is counted in two groupings (`SETS`) in one aggregation: per (window, payload
+    size, ``dropped``), so per-window and overall exact percentiles, the histogram, the totals
+    and the known losses follow from counts (``dropped``: 0 a message, N > 0 a drop row, -1 a
+    gap row); per (window, second, key) of the messages, so the windows table (each key's prefix
+    is taken in `derive`), the per-second rates and the busiest keys. The driver gets a row per
+    group: with many distinct keys or sizes per window that grows, never beyond twice the
+    recording's rows. ``first``/``last`` (µs) are the group's earliest and latest times."""
     from pyspark.sql import functions as F
 
-    from .spark import lost_col, with_prefix
     from .units import spark_interval
 
     df = read(spark, directory)
@@ -106,29 +98,14 @@ def compute(spark, directory: str, window_seconds: float, depth: int = 1):
     # computed as F.window does; grouping on numbers, not F.window's struct, is cheaper
     spark_interval(window_seconds)  # (refuses a window of 0)
     width = round(window_seconds * 1000) * 1000
-    d = F.col("dropped")
-    is_msg = d == 0
     us = F.unix_micros("recv_time")
-    rows = with_prefix(df, depth).select(
-        (us - F.pmod(us, F.lit(width))).alias("w_us"), "prefix",  # (F.window's start, as a number)
-        F.when(is_msg, F.col("size")).alias("msize"),
+    rows = df.select(
+        (us - F.pmod(us, F.lit(width))).alias("w_us"), "size", "dropped",  # (F.window's start, as a number)
         (us - F.pmod(us, F.lit(1_000_000))).alias("sec_us"),
-        F.when(is_msg, F.col("key").cast("string")).alias("key_s"),
-        "recv_time", "size", "dropped")
-    agg = rows.groupingSets([list(s) for s in group_sets(window_seconds).values()], *GROUP_COLS).agg(
-        F.grouping_id().alias("gid"),
-        F.count(F.when(is_msg, F.lit(1))).alias("messages"),
-        F.sum("size").alias("bytes"),  # every row's (as the windows table counts them)
-        F.sum("msize").alias("msg_bytes"),  # the messages'
-        F.sum(lost_col()).alias("lost"),
-        F.count(F.when(d > 0, F.lit(1))).alias("drop_rows"),
-        F.count(F.when(d < 0, F.lit(1))).alias("gap_rows"),
-        F.min(F.when(is_msg, F.col("recv_time"))).alias("first"),
-        F.max(F.when(is_msg, F.col("recv_time"))).alias("last"))
-    parts = agg.select("gid", F.timestamp_micros("w_us").alias("window_start"),
-                       F.timestamp_micros(F.col("w_us") + width).alias("window_end"),
-                       "prefix", "msize", "sec_us", F.col("key_s").alias("key"), "messages", "bytes",
-                       "msg_bytes", "lost", "drop_rows", "gap_rows", "first", "last")
+        F.when(F.col("dropped") == 0, F.col("key").cast("string")).alias("key"), us.alias("us"))
+    parts = rows.groupingSets([list(s) for s in SETS.values()], *GROUP_COLS).agg(
+        F.grouping_id().alias("gid"), F.count(F.lit(1)).alias("rows"), F.sum("size").alias("bytes"),
+        F.min("us").alias("first"), F.max("us").alias("last"))
     return parts, df
 
 
@@ -184,6 +161,18 @@ def group_percentiles(values, counts, starts, ps):
     return out
 
 
+def prefixes(keys, depth: int):
+    """Each key's prefix (pyarrow strings): its first `depth` '/'-separated parts, as Spark's
+    ``substring_index(key, '/', depth)`` (`with_prefix`); "" for a depth of 0."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if depth == 0:
+        return pa.array([""] * len(keys), pa.string())
+    parts = pc.list_slice(pc.split_pattern(keys, "/", max_splits=depth), 0, depth)
+    return pc.binary_join(parts, "/")
+
+
 def derive(parts, window_seconds: float, depth: int, top: int, gaps=()) -> tuple:
     """The report's tables from `compute`'s counts (a pyarrow Table): {name: pyarrow Table},
     ``size_counts`` [(size, messages)] and the summary's row (a dict). Exactly what Spark's
@@ -194,52 +183,52 @@ def derive(parts, window_seconds: float, depth: int, top: int, gaps=()) -> tuple
 
     schemas = _table_schemas()
     gid = parts.column("gid")
-    sets = group_sets(window_seconds)
+    width = round(window_seconds * 1000) * 1000
+    ts = _ts_type()
 
     def part(name):
-        return parts.filter(pc.equal(gid, _gid(name, sets)))
+        return parts.filter(pc.equal(gid, _gid(name)))
 
     def ints(t, col):
         return t.column(col).cast(pa.int64()).to_numpy(zero_copy_only=False)
 
-    # windows: per (window, prefix)
-    if "windows" in sets:
-        w = part("windows")
-        windows = pa.table({"window_start": w["window_start"], "window_end": w["window_end"], "prefix": w["prefix"],
-                            "messages": w["messages"], "bytes": w["bytes"], "dropped": w["lost"]})
-    else:  # summed from the (second, prefix) counts: each second lies in one window
-        sp = part("second_prefix")
-        width = round(window_seconds * 1000) * 1000
-        sec_us = ints(sp, "sec_us")
-        sp = sp.append_column("w_us", pa.array(sec_us - sec_us % width, pa.int64()))
-        g = sp.group_by(["w_us", "prefix"], use_threads=False).aggregate(
-            [("messages", "sum"), ("bytes", "sum"), ("lost", "sum")])
-        w_us = g.column("w_us").to_numpy(zero_copy_only=False)
-        ts = pa.timestamp("us", tz="UTC")
-        windows = pa.table({"window_start": pa.array(w_us, pa.int64()).cast(ts),
-                            "window_end": pa.array(w_us + width, pa.int64()).cast(ts), "prefix": g["prefix"],
-                            "messages": g["messages_sum"], "bytes": g["bytes_sum"], "dropped": g["lost_sum"]})
+    # per (window, size, dropped): the messages' sizes (dropped 0), drop rows (> 0), gap rows (-1)
+    s = part("sizes")
+    w_all, kind, size, n = ints(s, "w_us"), ints(s, "dropped"), ints(s, "size"), ints(s, "rows")
+    wins, inv = np.unique(w_all, return_inverse=True)
+    nw = len(wins)
+
+    def per_window(mask, values):
+        out = np.zeros(nw, np.int64)
+        np.add.at(out, inv[mask], values[mask])
+        return out
+
+    msg, drop, gap = kind == 0, kind > 0, kind < 0
+    messages = per_window(msg, n)
+    wbytes = per_window(msg, size * n)
+    dropped = per_window(drop, kind * n)
+    gap_rows = per_window(gap, n)
+    other = ~msg
+    other_bytes = per_window(other, size * n)  # the windows table's row of the drop and gap rows
+    has_other = per_window(other, n) > 0
+
+    # windows: per (window, prefix) of the messages, and a row (prefix NULL) of a window's drop and gap rows
+    k = part("keys").filter(pc.is_valid(part("keys").column("key")))
+    kw = k.append_column("prefix", prefixes(k.column("key"), depth)).group_by(
+        ["w_us", "prefix"], use_threads=False).aggregate([("rows", "sum"), ("bytes", "sum")])
+    ow = wins[has_other]
+    w_us = np.concatenate((kw.column("w_us").to_numpy(zero_copy_only=False).astype(np.int64), ow))
+    windows = pa.table({
+        "window_start": pa.array(w_us, pa.int64()).cast(ts), "window_end": pa.array(w_us + width, pa.int64()).cast(ts),
+        "prefix": pa.concat_arrays([kw.column("prefix").combine_chunks().cast(pa.string()),
+                                    pa.nulls(len(ow), pa.string())]),
+        "messages": pa.array(np.concatenate((ints(kw, "rows_sum"), np.zeros(len(ow), np.int64))), pa.int64()),
+        "bytes": pa.array(np.concatenate((ints(kw, "bytes_sum"), other_bytes[has_other])), pa.int64()),
+        "dropped": pa.array(np.concatenate((np.zeros(len(kw), np.int64), dropped[has_other])), pa.int64())})
     windows = windows.sort_by([(c, "ascending", "at_end") for c in ORDER["windows"]]).cast(schemas["windows"])
 
-    # window_stats: per window, from its per-size counts (and a row of its drop and gap rows)
-    s = part("sizes")
-    starts_us = ints(s, "window_start")
-    wins, inv = np.unique(starts_us, return_inverse=True)
-    nw = len(wins)
-    is_size = s.column("msize").is_valid().to_numpy(zero_copy_only=False)
-    msgs = ints(s, "messages")
-    mbytes = s.column("msg_bytes").fill_null(0).cast(pa.int64()).to_numpy(zero_copy_only=False)
-    messages = np.zeros(nw, np.int64)
-    np.add.at(messages, inv, msgs)
-    wbytes = np.zeros(nw, np.int64)
-    np.add.at(wbytes, inv, mbytes)
-    dropped = np.zeros(nw, np.int64)
-    np.add.at(dropped, inv, ints(s, "lost"))
-    gap_rows = np.zeros(nw, np.int64)
-    np.add.at(gap_rows, inv, ints(s, "gap_rows"))
-    sz = s.column("msize").fill_null(0).cast(pa.int64()).to_numpy(zero_copy_only=False)[is_size]
-    g_of = inv[is_size]
-    cnt = msgs[is_size]
+    # window_stats: per window, from its per-size counts
+    sz, g_of, cnt = size[msg], inv[msg], n[msg]
     order = np.lexsort((sz, g_of))
     sz, g_of, cnt = sz[order], g_of[order], cnt[order]
     with_msgs = np.unique(g_of)  # windows with messages (the others: NULL sizes)
@@ -254,13 +243,9 @@ def derive(parts, window_seconds: float, depth: int, top: int, gaps=()) -> tuple
         pcts[with_msgs] = pct
     has = messages > 0
 
-    firsts = s.column("first").drop_null().cast(pa.int64())
-    lasts = s.column("last").drop_null().cast(pa.int64())
-    first_us = pc.min(firsts).as_py() if len(firsts) else None
-    last_us = pc.max(lasts).as_py() if len(lasts) else None
-    ends_us = ints(s, "window_end")
-    end_of = np.zeros(nw, np.int64)
-    end_of[inv] = ends_us
+    first_us = int(ints(s, "first")[msg].min()) if msg.any() else None
+    last_us = int(ints(s, "last")[msg].max()) if msg.any() else None
+    end_of = wins + width
     gap_us = [(_us(f), _us(t)) for f, t in gaps if f is not None]
     covered = [_covered_us(int(a), int(b), first_us, last_us, gap_us, window_seconds) for a, b in zip(wins, end_of)]
     rows = []
@@ -282,36 +267,29 @@ def derive(parts, window_seconds: float, depth: int, top: int, gaps=()) -> tuple
     sizes = np.unique(sz)
     per_size = np.zeros(len(sizes), np.int64)
     np.add.at(per_size, np.searchsorted(sizes, sz), cnt)
-    counts = [(int(a), int(n)) for a, n in zip(sizes, per_size)]
+    counts = [(int(a), int(c)) for a, c in zip(sizes, per_size)]
 
     # the busiest second (the earliest of ties) and the busiest keys
-    if "seconds" in sets:
-        sec = part("seconds")
-    else:  # summed over the prefixes
-        g = part("second_prefix").group_by("sec_us", use_threads=False).aggregate(
-            [("messages", "sum"), ("msg_bytes", "sum")])
-        sec = pa.table({"sec_us": g["sec_us"], "messages": g["messages_sum"], "msg_bytes": g["msg_bytes_sum"]})
-    sec = sec.filter(pc.greater(sec.column("messages"), 0))
+    sec = k.group_by("sec_us", use_threads=False).aggregate([("rows", "sum"), ("bytes", "sum")])
     peak_second, peak_n, peak_b = None, 0, None
     if sec.num_rows:
-        n_s, us_s = ints(sec, "messages"), ints(sec, "sec_us")
+        n_s, us_s = ints(sec, "rows_sum"), ints(sec, "sec_us")
         best = np.lexsort((us_s, -n_s))[0]
         peak_second, peak_n = _from_us(int(us_s[best])), int(n_s[best])
-        peak_b = int(pc.max(sec.column("msg_bytes")).as_py())
-    k = part("keys")
-    k = k.filter(pc.greater(k.column("messages"), 0))  # (the drop and gap rows' NULL key)
-    order = pc.sort_indices(k, sort_keys=[("messages", "descending"), ("msg_bytes", "descending"),
-                                          ("key", "ascending")])  # (strings: by their bytes, as Spark)
-    best = k.take(order[:top])
-    top_keys = pa.table({"key": best["key"], "messages": best["messages"],
-                         "bytes": best["msg_bytes"]}).cast(schemas["top_keys"])
+        peak_b = int(pc.max(sec.column("bytes_sum")).as_py())
+    keys = k.group_by("key", use_threads=False).aggregate([("rows", "sum"), ("bytes", "sum")])
+    order = pc.sort_indices(keys, sort_keys=[("rows_sum", "descending"), ("bytes_sum", "descending"),
+                                             ("key", "ascending")])  # (strings: by their bytes, as Spark)
+    best = keys.take(order[:top])
+    top_keys = pa.table({"key": best["key"], "messages": best["rows_sum"],
+                         "bytes": best["bytes_sum"]}).cast(schemas["top_keys"])
 
     total = int(messages.sum())
     summary = {
         "messages": total, "bytes": int(wbytes.sum()) if total else None,
-        "distinct_keys": k.num_rows,
+        "distinct_keys": keys.num_rows,
         "first": _from_us(first_us), "last": _from_us(last_us),
-        "lost": int(dropped.sum()) if nw else None, "drop_rows": int(pc.sum(s["drop_rows"]).as_py() or 0),
+        "lost": int(dropped.sum()) if nw else None, "drop_rows": int(n[drop].sum()),
         "gaps": int(gap_rows.sum()), "peak_second": peak_second, "peak_msgs_per_s": peak_n,
         "peak_bytes_per_s": peak_b, "window_seconds": float(window_seconds), "prefix_depth": depth,
     }
