@@ -102,6 +102,10 @@ receiving half first makes a round trip through its bus and, with
 order, and carries from then on. The window watches only while our bus
 answered a round trip since it connected, the peer is a current one and
 our ``--pattern`` set covers the peer's (we must see another path's copies).
+What the peer streams before it answers the ``link/sync`` sent when the window
+began to watch waits apart (`Link._watchFrom`): at a takeover it is published
+only if no other path delivered anything since, and counted as
+``failover_gap`` if another path delivered some of it and stopped.
 
 **Restarts** (issue 23). What a half's bus published while that half was dead, only the bus
 saw: each half holds a session on its bus (``CMSG server/session\0NAME\0LINGER`` after its
@@ -578,6 +582,10 @@ class PeerProtocol(Int32StringReceiver, TimeoutMixin):
         #: Our `link/sync` requests awaiting the peer's answer: number -> (Deferred, timer).
         self.syncs: dict[int, tuple] = {}
         self.next_sync = 0
+        #: The peer answered the `link/sync` sent when our window last began to watch our bus
+        #: (`Link._watchFrom`): what it streams now may be replayed at a takeover.
+        self.settled = False
+        self.settle_sync: int | None = None
 
     def connectionMade(self):
         # Read what the kernel holds in big bites: when the peer resets the connection (killed
@@ -794,6 +802,12 @@ class Link(service.MultiService):
         self._takeovers = 0
         #: Messages from the peer not carried while the window could not watch, by direction.
         self.unwatched = Counter()
+        #: What the peer streamed before it settled (`_watchFrom`), apart from `window`; the
+        #: deliveries by another path each window had seen when we began to watch; how many of
+        #: it takeovers published.
+        self.unsettled = Window((PEER, BUS), max_messages=standby_window)
+        self._delivered_at_watch = (0, 0)
+        self.unsettled_replayed = 0
         #: What a takeover could not forward (the peer or bus went away during its round trip).
         self.takeover_lost = 0
         self._warned = set()
@@ -891,7 +905,7 @@ class Link(service.MultiService):
             "standby_not_forwarded": dict(self.standby),
             "standby": {
                 "delivered_by_active": self._byDirection(self.window.delivered),
-                "replayed_at_takeover": self._byDirection(self.window.replayed),
+                "replayed_at_takeover": {FROM_REMOTE: self.window.replayed[PEER] + self.unsettled_replayed},
                 "skipped_by_active": self._byDirection(self.window.skipped),
                 "unwatched": dict(self.unwatched),
                 "watching": self._watched(self.peer),
@@ -1016,6 +1030,8 @@ class Link(service.MultiService):
     def _busReady(self, proto) -> None:
         if proto is self.local:
             self._bus_ready = True
+            if self.peer is not None:
+                self._watchFrom(self.peer)
             self._noteWatched()
 
     def _noteWatched(self) -> None:
@@ -1028,7 +1044,7 @@ class Link(service.MultiService):
     def busDown(self, reason):
         self.local = None
         self._bus_ready = False
-        self.window.reset()
+        self._resetWindows()
         self.tree.port_down(BUS_PORT)
         if self._peer_paused:
             self._resumePeer()
@@ -1110,6 +1126,11 @@ class Link(service.MultiService):
         if public and self._receiving != CARRYING and self._watched(peer):
             # possibly another path's copy of something from the peer's bus (our window)
             self.window.seen_on(BUS, key, packet[end + 1:], ())
+            if len(self.unsettled) or not peer.settled:
+                if self.window.delivered[PEER] > self._delivered_at_watch[0]:
+                    self.unsettled.reset()   # another path went past them (`_unsettledOut`)
+                else:
+                    self.unsettled.seen_on(BUS, key, packet[end + 1:], ())
         if not self.tree.forwarding:
             self.standby["to_remote"] += 1
             if public and peer.acks:
@@ -1245,7 +1266,7 @@ class Link(service.MultiService):
         if peer is self.peer:
             self.carried_before = bool(self.tree.forwarding and peer.remote_forwarding)
             self.peer = None
-            self.window.reset()
+            self._resetWindows()
             self._receiving = STANDBY
             # What we sent that the peer had not said it handled: lost, unless it published it
             # in its last round trip (so counted at most one round trip's worth too many).
@@ -1281,8 +1302,9 @@ class Link(service.MultiService):
         peer.transport.registerProducer(_Pauser(self._pauseLocal, self._resumeLocal), True)
         if self._peer_paused:
             peer.transport.pauseProducing()
-        self.window.reset()
+        self._resetWindows()
         self._receiving = STANDBY
+        self._watchFrom(peer)
         self._sendState(peer)
         self._update()
         # the peer may not be on its own bus yet: its name there comes later ("is now")
@@ -1474,7 +1496,32 @@ class Link(service.MultiService):
         if b"!" in key or key.startswith(TOPOLOGY) or not self._watched(peer):
             self.unwatched[FROM_REMOTE] += 1
             return
-        self.window.seen_on(PEER, key, payload, (key,))
+        (self.window if peer.settled else self.unsettled).seen_on(PEER, key, payload, (key,))
+
+    def _resetWindows(self) -> None:
+        self.window.reset()
+        self.unsettled.reset()
+
+    def _watchFrom(self, peer: PeerProtocol) -> None:
+        """Our window begins to watch our bus now (the peer is new, our bus answered again, or we
+        stop carrying). Another path's copy of what the peer streams next may have been read
+        here already, unwatched: the peer read the original from its bus before we began, we
+        read the copy before (a restarted peer half read messages a moment after its link came
+        up whose copies reached us before its hello did: published again at the next takeover,
+        they arrived twice). What the peer streams until it answers a `link/sync` sent now waits
+        in `unsettled` (see `_unsettledOut`); what follows the answer it read from its bus after
+        our request, published after we began to watch: its copy, if any, is still to come."""
+        if not peer.acks:
+            return      # an older peer: never watched
+        peer.settled = False
+        n = peer.settle_sync = peer.next_sync
+        self._delivered_at_watch = (self.window.delivered[PEER], self.unsettled.delivered[PEER])
+
+        def settled(_):
+            if peer.settle_sync == n:
+                peer.settled = True
+
+        self._peerSync(peer).addCallbacks(settled, lambda f: None)
 
     def _update(self) -> None:
         """Does this link carry our receiving direction now? It does while both halves forward.
@@ -1484,12 +1531,14 @@ class Link(service.MultiService):
         carried = bool(self.tree.forwarding and peer is not None and peer.ready
                        and peer.remote_forwarding is not False)
         if not carried:
+            if self._receiving == CARRYING and peer is not None and peer.ready:
+                self._watchFrom(peer)   # our bus was not watched while we carried
             self._receiving = STANDBY   # catching up: the window stays as it is
             return
         if self._receiving != STANDBY:
             return
         if peer.remote_forwarding is None or not self._watched(peer) or self.local is None:
-            self.window.reset()         # nothing watched: carry from now on
+            self._resetWindows()        # nothing watched: carry from now on
             self._receiving = CARRYING
             return
         self._receiving = CATCHING_UP
@@ -1506,7 +1555,7 @@ class Link(service.MultiService):
             if generation != self._takeovers or self._receiving != CATCHING_UP:
                 return
             self._receiving = STANDBY
-            out = self.window.drain()
+            out = self.unsettled.drain() + self.window.drain()
             self.takeover_lost += len(out)
             log.warn("sbus-link: taking over failed ({why}): {n} message(s) the old path had not "
                      "delivered are lost (failover_gap)", why=f.getErrorMessage(), n=len(out))
@@ -1547,8 +1596,28 @@ class Link(service.MultiService):
                 timer.cancel()
             d.callback(None)
 
+    def _unsettledOut(self) -> list:
+        """At a takeover, what of `unsettled` to publish: messages another path delivered come
+        to it in order, and its copies of those before our watch began were not seen here. If
+        it delivered something the peer streamed after it settled, it went past all of them:
+        none. If it delivered some of them only, then stopped, the rest are lost or were
+        delivered before we watched: counted as `failover_gap` (over-counted at worst). If it
+        delivered nothing since we began to watch (no other path, or it was already gone): all."""
+        out = self.unsettled.drain()
+        settled_at, unsettled_at = self._delivered_at_watch
+        if not out or self.window.delivered[PEER] > settled_at:
+            return []
+        if self.unsettled.delivered[PEER] > unsettled_at:
+            self.takeover_lost += len(out)
+            return []
+        self.unsettled_replayed += len(out)
+        return out
+
     def _replay(self) -> None:
-        out = self.window.drain()
+        gap = self.takeover_lost
+        out = self._unsettledOut()
+        gap = self.takeover_lost - gap
+        out += self.window.drain()
         local = self.local
         for _, key, payload in out:
             if local is None:
@@ -1558,7 +1627,7 @@ class Link(service.MultiService):
             # again in from_remote: the peer's to_remote = our from_remote + standby_not_forwarded
             local.transport.write(b"MSG " + key + b"\0" + payload)
         log.info("sbus-link: taking over: published {n} message(s) from the peer's bus that the "
-                 "old path had not delivered; failover gap {gap}", n=len(out), gap=self.window.last_gap[PEER])
+                 "old path had not delivered; failover gap {gap}", n=len(out), gap=self.window.last_gap[PEER] + gap)
 
     def _peerError(self, peer: PeerProtocol, detail: str):
         log.warn("sbus-link: protocol error from peer {peer}: {detail}; closing", peer=peer.name, detail=detail)
