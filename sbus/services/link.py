@@ -103,9 +103,8 @@ order, and carries from then on. The window watches only while our bus
 answered a round trip since it connected, the peer is a current one and
 our ``--pattern`` set covers the peer's (we must see another path's copies).
 What the peer streams before it answers the ``link/sync`` sent when the window
-began to watch waits apart (`Link._watchFrom`): at a takeover it is published
-only if no other path delivered anything since, and counted as
-``failover_gap`` if another path delivered some of it and stopped.
+began to watch waits apart (`Link._watchFrom`): at a takeover, only what follows
+the last of it another path was seen delivering is published.
 
 **Restarts** (issue 23). What a half's bus published while that half was dead, only the bus
 saw: each half holds a session on its bus (``CMSG server/session\0NAME\0LINGER`` after its
@@ -802,11 +801,12 @@ class Link(service.MultiService):
         self._takeovers = 0
         #: Messages from the peer not carried while the window could not watch, by direction.
         self.unwatched = Counter()
-        #: What the peer streamed before it settled (`_watchFrom`), apart from `window`; the
-        #: deliveries by another path each window had seen when we began to watch; how many of
-        #: it takeovers published.
+        #: What the peer streamed before it settled (`_watchFrom`), apart from `window`, and its
+        #: order; the deliveries by another path `window` had seen when we began to watch; how
+        #: many of it takeovers published.
         self.unsettled = Window((PEER, BUS), max_messages=standby_window)
-        self._delivered_at_watch = (0, 0)
+        self._unsettled_order: deque = deque(maxlen=standby_window)
+        self._delivered_at_watch = 0
         self.unsettled_replayed = 0
         #: What a takeover could not forward (the peer or bus went away during its round trip).
         self.takeover_lost = 0
@@ -1127,8 +1127,8 @@ class Link(service.MultiService):
             # possibly another path's copy of something from the peer's bus (our window)
             self.window.seen_on(BUS, key, packet[end + 1:], ())
             if len(self.unsettled) or not peer.settled:
-                if self.window.delivered[PEER] > self._delivered_at_watch[0]:
-                    self.unsettled.reset()   # another path went past them (`_unsettledOut`)
+                if self.window.delivered[PEER] > self._delivered_at_watch:
+                    self._resetUnsettled()   # another path went past them (`_unsettledOut`)
                 else:
                     self.unsettled.seen_on(BUS, key, packet[end + 1:], ())
         if not self.tree.forwarding:
@@ -1496,11 +1496,19 @@ class Link(service.MultiService):
         if b"!" in key or key.startswith(TOPOLOGY) or not self._watched(peer):
             self.unwatched[FROM_REMOTE] += 1
             return
-        (self.window if peer.settled else self.unsettled).seen_on(PEER, key, payload, (key,))
+        if peer.settled:
+            self.window.seen_on(PEER, key, payload, (key,))
+        else:
+            self.unsettled.seen_on(PEER, key, payload, (key,))
+            self._unsettled_order.append((key, payload))
 
     def _resetWindows(self) -> None:
         self.window.reset()
+        self._resetUnsettled()
+
+    def _resetUnsettled(self) -> None:
         self.unsettled.reset()
+        self._unsettled_order.clear()
 
     def _watchFrom(self, peer: PeerProtocol) -> None:
         """Our window begins to watch our bus now (the peer is new, our bus answered again, or we
@@ -1515,7 +1523,7 @@ class Link(service.MultiService):
             return      # an older peer: never watched
         peer.settled = False
         n = peer.settle_sync = peer.next_sync
-        self._delivered_at_watch = (self.window.delivered[PEER], self.unsettled.delivered[PEER])
+        self._delivered_at_watch = self.window.delivered[PEER]
 
         def settled(_):
             if peer.settle_sync == n:
@@ -1555,7 +1563,7 @@ class Link(service.MultiService):
             if generation != self._takeovers or self._receiving != CATCHING_UP:
                 return
             self._receiving = STANDBY
-            out = self.unsettled.drain() + self.window.drain()
+            out = self._unsettledOut() + self.window.drain()
             self.takeover_lost += len(out)
             log.warn("sbus-link: taking over failed ({why}): {n} message(s) the old path had not "
                      "delivered are lost (failover_gap)", why=f.getErrorMessage(), n=len(out))
@@ -1597,27 +1605,30 @@ class Link(service.MultiService):
             d.callback(None)
 
     def _unsettledOut(self) -> list:
-        """At a takeover, what of `unsettled` to publish: messages another path delivered come
-        to it in order, and its copies of those before our watch began were not seen here. If
-        it delivered something the peer streamed after it settled, it went past all of them:
-        none. If it delivered some of them only, then stopped, the rest are lost or were
-        delivered before we watched: counted as `failover_gap` (over-counted at worst). If it
-        delivered nothing since we began to watch (no other path, or it was already gone): all."""
+        """At a takeover, what of `unsettled` to publish. Another path delivers in order, and
+        its copies of what it delivered before our watch began were not seen here: what waits
+        before the last message it was seen delivering went past it (delivered before we
+        watched, or skipped), what waits after it is the other path's to deliver still: ours
+        now. If it delivered something the peer streamed after it settled, it went past all
+        (`fromLocal` forgot them). If it delivered none of them: all (no other path, or it was
+        gone; the one case left that repeats messages: another path that delivered some just
+        before our watch began and stopped exactly then)."""
         out = self.unsettled.drain()
-        settled_at, unsettled_at = self._delivered_at_watch
-        if not out or self.window.delivered[PEER] > settled_at:
-            return []
-        if self.unsettled.delivered[PEER] > unsettled_at:
-            self.takeover_lost += len(out)
-            return []
-        self.unsettled_replayed += len(out)
-        return out
+        order = self._unsettled_order
+        if out and self.window.delivered[PEER] > self._delivered_at_watch:
+            out = []
+        tail = 0            # how many of `out` follow the last one delivered, in `order`
+        for key, payload in reversed(order):
+            if tail == len(out) or out[-1 - tail][1:] != (key, payload):
+                break       # delivered by the other path
+            tail += 1
+        self._resetUnsettled()
+        return out[len(out) - tail:]
 
     def _replay(self) -> None:
-        gap = self.takeover_lost
-        out = self._unsettledOut()
-        gap = self.takeover_lost - gap
-        out += self.window.drain()
+        pending = self._unsettledOut()
+        self.unsettled_replayed += len(pending)
+        out = pending + self.window.drain()
         local = self.local
         for _, key, payload in out:
             if local is None:
@@ -1627,7 +1638,7 @@ class Link(service.MultiService):
             # again in from_remote: the peer's to_remote = our from_remote + standby_not_forwarded
             local.transport.write(b"MSG " + key + b"\0" + payload)
         log.info("sbus-link: taking over: published {n} message(s) from the peer's bus that the "
-                 "old path had not delivered; failover gap {gap}", n=len(out), gap=self.window.last_gap[PEER] + gap)
+                 "old path had not delivered; failover gap {gap}", n=len(out), gap=self.window.last_gap[PEER])
 
     def _peerError(self, peer: PeerProtocol, detail: str):
         log.warn("sbus-link: protocol error from peer {peer}: {detail}; closing", peer=peer.name, detail=detail)
