@@ -240,84 +240,75 @@ def test_an_accelerator_that_truncates_a_descriptor_number_breaks_invariant_6(mo
         Simulation(0, "batch", 50).run()
 
 
+class _Recorder:
+    """A protocol that records what it is handed and is held (paused) by its first packet if
+    `hold_first`; over a transport on the fake kernel, with the simulator's reactor."""
+
+    def __init__(self, hold_first: bool):
+        from twisted.internet import protocol
+
+        from sbus.seqpacket import SeqPacketTransport
+        from sbus.simulator import SimReactor
+
+        recorder = self
+
+        class Proto(protocol.Protocol):
+            def packetReceived(self, packet):
+                recorder.got.append(packet)
+                if hold_first and len(recorder.got) == 1:
+                    self.transport.pauseProducing()
+
+            def connectionLost(self, reason):
+                recorder.lost = True
+
+        self.got, self.lost = [], False
+        self.reactor = SimReactor()
+        ours, self.peer = Kernel().pair(1 << 20, 1 << 20)
+        self.ours = ours
+        p = Proto()
+        self.transport = SeqPacketTransport(ours, p, self.reactor, max_packet=1 << 16, drain_cap=64)
+        p.makeConnection(self.transport)
+        self.transport.startReading()
+
+    def hang_up_served_now(self) -> None:
+        """The reactor serves the hang-up it polled; then its next turns run."""
+        from twisted.internet import error
+        from twisted.python import failure
+
+        self.transport.connectionLost(failure.Failure(error.ConnectionDone()))
+        for _ in range(10):
+            self.reactor.advance(0)
+
+
+SENT = [b"MSG k\0" + bytes([n]) for n in range(3)]
+
+
 def test_a_hang_up_between_a_hold_and_its_resume_loses_none_of_the_held_back_batch():
     """Found by the simulator (seed 437, with big packets always let through): a publisher held in
     the middle of a read batch keeps the rest back (`_stash`); `resumeProducing` hands it over in
     the next turn, and a hang-up served before that turn finished the connection and threw the
     rest away. It is now read first, as after a failed send."""
-    from twisted.internet import error, protocol
-    from twisted.python import failure
-
-    from sbus.seqpacket import SeqPacketTransport
-    from sbus.simulator import SimReactor
-
-    class Holder(protocol.Protocol):
-        def __init__(self):
-            self.got = []
-            self.lost = False
-
-        def packetReceived(self, packet):
-            self.got.append(packet)
-            if len(self.got) == 1:
-                self.transport.pauseProducing()  # held by its first message
-
-        def connectionLost(self, reason):
-            self.lost = True
-
-    reactor = SimReactor()
-    ours, theirs = Kernel().pair(1 << 20, 1 << 20)
-    p = Holder()
-    t = SeqPacketTransport(ours, p, reactor, max_packet=1 << 16, drain_cap=64)
-    p.makeConnection(t)
-    t.startReading()
-    sent = [b"MSG k\0" + bytes([n]) for n in range(3)]
-    for packet in sent:
-        theirs.send(packet)
-    t.doRead()
-    assert p.got == sent[:1]
-    t.resumeProducing()  # the rest is handed over in the next turn...
-    theirs.close()
-    t.connectionLost(failure.Failure(error.ConnectionDone()))  # ...but the hang-up is served first
-    for _ in range(10):
-        reactor.advance(0)
-    assert p.got == sent and p.lost
+    r = _Recorder(hold_first=True)
+    for packet in SENT:
+        r.peer.send(packet)
+    r.transport.doRead()
+    assert r.got == SENT[:1]
+    r.transport.resumeProducing()  # the rest is handed over in the next turn...
+    r.peer.close()
+    r.hang_up_served_now()  # ...but the hang-up is served first
+    assert r.got == SENT and r.lost
 
 
 def test_a_hang_up_polled_while_held_and_served_after_the_hold_ended_loses_nothing_unread():
     """Found by the simulator (seed 557144232817): the reactor polled a hang-up while the
     publisher was held (not reading), another event of the same turn ended the hold, and the
     hang-up, served then, finished the connection with the publisher's packets unread."""
-    from twisted.internet import error, protocol
-    from twisted.python import failure
-
-    from sbus.seqpacket import SeqPacketTransport
-    from sbus.simulator import SimReactor
-
-    class Held(protocol.Protocol):
-        def __init__(self):
-            self.got = []
-            self.lost = False
-
-        def packetReceived(self, packet):
-            self.got.append(packet)
-
-        def connectionLost(self, reason):
-            self.lost = True
-
-    reactor = SimReactor()
-    ours, theirs = Kernel().pair(1 << 20, 1 << 20)
-    p = Held()
-    t = SeqPacketTransport(ours, p, reactor, max_packet=1 << 16, drain_cap=64)
-    p.makeConnection(t)
-    t.startReading()
-    t.pauseProducing()  # held
-    sent = [b"MSG k\0" + bytes([n]) for n in range(3)]
-    for packet in sent:
-        theirs.send(packet)
-    theirs.close()
-    assert ours.events() & HUP
-    t.resumeProducing()  # the hold ends in the same turn...
-    t.connectionLost(failure.Failure(error.ConnectionDone()))  # ...before the hang-up is served
-    for _ in range(10):
-        reactor.advance(0)
-    assert p.got == sent and p.lost
+    r = _Recorder(hold_first=False)
+    r.transport.pauseProducing()  # held
+    for packet in SENT:
+        r.peer.send(packet)
+    r.peer.close()
+    assert r.ours.events() & HUP
+    r.transport.resumeProducing()  # the hold ends in the same turn...
+    r.hang_up_served_now()  # ...before the hang-up is served
+    assert r.got == SENT and r.lost
