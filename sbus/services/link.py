@@ -103,7 +103,7 @@ order, and carries from then on. The window watches only while our bus
 answered a round trip since it connected, the peer is a current one and
 our ``--pattern`` set covers the peer's (we must see another path's copies).
 What the peer streams before it answers the ``link/sync`` sent when the window
-began to watch waits apart (`Link._watchFrom`): at a takeover, only what follows
+began to watch waits apart (`Link.watchFrom`): at a takeover, only what follows
 the last of it another path was seen delivering is published.
 
 **Restarts** (issue 23). What a half's bus published while that half was dead, only the bus
@@ -582,7 +582,7 @@ class PeerProtocol(Int32StringReceiver, TimeoutMixin):
         self.syncs: dict[int, tuple] = {}
         self.next_sync = 0
         #: The peer answered the `link/sync` sent when our window last began to watch our bus
-        #: (`Link._watchFrom`): what it streams now may be replayed at a takeover.
+        #: (`Link.watchFrom`): what it streams now may be replayed at a takeover.
         self.settled = False
         self.settle_sync: int | None = None
 
@@ -801,7 +801,7 @@ class Link(service.MultiService):
         self._takeovers = 0
         #: Messages from the peer not carried while the window could not watch, by direction.
         self.unwatched = Counter()
-        #: What the peer streamed before it settled (`_watchFrom`), apart from `window`, and its
+        #: What the peer streamed before it settled (`watchFrom`), apart from `window`, and its
         #: order; the deliveries by another path `window` had seen when we began to watch; how
         #: many of it takeovers published.
         self.unsettled = Window((PEER, BUS), max_messages=standby_window)
@@ -1031,7 +1031,7 @@ class Link(service.MultiService):
         if proto is self.local:
             self._bus_ready = True
             if self.peer is not None:
-                self._watchFrom(self.peer)
+                self.watchFrom(self.peer)
             self._noteWatched()
 
     def _noteWatched(self) -> None:
@@ -1304,7 +1304,7 @@ class Link(service.MultiService):
             peer.transport.pauseProducing()
         self._resetWindows()
         self._receiving = STANDBY
-        self._watchFrom(peer)
+        self.watchFrom(peer)
         self._sendState(peer)
         self._update()
         # the peer may not be on its own bus yet: its name there comes later ("is now")
@@ -1510,7 +1510,7 @@ class Link(service.MultiService):
         self.unsettled.reset()
         self._unsettled_order.clear()
 
-    def _watchFrom(self, peer: PeerProtocol) -> None:
+    def watchFrom(self, peer: PeerProtocol) -> None:
         """Our window begins to watch our bus now (the peer is new, our bus answered again, or we
         stop carrying). Another path's copy of what the peer streams next may have been read
         here already, unwatched: the peer read the original from its bus before we began, we
@@ -1540,7 +1540,7 @@ class Link(service.MultiService):
                        and peer.remote_forwarding is not False)
         if not carried:
             if self._receiving == CARRYING and peer is not None and peer.ready:
-                self._watchFrom(peer)   # our bus was not watched while we carried
+                self.watchFrom(peer)   # our bus was not watched while we carried
             self._receiving = STANDBY   # catching up: the window stays as it is
             return
         if self._receiving != STANDBY:
