@@ -31,6 +31,7 @@ REGRESSIONS = [
     (951464251630, "batch", "a drain that met end of file while held lost the held-back rest of its batch"),
     (951464249804, "batch", "(the model) a SUB taken during a drain was counted as refused"),
     (557144232817, "pure", "a hang-up polled while held, served after the hold ended, lost what was unread"),
+    (602717800530, "pure", "a drain placed every held-back message, uncharged, past the uid's cap"),
 ]
 
 
