@@ -158,6 +158,12 @@ SESSION = b"server/session"
 #: A session's holder says it has recorded the count its claim was told (docs/protocol.md
 #: "Sessions", "Confirming the count"): until then the server keeps it with the session.
 SESSION_CONFIRM = b"server/session-confirm"
+#: A request (docs/protocol.md "Sessions", "Is a session held?"): is a session of this uid held,
+#: and is its holder's peer still there? It claims nothing (a standby asks before it takes over).
+SESSION_HELD = b"server/session-held"
+#: Its answers: nobody holds it; a connection whose peer is there holds it; the holder's peer has
+#: closed and the server has not yet read all it sent (routed before the name is free); bad name.
+HELD_FREE, HELD_LIVE, HELD_CLOSING, HELD_REFUSED = "free", "held", "closing", "refused"
 
 
 def msg_key(packet: bytes) -> bytes:
@@ -252,6 +258,26 @@ def session_reply(name: bytes, state: bytes, missed: int = 0, gap: float = 0.0, 
     """The answer to a claim; `carried` is given (a sixth field) only to a claim that confirms."""
     packet = b"CMSG %s\0%s\0%s\0%d\0%.3f\0%.3f" % (SESSION, name, state, missed, gap, linger)
     return packet if carried is None else packet + b"\0%d" % carried
+
+
+def session_held_request(name: bytes) -> bytes:
+    """The CMSG that asks whether session `name` is held (`SESSION_HELD`)."""
+    return b"CMSG %s\0%s" % (SESSION_HELD, check_session_name(name))
+
+
+def session_held_reply(name: bytes, state: str) -> bytes:
+    """The answer to `session_held_request`: one of `HELD_FREE`, `HELD_LIVE`, `HELD_CLOSING`,
+    `HELD_REFUSED`."""
+    return b"CMSG %s\0%s\0%s" % (SESSION_HELD, name, state.encode("ascii"))
+
+
+def parse_session_held(payload: bytes | None) -> tuple[bytes, str]:
+    """``NAME\0STATE`` -> (name, state); `ProtocolError` if malformed or an unknown state."""
+    name, sep, state = (payload or b"").rpartition(b"\0")
+    text = state.decode("ascii", "replace")
+    if not sep or text not in (HELD_FREE, HELD_LIVE, HELD_CLOSING, HELD_REFUSED):
+        raise ProtocolError(f"malformed {SESSION_HELD.decode()} payload {bytes(payload or b'')[:60]!r}")
+    return name, text
 
 
 def parse_session_reply(payload: bytes | None) -> SessionReply:

@@ -141,6 +141,11 @@ class SessionTable:
             self._unconfirmed[client] = self._unconfirmed.get(client, 0) + ghost.missed
         return RESUMED, ghost
 
+    def holder(self, uid: int, name: bytes):
+        """The live connection holding `uid`'s session `name`, or None (lingering or unknown):
+        asked without claiming (``server/session-held``)."""
+        return self._held.get((uid, name))
+
     def confirm(self, client, name: bytes) -> int | None:
         """`client` recorded the count of its claim of `name`: the count it drops (0 if none was
         unconfirmed), or None if `client` does not hold `name`."""

@@ -290,6 +290,8 @@ class BrokerProtocol(protocol.Protocol):
                 self.factory.sessionRequested(self, packet[len(_SESSION) + 1:])
             elif key == codec.SESSION_CONFIRM:
                 self.factory.sessionConfirmed(self, packet[len(_SESSION_CONFIRM) + 1:])
+            elif key == codec.SESSION_HELD:
+                self.factory.sessionHeldAsked(self, packet.partition(b"\0")[2])
         else:
             clock = self.factory.work_clock
             t0 = clock()
@@ -1434,6 +1436,29 @@ class BrokerFactory(protocol.Factory):
         if self.sessions.confirm(client, name) is None:
             log.warn("server/session-confirm from {client}: it holds no session {name}",
                      client=client.label, name=_show(name[:200]))
+
+    def sessionHeldAsked(self, client: BrokerProtocol, name: bytes) -> None:
+        """`server/session-held`: is `client`'s uid's session `name` held, and is its holder's peer
+        still there? ``closing``: the peer has closed and what it sent is not all read yet (read
+        and routed before its end of file frees the name). Claims nothing."""
+        try:
+            codec.check_session_name(name)
+        except ValueError as e:
+            log.warn("server/session-held refused for {client}: {why}", client=client.label, why=str(e))
+            client.reply(codec.session_held_reply(name[:200], codec.HELD_REFUSED))
+            return
+        holder = self.sessions.holder(client.cred.uid, name)
+        state = codec.HELD_FREE
+        if holder is not None:
+            state = codec.HELD_LIVE
+            try:
+                poller = select.poll()
+                poller.register(holder.transport.fileno(), 0)   # POLLHUP is always reported
+                if any(ev & select.POLLHUP for _, ev in poller.poll(0)):
+                    state = codec.HELD_CLOSING
+            except (AttributeError, OSError, ValueError):
+                pass   # no socket to look at (a simulated one): live
+        client.reply(codec.session_held_reply(name, state))
 
     def _linger(self, client: BrokerProtocol, name: bytes, linger: float, carried: int) -> Lingering:
         """`client` closed holding session `name`: a stand-in takes over its patterns (not its
