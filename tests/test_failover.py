@@ -10,6 +10,7 @@ checks wait for the last message with generous timeouts (CI is a loaded 2-core m
 from __future__ import annotations
 
 import json
+import operator
 import re
 import signal
 import socket
@@ -565,3 +566,57 @@ def test_parallel_links_sigterm_of_the_forwarding_one_loses_nothing(start_bus, s
     run_flow(a.address, {"b": b.address}, lambda pub: active.listen.proc.terminate(), 1000)
     takeovers = [[int(x) for x in found] for h in standby.halves for found in LINK_TAKEOVER.findall(h.log())]
     assert takeovers and all(gap == 0 for _, gap in takeovers), takeovers
+
+
+#: Issue 34's held-back case: more than b's server queues for a subscriber that does not read
+#: (16,384 and its socket), so the active bridge's writes to b wait unread in b when it dies.
+HELD_BURST = 40000
+WAITED_OR_TOOK_OVER = re.compile(r"taking over: (forwarded \d+|side b's server has not yet read)")
+
+
+def most_queued(address: str) -> tuple[int, int]:
+    """The most packets the server at `address` holds queued for one connection, and its limit."""
+    with connect(address) as s:
+        send(s, b"CMSG server/stats")
+        st = json.loads(sync(s)[0].partition(b"\0")[2])
+    return max(q["queued_packets"] for q in st["queues"]), st["limits"]["queue_packets"]
+
+
+def test_takeover_waits_until_the_dead_actives_unread_writes_are_routed(start_bus, services):  # noqa: F811
+    """Issue 34 (41,028 of 41,000 in a loaded CI run): the active bridge is killed (-9) while bus
+    b holds its connection paused (a hard/block subscriber that does not read), with what it
+    wrote unread in b's socket. The standby's round trip through b came back before b had read
+    those: it replayed them, and b routed them twice once the subscriber read. Now the standby
+    asks b whether the active's session is still ``closing`` (server/session-held) and replays
+    only once it is free: every message arrives once, in order."""
+    a, b = start_bus(), start_bus()
+    pair = [bridge(services, a.address, b.address), bridge(services, a.address, b.address)]
+    settled(pair, forwarding=1)
+    armed(*pair)
+    active = next(x for x in pair if x.state() == "forwarding")
+    standby = next(x for x in pair if x is not active)
+    active.wait_log("side b: holding session")
+    prefix = f"f/{uuid.uuid4().hex[:6]}/".encode()
+    blocker = connect(b.address)
+    send(blocker, HARD_BLOCK, sub(prefix))
+    sync(blocker)
+    routed(a.address, blocker, prefix)
+    pub = SteadyPublisher(a.address, prefix, HELD_BURST, rate=1e9)
+    pub.start()
+    # Once the blocker's queue is full, b holds the active (hard/block); the active stops reading
+    # a when b leaves its writes unread (more than MAX_UNSENT wait in it): a queue on a from then
+    # on (the standby reads all, the publisher subscribes to nothing) means b's socket holds
+    # writes of the active unread.
+    wait_until(lambda: operator.ge(*most_queued(b.address)), "the blocker's queue full", DONE_TIMEOUT)
+    wait_until(lambda: most_queued(a.address)[0] >= 1000, "the active bridge held by b", DONE_TIMEOUT)
+    active.proc.kill()
+    standby.wait_log(WAITED_OR_TOOK_OVER, timeout=DONE_TIMEOUT)
+    receiver = Receiver(blocker, prefix)
+    receiver.start()
+    pub.join(DONE_TIMEOUT)
+    assert pub.error is None and pub.sent == HELD_BURST, (pub.error, pub.sent)
+    got = marker_across(a.address, prefix, HELD_BURST, receiver)
+    check_once_in_order("b", got, HELD_BURST)
+    replayed, *gap = takeover(standby)
+    assert gap == [0, 0]
+    assert "has not yet read what the old active path wrote" in standby.log()

@@ -163,6 +163,12 @@ SESSION_RETRY = 0.5
 #: a kill -9 loses what a bridge holds, counted by nobody (a lingering session counts only what
 #: the server still had), so we hold little; the kernel's socket buffer keeps the flow going.
 MAX_UNSENT = 64
+#: Taking over while a server has not yet read what the old active path wrote to it (its
+#: connection closed, its session ``closing``: flood control holds it paused): ask again this
+#: often, and go on after at most `RELEASE_WAIT` seconds (the servers' default ``--stall-timeout``,
+#: after which whoever holds it is disconnected, and a little more), saying duplicates may come.
+RELEASE_POLL = 0.1
+RELEASE_WAIT = 35.0
 #: Why a session's gap was lost: this process's first connection to a side (a restart), or a
 #: later one (our connection to that side broke while its server stayed up).
 GAP_REASONS = ("restart", "reconnect")
@@ -365,6 +371,8 @@ class BridgeService(service.Service):
         self.last_gap: dict[str, float | None] = {"a": None, "b": None}
         self._session_logged: dict[str, str | None] = {"a": None, "b": None}
         self._retry = None
+        #: The next `_catchUp` round while a server still reads the old active's writes.
+        self._release = None
         self._public_patterns: dict[str, list[bytes]] = {"a": [], "b": []}
         self.tree = None
         self.server_ids: dict[str, bytes] = {}
@@ -468,6 +476,8 @@ class BridgeService(service.Service):
         for loop in (self._loop, self._retry):
             if loop is not None and loop.running:
                 loop.stop()
+        if self._release is not None and self._release.active():
+            self._release.cancel()
         if self.tree is not None:
             self.tree.stop()
         ds = [c.stop() for c in self.clients.values()]
@@ -695,17 +705,51 @@ class BridgeService(service.Service):
             for side in SIDES:    # nothing watched (the window is empty): forward from now on
                 self._claim(side)
             return
-        # Read everything both servers delivered up to now before forwarding the window: then
-        # every copy the old path made has met its original (sbus.core.standby).
+        # Read everything both servers delivered up to one moment after the old path stopped
+        # before forwarding the window: then every copy it made has met its original
+        # (sbus.core.standby).
         self._catching_up = True
         self._takeovers += 1
-        generation = self._takeovers
-        protos = [self.clients[s].protocol for s in SIDES]
-        ds = [p.sync() for p in protos]
+        self._catchUp(self._takeovers, self.reactor.seconds() + RELEASE_WAIT, set())
 
-        def caught_up(_):
+    def _catchUp(self, generation: int, deadline: float, waited: set) -> None:
+        """One round of the catch-up: on each side, is our role's session still ``closing``
+        (`codec.SESSION_HELD`: the old active's connection is gone but the server has not read
+        all it wrote, e.g. held paused by a hard/block subscriber), then a round trip. Replay
+        once no side is closing (its writes are routed, its copies have met their originals),
+        or past `deadline`; else ask again in `RELEASE_POLL` s. `waited`: the sides said so."""
+        self._release = None
+        if generation != self._takeovers or not self._catching_up:
+            return
+        protos = {side: self.clients[side].protocol for side in SIDES}
+        states: dict[str, str] = {}
+        ds = []
+        try:
+            for side, proto in protos.items():
+                ask = proto.server_request(codec.SESSION_HELD, self.session_names[side])
+                ask.addCallback(lambda payload, side=side: states.__setitem__(
+                    side, codec.parse_session_held(payload)[1]))
+                ask.addErrback(lambda f: None)   # malformed, or the connection went: not closing
+                ds.append(proto.sync())           # a server that does not know it: no answer
+        except Exception:
+            ds.append(defer.fail(ConnectionError("a side went away")))
+
+        def answered(_):
             if generation != self._takeovers or not self._catching_up:
                 return
+            closing = sorted(side for side, state in states.items() if state == codec.HELD_CLOSING)
+            if closing and self.reactor.seconds() < deadline:
+                for side in set(closing) - waited:
+                    waited.add(side)
+                    log.info("taking over: side {side}'s server has not yet read what the old active "
+                             "path wrote to it (its session is closing); waiting up to {s:g} s for it",
+                             side=side, s=RELEASE_WAIT)
+                self._release = self.reactor.callLater(RELEASE_POLL, self._catchUp, generation, deadline, waited)
+                return
+            if closing:
+                log.warn("taking over: side(s) {sides} still hold the old active path's writes unread "
+                         "after {s:g} s; forwarding the window now: messages it wrote there may arrive "
+                         "twice", sides=",".join(closing), s=RELEASE_WAIT)
             self._catching_up = False
             if not self.tree.forwarding:
                 return
@@ -716,7 +760,7 @@ class BridgeService(service.Service):
                 self._catching_up = False
                 self.window.reset()   # a side went away: _lost counted what it could
 
-        defer.gatherResults(ds, consumeErrors=True).addCallbacks(caught_up, failed)
+        defer.gatherResults(ds, consumeErrors=True).addCallbacks(answered, failed)
 
     def _replay(self) -> None:
         out = self.window.drain()
