@@ -32,9 +32,13 @@ Assumptions (docs/deploy.md, "Failover without loss"):
   ``kill -9`` takes about 3 s. What falls out of it unpaired, newer than the last message the
   active path was seen delivering, is counted as ``gap`` at the next takeover: those messages
   may be lost.
-* A message the dead active wrote to a server that had not read it when the standby's round trip
-  came back arrives twice; the takeover comes seconds after the death, so the server has long
-  read it.
+* **What the dead active wrote is routed before the drain.** A server held paused by flood
+  control (a hard/block subscriber with a full queue) may not have read it when the round trip
+  comes back, seconds after the death or not; drained then, it would arrive twice. The bridge
+  therefore drains only once no server says the active's session is ``closing``
+  (``server/session-held``: its peer is gone, its packets not all read; `BridgeService._catchUp`),
+  bounded by `sbus.services.bridge.RELEASE_WAIT` with a warning past it. An active path that
+  held no session there (died before claiming it, ``--session-linger 0``) is not waited for.
 """
 
 from __future__ import annotations
