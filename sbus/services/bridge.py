@@ -76,9 +76,11 @@ Standing by, taking over
 While the spanning tree keeps this bridge standing by (another path joins
 its buses), it forwards nothing but watches: `sbus.core.standby.Window`
 pairs what it sees on one side with the active path's copy arriving on the
-other. When the tree makes it forward, it reads both servers up to a whoami
-round trip, forwards what the old path had not delivered, in order, and then
-everything new. The assumptions (identical messages, the window's bounds,
+other. When the tree makes it forward, it waits until no server says the
+role's session is ``closing`` (``server/session-held``: the dead active's
+writes still unread there, held by flood control), reads both servers up to a
+whoami round trip, forwards what the old path had not delivered, in order,
+and then everything new. The assumptions (identical messages, the window's bounds,
 100,000 messages and 64 MiB) and their counters (``failover_gap``,
 ``skipped_by_active``) are in docs/deploy.md, "Failover without loss".
 
