@@ -43,25 +43,29 @@ import html
 import json
 import math
 import os
+import threading
 import time
 
-from .spark import is_remote, local_path, window_aggregates
+from .spark import is_remote, local_path, window_aggregates, with_prefix
 
 PERCENTILES = (0.5, 0.9, 0.99)
 SUMMARY_PERCENTILES = (0.5, 0.9, 0.99, 0.999)
 TABLES = ("windows", "window_stats", "top_keys", "size_hist", "summary")
 
 
-#: The one Spark pass (`compute`) groups every row two ways at once (Spark's grouping sets);
+#: The one Spark pass (`compute`) groups every row three ways at once (Spark's grouping sets);
 #: each output row belongs to one set, told by its ``gid`` (Spark's ``grouping_id()``). Every
 #: column of a row's kind is a grouping column and the only aggregates are a count, a sum and a
 #: min and max, so Spark's aggregation does little per row (issue 35: the report's pass was over
-#: twice a bare scan's time with three sets of nine aggregates); `derive` sums the rest.
-GROUP_COLS = ("w_us", "size", "dropped", "sec_us", "key")
+#: twice a bare scan's time with three sets of nine aggregates); `derive` sums the rest. The
+#: per-key figures are grouped by prefix in Spark, not brought to the driver per (second, key):
+#: half the rows to fetch (issue 35: ~400,000 for 1,000,000 messages, then ~210,000).
+GROUP_COLS = ("w_us", "size", "dropped", "sec_us", "prefix", "key")
 SETS = {"sizes": ("w_us", "size", "dropped"),  # per window, payload size and kind: window_stats,
         # size_hist, the summary; and the windows table's row of the drop and gap rows
-        "keys": ("w_us", "sec_us", "key")}  # per window, second and key of the messages: the
-# windows table (by the keys' prefixes), the busiest second, top_keys
+        "prefixes": ("w_us", "sec_us", "prefix"),  # per window, second and key prefix of the
+        # messages: the windows table, the busiest second
+        "keys": ("key",)}  # per key of the messages: top_keys, the distinct keys
 
 
 def _gid(name: str) -> int:
@@ -82,13 +86,14 @@ def compute(spark, directory: str, window_seconds: float, depth: int = 1):
     """The report's one pass over the recording: a DataFrame of counts (`derive` builds the
     tables from it, in Python), and the recording's DataFrame (for a chart in other windows).
 
-    Every row is counted in two groupings (`SETS`) in one aggregation: per (window, payload
+    Every row is counted in three groupings (`SETS`) in one aggregation: per (window, payload
     size, ``dropped``), so per-window and overall exact percentiles, the histogram, the totals
     and the known losses follow from counts (``dropped``: 0 a message, N > 0 a drop row, -1 a
-    gap row); per (window, second, key) of the messages, so the windows table (each key's prefix
-    is taken in `derive`), the per-second rates and the busiest keys. The driver gets a row per
-    group: with many distinct keys or sizes per window that grows, never beyond twice the
-    recording's rows. ``first``/``last`` (µs) are the group's earliest and latest times."""
+    gap row); per (window, second, key prefix) of the messages (`with_prefix`), so the windows
+    table and the per-second rates; per key of the messages, so the busiest keys. The driver
+    gets a row per group: with many distinct keys or sizes per window that grows, never beyond
+    three times the recording's rows. ``first``/``last`` (µs) are the group's earliest and
+    latest times."""
     from pyspark.sql import functions as F
 
     from .units import spark_interval
@@ -99,9 +104,9 @@ def compute(spark, directory: str, window_seconds: float, depth: int = 1):
     spark_interval(window_seconds)  # (refuses a window of 0)
     width = round(window_seconds * 1000) * 1000
     us = F.unix_micros("recv_time")
-    rows = df.select(
+    rows = with_prefix(df, depth).select(
         (us - F.pmod(us, F.lit(width))).alias("w_us"), "size", "dropped",  # (F.window's start, as a number)
-        (us - F.pmod(us, F.lit(1_000_000))).alias("sec_us"),
+        (us - F.pmod(us, F.lit(1_000_000))).alias("sec_us"), "prefix",
         F.when(F.col("dropped") == 0, F.col("key").cast("string")).alias("key"), us.alias("us"))
     parts = rows.groupingSets([list(s) for s in SETS.values()], *GROUP_COLS).agg(
         F.grouping_id().alias("gid"), F.count(F.lit(1)).alias("rows"), F.sum("size").alias("bytes"),
@@ -161,18 +166,6 @@ def group_percentiles(values, counts, starts, ps):
     return out
 
 
-def prefixes(keys, depth: int):
-    """Each key's prefix (pyarrow strings): its first `depth` '/'-separated parts, as Spark's
-    ``substring_index(key, '/', depth)`` (`with_prefix`); "" for a depth of 0."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    if depth == 0:
-        return pa.array([""] * len(keys), pa.string())
-    parts = pc.list_slice(pc.split_pattern(keys, "/", max_splits=depth), 0, depth)
-    return pc.binary_join(parts, "/")
-
-
 def derive(parts, window_seconds: float, depth: int, top: int, gaps=()) -> tuple:
     """The report's tables from `compute`'s counts (a pyarrow Table): {name: pyarrow Table},
     ``size_counts`` [(size, messages)] and the summary's row (a dict). Exactly what Spark's
@@ -213,9 +206,8 @@ def derive(parts, window_seconds: float, depth: int, top: int, gaps=()) -> tuple
     has_other = per_window(other, n) > 0
 
     # windows: per (window, prefix) of the messages, and a row (prefix NULL) of a window's drop and gap rows
-    k = part("keys").filter(pc.is_valid(part("keys").column("key")))
-    kw = k.append_column("prefix", prefixes(k.column("key"), depth)).group_by(
-        ["w_us", "prefix"], use_threads=False).aggregate([("rows", "sum"), ("bytes", "sum")])
+    k = part("prefixes").filter(pc.is_valid(part("prefixes").column("prefix")))
+    kw = k.group_by(["w_us", "prefix"], use_threads=False).aggregate([("rows", "sum"), ("bytes", "sum")])
     ow = wins[has_other]
     w_us = np.concatenate((kw.column("w_us").to_numpy(zero_copy_only=False).astype(np.int64), ow))
     windows = pa.table({
@@ -277,7 +269,8 @@ def derive(parts, window_seconds: float, depth: int, top: int, gaps=()) -> tuple
         best = np.lexsort((us_s, -n_s))[0]
         peak_second, peak_n = _from_us(int(us_s[best])), int(n_s[best])
         peak_b = int(pc.max(sec.column("bytes_sum")).as_py())
-    keys = k.group_by("key", use_threads=False).aggregate([("rows", "sum"), ("bytes", "sum")])
+    keys = part("keys").filter(pc.is_valid(part("keys").column("key"))).rename_columns(
+        {"rows": "rows_sum", "bytes": "bytes_sum"})
     order = pc.sort_indices(keys, sort_keys=[("rows_sum", "descending"), ("bytes_sum", "descending"),
                                              ("key", "ascending")])  # (strings: by their bytes, as Spark)
     best = keys.take(order[:top])
@@ -505,6 +498,8 @@ def run(spark, directory: str, out: str, *, window_seconds: float = 60.0, depth:
 
     if shuffle_partitions:
         spark.conf.set("spark.sql.shuffle.partitions", str(int(shuffle_partitions)))
+    charting = threading.Thread(target=_import_charting, name="sbus-report-matplotlib", daemon=True)
+    charting.start()  # while this thread waits for Spark (issue 35: the import took 1-1.5 s after it)
     gaps = read_gaps(spark, directory)
     took("gaps")
     intervals = [(g["from"], g["to"]) for g in gaps]
@@ -544,6 +539,7 @@ def run(spark, directory: str, out: str, *, window_seconds: float = 60.0, depth:
         took("chart_windows")
     html_dir = html_dir or local_path(out)
     makedirs_private(html_dir)
+    charting.join()
     summary["compute_seconds"] = round(time.monotonic() - t0, 2)
     write_html(html_dir, directory, collected, window_seconds, depth, top_prefixes, chart_w)
     text = headline_text(summary)
@@ -554,6 +550,19 @@ def run(spark, directory: str, out: str, *, window_seconds: float = 60.0, depth:
         json.dump(timings, f, indent=1)
     log(text)
     return summary
+
+
+def _import_charting() -> None:
+    """Import what `write_html` draws with (matplotlib, its Agg backend): started beside the Spark
+    job, whose wait leaves this process idle. A failure is left for `write_html` to raise."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.dates  # noqa: F401
+        import matplotlib.pyplot  # noqa: F401
+    except Exception:
+        pass
 
 
 #: Window lengths the rate chart may use (seconds).
