@@ -167,8 +167,9 @@ SESSION_RETRY = 0.5
 MAX_UNSENT = 64
 #: Taking over while a server has not yet read what the old active path wrote to it (its
 #: connection closed, its session ``closing``: flood control holds it paused): ask again this
-#: often, and go on after at most `RELEASE_WAIT` seconds (the servers' default ``--stall-timeout``,
-#: after which whoever holds it is disconnected, and a little more), saying duplicates may come.
+#: often, and go on after at most `RELEASE_WAIT` seconds (``--takeover-wait``; the servers'
+#: default ``--stall-timeout``, after which whoever holds it is disconnected, and a little more),
+#: saying duplicates may come.
 RELEASE_POLL = 0.1
 RELEASE_WAIT = 35.0
 #: Why a session's gap was lost: this process's first connection to a side (a restart), or a
@@ -323,7 +324,7 @@ class BridgeService(service.Service):
                  initial_delay: float = 0.1, max_delay: float = 10.0,
                  max_packet: int = MAX_PACKET, reactor=None, users: dict | None = None,
                  spanning_tree: bool = True, trusted_uids=(), standby_window: int = MAX_MESSAGES,
-                 session_linger: float = DEFAULT_LINGER):
+                 session_linger: float = DEFAULT_LINGER, takeover_wait: float = RELEASE_WAIT):
         if not rules:
             raise ValueError("a bridge needs at least one rule")
         self.address = {"a": a, "b": b}
@@ -367,6 +368,8 @@ class BridgeService(service.Service):
         #: ``server/session`` (docs/deploy.md, "Restarted: its gap counted"): seconds it lingers
         #: (0: none); per side, its name, whether this process held it before, what the gaps lost.
         self.session_linger = session_linger
+        #: Seconds a takeover waits for a server to read the dead active's writes (`_catchUp`).
+        self.takeover_wait = takeover_wait
         self.session_names = {side: self.roleName(side) for side in SIDES}
         self._held_before = {"a": False, "b": False}
         self.gap_lost = {reason: {"a": 0, "b": 0} for reason in GAP_REASONS}
@@ -712,7 +715,7 @@ class BridgeService(service.Service):
         # (sbus.core.standby).
         self._catching_up = True
         self._takeovers += 1
-        self._catchUp(self._takeovers, self.reactor.seconds() + RELEASE_WAIT, set())
+        self._catchUp(self._takeovers, self.reactor.seconds() + self.takeover_wait, set())
 
     def _catchUp(self, generation: int, deadline: float, waited: set) -> None:
         """One round of the catch-up: on each side, is our role's session still ``closing``
@@ -745,13 +748,13 @@ class BridgeService(service.Service):
                     waited.add(side)
                     log.info("taking over: side {side}'s server has not yet read what the old active "
                              "path wrote to it (its session is closing); waiting up to {s:g} s for it",
-                             side=side, s=RELEASE_WAIT)
+                             side=side, s=self.takeover_wait)
                 self._release = self.reactor.callLater(RELEASE_POLL, self._catchUp, generation, deadline, waited)
                 return
             if closing:
                 log.warn("taking over: side(s) {sides} still hold the old active path's writes unread "
                          "after {s:g} s; forwarding the window now: messages it wrote there may arrive "
-                         "twice", sides=",".join(closing), s=RELEASE_WAIT)
+                         "twice", sides=",".join(closing), s=self.takeover_wait)
             self._catching_up = False
             if not self.tree.forwarding:
                 return
@@ -1028,6 +1031,9 @@ class Options(RespelledOptions):
         ["standby-window", None, str(MAX_MESSAGES), "Standing by, remember at most this many messages "
                                                     "the active path has not yet delivered (forwarded "
                                                     "if we take over; see docs/deploy.md)."],
+        ["takeover-wait", None, f"{RELEASE_WAIT:g}", "Taking over, wait at most this many seconds for a "
+                                                     "server to read what the dead active bridge wrote "
+                                                     "to it (0: never wait; see docs/deploy.md)."],
     ]
     optFlags = [
         ["no-spanning-tree", None, "Forward always, taking no part in the spanning tree (only for a "
@@ -1085,12 +1091,12 @@ class Options(RespelledOptions):
             self["standby-window"] = parse_size(self["standby-window"])
         except ValueError as e:
             raise usage.UsageError(str(e)) from None
-        for name in ("stats-interval", "max-delay", "session-linger"):
+        for name in ("stats-interval", "max-delay", "session-linger", "takeover-wait"):
             try:
                 value = float(self[name])
             except ValueError:
                 raise usage.UsageError(f"--{name}: not a number: {self[name]!r}") from None
-            if name == "session-linger":
+            if name in ("session-linger", "takeover-wait"):
                 if not 0 <= value < float("inf"):
                     raise usage.UsageError(f"--{name}: must be 0 or more seconds")
             elif not value > 0:
@@ -1122,4 +1128,5 @@ def makeService(options) -> BridgeService:
                          users={"a": options["a-user"], "b": options["b-user"]},
                          spanning_tree=not options["no-spanning-tree"],
                          trusted_uids=options["trust-uids"], standby_window=options["standby-window"],
-                         session_linger=options["session-linger"])
+                         session_linger=options["session-linger"],
+                         takeover_wait=options["takeover-wait"])
