@@ -14,7 +14,11 @@ States:
   connected). Nothing carried.
 * ``STANDBY``: both sides watched, another path carries: the window fills.
 * ``CATCHING_UP``: the flow is ours; round trips through both servers are under way (`SYNC`),
-  so that every copy the old path made meets its original before we forward the rest.
+  so that every copy the old path made meets its original before we forward the rest. A round
+  trip alone comes back before a server has read what a dead path wrote while flood control
+  held its connection paused: where the old path held the role's session on a server, `SYNC`
+  first waits (bounded) until that server no longer says it is ``closing``
+  (``server/session-held``; `sbus.services.bridge.BridgeService._catchUp` does so).
 * ``DELIVERING``: carrying; what the window held is written (`REPLAY`), and a round trip after
   it (`FLUSH`) is under way. Only when it is back has the window reached the servers: then, and
   not before, we claim the role's session (`CLAIM`), so that a kill before that leaves the old
