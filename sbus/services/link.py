@@ -20,8 +20,9 @@ the sender's previous peer connection went down, see "Restarts") and ``CMSG link
 also: ``CMSG link/state\0{"forwarding": bool}`` (the sender's spanning-tree state, at link
 up and each change), ``CMSG link/seen\0KEY\0PAYLOAD`` (a message of the sender's bus it does
 not carry because it stands by: watched, never published), ``CMSG link/ack\0N`` (the first
-N MSG frames of this connection are handled: published, and the bus answered a round trip
-after them, or counted as dropped), ``CMSG link/sync\0N`` / ``CMSG link/synced\0N`` (a round
+N MSG frames of this connection are handled: published, that is, out of the process into its
+bus's socket, which the bus reads to its end even after a ``kill -9`` of the writer, or counted
+as dropped), ``CMSG link/sync\0N`` / ``CMSG link/synced\0N`` (a round
 trip through the other half's bus). Unknown control frames are ignored.
 A frame over ``--max-packet`` is refused with one log line and the
 connection is closed; a sender never sends a frame over the peer's announced
@@ -86,8 +87,8 @@ through a link who could not open its socket.
 (``drops.peer_down``); while the bus is not connected, messages from the
 peer are dropped (``drops.bus_down``). When the connection dies, what we
 sent that the peer had not acknowledged is counted as ``drops.in_flight``
-(it may have published up to one bus round trip's worth of it: counted
-lost, never uncounted). A half stops reading its bus while ``MAX_UNACKED``
+(what it acknowledged had left it for its bus's socket: exact, but for an
+acknowledgement on its way when the connection died). A half stops reading its bus while ``MAX_UNACKED``
 messages (or ``MAX_UNACKED_BYTES``) await the peer's acknowledgement: what a ``kill -9`` finds in the
 half nobody counts, what waits in the bus's server its session counts.
 
@@ -185,7 +186,7 @@ SYNCED = b"link/synced"
 #: by); never published, only watched (the other half keeps the window of its direction).
 SEEN = b"link/seen"
 #: ``link/ack\0N``: the first N messages the peer sent on this connection are handled here
-#: (published on our bus, which answered a round trip after them, or counted as dropped).
+#: (published: out of this process into our bus's socket, or counted as dropped).
 ACK = b"link/ack"
 #: Messages sent to the peer and not yet acknowledged (``link/ack``) before we stop reading our
 #: bus: a kill -9 loses what a half holds for its peer (its queue, its socket) with nobody
@@ -529,6 +530,9 @@ class Options(RespelledOptions):
 class LocalProtocol(SbusProtocol):
     link: "Link | None" = None
 
+    def outboxDrained(self) -> None:
+        self.link.handedOn(self)
+
     def packetReceived(self, packet: bytes) -> None:
         if packet[:4] == b"MSG ":
             end = packet.find(b"\0", 4)
@@ -565,11 +569,12 @@ class PeerProtocol(Int32StringReceiver, TimeoutMixin):
         self.bytes_sent = 0
         self.bytes_acked = 0
         self.marks: deque = deque()
-        #: MSG frames received from the peer, the count last acknowledged, and whether an
-        #: acknowledgement's bus round trip is under way.
+        #: MSG frames received from the peer, the count last acknowledged, and (N, P): the first
+        #: N have left this process once our bus transport's `packets_out` reaches P (what our
+        #: queue toward the bus held then), oldest first (`Link.acknowledge`).
         self.msgs_in = 0
         self.ack_sent = 0
-        self.ack_busy = False
+        self.unhanded: deque = deque()
         #: The peer's spanning-tree state (None: not said yet, or an older peer).
         self.remote_forwarding: bool | None = None
         #: The peer's export patterns (its hello), None: not said.
@@ -1044,6 +1049,8 @@ class Link(service.MultiService):
     def busDown(self, reason):
         self.local = None
         self._bus_ready = False
+        if self.peer is not None:   # what waited in the lost connection's queue: as before, ours
+            self.acknowledge(self.peer)
         self._resetWindows()
         self.tree.port_down(BUS_PORT)
         if self._peer_paused:
@@ -1155,7 +1162,7 @@ class Link(service.MultiService):
                            or peer.bytes_sent - peer.bytes_acked >= MAX_UNACKED_BYTES)
                 and peer.msgs_in == peer.ack_sent and "acks" not in self._local_holds):
             # the rest waits in our bus's server, which counts it; not while we owe the peer
-            # acknowledgements: ours need our bus's answer (both halves held would wait forever)
+            # acknowledgements (ours wait only for our queue toward our bus: never held long)
             self._pauseLocal("acks")
 
     def _replyKey(self, asker: bytes) -> bytes | None:
@@ -1344,7 +1351,11 @@ class Link(service.MultiService):
                 self.standby["from_remote"] += 1
                 self._intoWindow(peer, key, frame[end + 1:])
                 return None
-            local.transport.write(frame)
+            out = local.transport
+            before = out.packets_out + out.queued()   # the frames before it: out once this is
+            out.write(frame)
+            if out.queued() and peer.acks:
+                peer.unhanded.append((peer.msgs_in - 1, before))
             self.from_remote += 1
             return None
         if frame[:5] == b"CMSG ":
@@ -1412,30 +1423,42 @@ class Link(service.MultiService):
     # -- acknowledgements: what the peer handled, so that a dead peer's share is counted
 
     def acknowledge(self, peer: PeerProtocol) -> None:
-        """Tell the peer how many of its messages we handled, once our bus answered a round trip
-        after them (then they are on the bus); one round trip at a time."""
-        if "acks" in self._local_holds and peer is self.peer:
-            self._resumeLocal("acks")   # our acknowledgement needs our bus's answer: read it
-        if peer.ack_busy or not peer.acks or peer is not self.peer:
+        """Tell the peer how many of its messages we handled, once all we published of them has
+        left this process for our bus's socket: the bus reads a socket to its end, a killed
+        writer's too, so a ``kill -9`` of ours loses none of them, and the peer counts exactly
+        what we never handed on (``in_flight``). Waiting for our bus's answer to a round trip
+        instead, a half stopped and killed under load had published the last one or two round
+        trips' worth and they were counted lost too (119 of 8,000 over: issue 34)."""
+        if peer is not self.peer or not peer.acks:
             return
-        n = peer.msgs_in
         local = self.local
         if local is None:       # dropped as bus_down (counted here): handled
-            self._sendAck(peer, n)
+            peer.unhanded.clear()
+            self._sendAck(peer, peer.msgs_in)
             return
-        peer.ack_busy = True
+        queued = local.transport.queued()
+        if queued and (not peer.unhanded or peer.unhanded[-1][0] != peer.msgs_in):
+            peer.unhanded.append((peer.msgs_in, local.transport.packets_out + queued))
+        self.handedOn(local)
 
-        def done(_):
-            peer.ack_busy = False
-            if self.local is local:
-                self._sendAck(peer, n)
-            if peer.msgs_in != peer.ack_sent:
-                self.acknowledge(peer)
-
-        local.sync().addBoth(done)
+    def handedOn(self, local: LocalProtocol) -> None:
+        """Our queue toward the bus moved or emptied (`LocalProtocol.outboxDrained`):
+        acknowledge what has left it."""
+        peer = self.peer
+        if peer is None or local is not self.local or not peer.acks:
+            return
+        if not local.transport.queued():
+            peer.unhanded.clear()
+            self._sendAck(peer, peer.msgs_in)
+            return
+        written, n = local.transport.packets_out, None
+        while peer.unhanded and peer.unhanded[0][1] <= written:
+            n = peer.unhanded.popleft()[0]
+        if n is not None:
+            self._sendAck(peer, n)
 
     def _sendAck(self, peer: PeerProtocol, n: int) -> None:
-        if n != peer.ack_sent:
+        if n > peer.ack_sent:
             peer.ack_sent = n
             peer.sendFrame(b"CMSG " + ACK + b"\0%d" % n)
 
