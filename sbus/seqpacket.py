@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import select
 import socket
 import struct
 import termios
@@ -258,6 +259,16 @@ class SeqPacketTransport:
             return struct.unpack("i", fcntl.ioctl(self._fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0]
         except OSError:
             return 0
+
+    def peerClosed(self) -> bool:
+        """Has the peer closed its end (the kernel reports a hang-up), while what it sent may
+        still wait unread? Asked by `server/session-held`, never on the hot path."""
+        try:
+            poller = select.poll()
+            poller.register(self._fd, 0)  # (POLLHUP is always reported)
+            return any(ev & select.POLLHUP for _, ev in poller.poll(0))
+        except (OSError, ValueError):
+            return False
 
     # -- startup / descriptors
 

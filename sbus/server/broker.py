@@ -1450,14 +1450,7 @@ class BrokerFactory(protocol.Factory):
         holder = self.sessions.holder(client.cred.uid, name)
         state = codec.HELD_FREE
         if holder is not None:
-            state = codec.HELD_LIVE
-            try:
-                poller = select.poll()
-                poller.register(holder.transport.fileno(), 0)   # POLLHUP is always reported
-                if any(ev & select.POLLHUP for _, ev in poller.poll(0)):
-                    state = codec.HELD_CLOSING
-            except (AttributeError, OSError, ValueError):
-                pass   # no socket to look at (a simulated one): live
+            state = codec.HELD_CLOSING if holder.transport.peerClosed() else codec.HELD_LIVE
         client.reply(codec.session_held_reply(name, state))
 
     def _linger(self, client: BrokerProtocol, name: bytes, linger: float, carried: int) -> Lingering:
