@@ -204,11 +204,6 @@ MAX_UNACKED = 1024
 #: each bounds it as before (254 there; 1,024: 0.19-0.21 of direct against 0.20-0.22 for 2,048,
 #: same runs).
 MAX_UNACKED_BYTES = 128 << 10
-#: Bytes that may wait in this process for the peer's socket before we stop reading our bus
-#: (Twisted's default is 64 KiB: about 1,400 small messages a ``kill -9`` of this half lost
-#: uncounted, 1,152 of 9,000 in a loaded CI run). The kernel's socket buffer keeps the flow;
-#: what we do not read waits in our bus's server, which counts it for our session.
-PEER_WRITE_BUFFER = 8 << 10
 #: How often `PeerProtocol.marks` records what was sent (bytes acknowledged are known to a mark).
 _MARK_EVERY = 16
 #: Default --session-linger, seconds (the server clamps it to its --max-session-linger).
@@ -690,14 +685,6 @@ class PeerFactory(protocol.Factory):
 
     def buildProtocol(self, addr):
         return PeerProtocol(self.link)
-
-
-def _holdLittle(transport) -> None:
-    """Pause our bus once `PEER_WRITE_BUFFER` bytes wait in this process for `transport` (over
-    TLS they wait below it, encrypted: its transport's buffer decides)."""
-    for t in (transport, getattr(transport, "transport", None)):
-        if t is not None and hasattr(t, "bufferSize"):
-            t.bufferSize = PEER_WRITE_BUFFER
 
 
 @implementer(IPushProducer)
@@ -1324,7 +1311,6 @@ class Link(service.MultiService):
             self._resumeLocal("acks")
         peer.ready = True
         self.tree.port_up(PEER_PORT)
-        _holdLittle(peer.transport)
         peer.transport.registerProducer(_Pauser(self._pauseLocal, self._resumeLocal), True)
         if self._peer_paused:
             peer.transport.pauseProducing()
