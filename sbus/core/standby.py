@@ -36,7 +36,7 @@ Assumptions (docs/deploy.md, "Failover without loss"):
   control (a hard/block subscriber with a full queue) may not have read it when the round trip
   comes back, seconds after the death or not; drained then, it would arrive twice. The bridge
   therefore drains only once no server says the active's session is ``closing``
-  (``server/session-held``: its peer is gone, its packets not all read; `BridgeService._catchUp`),
+  (``server/session-held``: its peer is gone, its packets not all read; the bridge asks it at each takeover),
   bounded by `sbus.services.bridge.RELEASE_WAIT` with a warning past it. An active path that
   held no session there (died before claiming it, ``--session-linger 0``) is not waited for.
 """

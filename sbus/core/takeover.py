@@ -18,7 +18,7 @@ States:
   trip alone comes back before a server has read what a dead path wrote while flood control
   held its connection paused: where the old path held the role's session on a server, `SYNC`
   first waits (bounded) until that server no longer says it is ``closing``
-  (``server/session-held``; `sbus.services.bridge.BridgeService._catchUp` does so).
+  (``server/session-held``; the bridge does so at each takeover).
 * ``DELIVERING``: carrying; what the window held is written (`REPLAY`), and a round trip after
   it (`FLUSH`) is under way. Only when it is back has the window reached the servers: then, and
   not before, we claim the role's session (`CLAIM`), so that a kill before that leaves the old
