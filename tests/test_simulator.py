@@ -32,6 +32,7 @@ REGRESSIONS = [
     (951464249804, "batch", "(the model) a SUB taken during a drain was counted as refused"),
     (557144232817, "pure", "a hang-up polled while held, served after the hold ended, lost what was unread"),
     (602717800530, "pure", "a drain placed every held-back message, uncharged, past the uid's cap"),
+    (477000854985, "pure", "(the simulator) a stale hang-up served to a descriptor out of both tables cut a drain off"),
 ]
 
 
