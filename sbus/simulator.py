@@ -995,7 +995,9 @@ class Simulation:
         c.gone = True
         self.note("gone", c.n)
         self.step_packets += len(c.subs)  # a stand-in takes its patterns over (invariant 10)
-        if c.session is not None:
+        if c.session is not None and self.holders.get((c.cred.uid, c.session)) is c:
+            # (a claim whose answer, busy, was never read leaves `c.session` set: the stand-in
+            # is its holder's, found by seed 1068361570750)
             name = (c.cred.uid, c.session)
             ghost = self.factory.sessions.lingering()
             standing = [g for g in ghost if (g.uid, g.name) == name]

@@ -33,6 +33,7 @@ REGRESSIONS = [
     (557144232817, "pure", "a hang-up polled while held, served after the hold ended, lost what was unread"),
     (602717800530, "pure", "a drain placed every held-back message, uncharged, past the uid's cap"),
     (477000854985, "pure", "(the simulator) a stale hang-up served to a descriptor out of both tables cut a drain off"),
+    (1068361570750, "pure", "(the model) a client whose claim was answered busy, unread, took its holder's stand-in"),
 ]
 
 
