@@ -65,6 +65,9 @@ itself one client of the master:
   up pauses reading from the master (then the master's flood settings for
   the relay apply). Upward: when more than ``--queue-bytes`` wait to go to
   the master, the local publishers feeding it are paused until it drains.
+  Little stays in the relay's memory, where a kill -9 loses it uncounted:
+  past a few read batches queued for a local client in a ``block`` mode, the
+  relay stops reading the master until that queue is sent (`Backlog`).
 
 * **Restarted: the gap counted.** The relay holds a ``server/session`` on its master named
   after the socket it serves. When it dies, its clients' patterns linger on the master and
@@ -99,7 +102,7 @@ from sbus.client import address as client_address
 from sbus.client.socketwatch import link_refusal, symlink_refusal
 from sbus.client.twisted import ReconnectingClient, SbusProtocol, connect_socket, parse_whoami
 from sbus.core.credentials import SECRET_ROOT, secret_prefix, whoami
-from sbus.core.flood import Outbox
+from sbus.core.flood import BLOCK, Outbox
 from sbus.core.pausing import Holds, Pauses
 from sbus.core.topology import CHANGE_KEY
 from sbus.interfaces import IUpstream
@@ -224,16 +227,132 @@ class UpstreamProtocol(SbusProtocol):
         self.relay.upstreamDrained(self)
 
     def readBatchDone(self) -> None:
-        """What the master sent in one wakeup is queued for local clients: send it."""
-        factory = self.relay.factory
+        """What the master sent in one wakeup is queued for local clients: send it, and stop
+        reading the master while too much of it stays queued here (`Backlog`)."""
+        relay = self.relay
+        factory = relay.factory
         if factory is not None:
+            queued = factory.dirty[:]  # (the local clients this batch queued for)
             factory.flushDirty(self)
+            if queued and self is relay.up:
+                relay.backlog.check(queued, self.pauses)
 
     def unsolicitedControl(self, key: bytes, payload: bytes | None) -> None:
         if key == RELAY_WHOAMI and payload:
             self.relay.whoamiChanged(self, payload)
         elif key == b"server/disconnect" and payload:
             self.relay.disconnect_reason = payload.replace(b"\0", b": ", 1).decode("utf-8", "replace")[:300]
+
+
+#: What may wait in the relay's own memory for one local connection in a `block` mode before the
+#: relay stops reading its master (four read batches of 64): the rest waits on the master, where
+#: a kill -9 of the relay is counted by its session (`Backlog`).
+BACKLOG_BYTES = 64 << 10
+BACKLOG_PACKETS = 256
+
+
+class _DrainWatch:
+    """A pull producer on a local client's transport: the transport asks it for more
+    (`resumeProducing`) when it has sent everything queued, and stops it when it closes."""
+
+    __slots__ = ("backlog", "client")
+
+    def __init__(self, backlog: "Backlog", client):
+        self.backlog = backlog
+        self.client = client
+
+    def resumeProducing(self) -> None:
+        self.backlog.drained(self.client)
+
+    def stopProducing(self) -> None:
+        self.backlog.drained(self.client)
+
+    def pauseProducing(self) -> None:
+        pass
+
+
+class Backlog:
+    """Keeps what the master sends out of the relay's memory: a local connection in a `block`
+    mode (a relay below, a lossless subscriber) would otherwise hold the master's feed only when
+    its queue here is full (16,384 packets), and all of that dies with the relay uncounted. Past
+    `BACKLOG_BYTES` or `BACKLOG_PACKETS` queued for one, the relay stops reading the master until
+    that queue has been sent; the master keeps the rest (hard/block) and its session counts it at
+    a kill (what its kernel buffered for us, unread, it cannot). Connections in a drop mode never
+    hold it. One that keeps it held `patience` seconds (half the stall timeout) is let be until
+    its queue is small again: the bus's own cap and stall budget then apply to it, as to any
+    client, so a stuck reader stops the relay at most `patience` longer than before, and is
+    still disconnected as ``stalled``."""
+
+    def __init__(self, reactor, patience: float):
+        self.reactor = reactor
+        self.patience = patience
+        #: Local clients whose queue the relay waits to see sent, each with its watch.
+        self.waiting: dict = {}
+        #: Clients that held the relay past `patience`, let be until their queue is small.
+        self.exempt: set = set()
+        #: The master connection's `Pauses` while held, and the call that ends our patience.
+        self.pauses = None
+        self.timer = None
+        #: Times the relay stopped reading its master for a backlog; clients let be for holding too long.
+        self.holds = 0
+        self.let_be = 0
+
+    def check(self, clients, pauses) -> None:
+        """After a read batch from the master: hold it if one of `clients` has too much queued."""
+        if self.exempt:
+            self.exempt = {c for c in self.exempt if c.connected}
+        for client in clients:
+            out = client.outbox
+            if (out.hard != BLOCK and out.soft != BLOCK) or client in self.waiting:
+                continue
+            if out.nbytes <= BACKLOG_BYTES and len(out) <= BACKLOG_PACKETS:
+                self.exempt.discard(client)
+                continue
+            transport = client.transport
+            if client in self.exempt or not client.connected or transport.disconnecting:
+                continue
+            watch = self.waiting[client] = _DrainWatch(self, client)
+            transport.registerProducer(watch, False)  # (closed: stopProducing at once)
+        if self.waiting and self.pauses is None and pauses is not None:
+            self.pauses = pauses
+            pauses.hold()
+            self.holds += 1
+            self.timer = self.reactor.callLater(self.patience, self._impatient)
+
+    def drained(self, client) -> None:
+        """`client`'s queue was sent (or it closed): read the master again if nobody else waits."""
+        if self.waiting.pop(client, None) is None:
+            return
+        client.transport.unregisterProducer()
+        if not self.waiting:
+            self._release()
+
+    def _impatient(self) -> None:
+        self.timer = None
+        self.let_be += len(self.waiting)
+        self.exempt.update(self.waiting)
+        self.reset()
+
+    def reset(self) -> None:
+        """Stop waiting for anyone (the master connection ended, or patience ran out)."""
+        waiting, self.waiting = self.waiting, {}
+        for client in waiting:
+            client.transport.unregisterProducer()
+        self._release()
+
+    def _release(self) -> None:
+        timer, self.timer = self.timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+        pauses, self.pauses = self.pauses, None
+        if pauses is not None:
+            pauses.release()
+
+    def stats(self) -> dict:
+        """Whether the relay is not reading its master now for a backlog, how often it stopped,
+        and how many clients it let be for holding it too long."""
+        return {"intake_paused": self.pauses is not None, "intake_pauses": self.holds,
+                "intake_let_be": self.let_be}
 
 
 _PROC_FD = "/proc/self/fd"
@@ -346,6 +465,8 @@ class Relay(service.Service):
         self.up_limit = config.queue_bytes
         #: Local publishers paused while too much waits to go up to the master.
         self.blocked = Holds()
+        #: Reading the master paused while too much of it waits here for a local client.
+        self.backlog = Backlog(reactor, config.stall_timeout / 2)
         # counters
         self.forwarded_up = 0
         self.forwarded_down = 0
@@ -383,6 +504,7 @@ class Relay(service.Service):
         if self.reactor is None:
             from twisted.internet import reactor
             self.reactor = reactor
+        self.backlog.reactor = self.reactor
         from sbus.services.shutdown import exit_zero_on_sigterm
         exit_zero_on_sigterm(self.reactor)
         log.info("sbus-relay: connecting to the master at {up}; {where} opens once it has answered "
@@ -521,6 +643,7 @@ class Relay(service.Service):
     def masterDown(self, reason):
         self.up = None
         self.subscribed_up = 0
+        self.backlog.reset()
         if self.factory is not None and self.client is not None and self.running:
             lived = self.reactor.seconds() - self._up_since
             if lived < 5.0:
@@ -719,6 +842,7 @@ class Relay(service.Service):
             "stats_requests": {"answered": self.responder.answered, "refused": self.responder.refused},
             "queued_up_bytes": up.transport.queuedBytes() if up is not None else 0,
             "blocked_publishers": len(self.blocked),
+            **self.backlog.stats(),
         }
 
     def _notUp(self) -> int:
