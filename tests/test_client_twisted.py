@@ -16,6 +16,7 @@ from twisted.internet import defer, protocol
 
 from sbus.client import ConnectionClosed
 from sbus.client.twisted import ReconnectingClient, SbusProtocol, connect, parse_whoami
+from sbus.core import codec
 
 # An upper bound on an event, never a wait: a child process that starts Python, connects and
 # exits can take more than 10 s on a loaded CI machine (CI: child.ended timed out at 10 s).
@@ -388,3 +389,23 @@ async def test_a_claim_that_confirms_falls_back_to_the_old_form_on_an_older_serv
     assert claims == [[b"svc", b"30", b"confirm"], [b"svc", b"30"]], claims
     await within(p.close())
     thread.join(TIMEOUT)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_request_forgotten_is_never_answered(clients):
+    """A server that does not know a request never answers it (the reference server ignores
+    ``server/session-held``), which shows when a later round trip is back: the asker forgets
+    it (the bridge at each takeover), and an answer under that key afterwards is unsolicited."""
+    got = defer.DeferredQueue()
+
+    class Watcher(SbusProtocol):
+        def unsolicitedControl(self, key, payload):
+            got.put((key, payload))
+
+    me = await clients(Watcher)
+    ask = me.server_request(codec.SERVER_ID)
+    me.forgetRequest(codec.SERVER_ID, ask)
+    me.forgetRequest(codec.SERVER_ID, ask)          # twice: nothing more to forget
+    key, payload = await within(got.get())
+    assert key == codec.SERVER_ID and payload, (key, payload)
+    assert not ask.called

@@ -203,6 +203,16 @@ class SbusProtocol(Protocol):
         self._requests.setdefault(key, deque()).append(d)
         return d
 
+    def forgetRequest(self, key: bytes, d: defer.Deferred) -> None:
+        """Stop waiting for the answer to `server_request(key)` that gave `d`: the server does
+        not know the request (a reference server routes it as a message), which shows when a
+        later request's answer comes first, since a server answers in order. `d` never fires."""
+        queue = self._requests.get(key)
+        if queue is not None and d in queue:
+            queue.remove(d)
+            if not queue:
+                del self._requests[key]
+
     def whoami(self) -> defer.Deferred:
         """Deferred[bytes]: the credentials the server sees, e.g. ``b"!/cred/100/1000/1111"``."""
 

@@ -729,9 +729,11 @@ class BridgeService(service.Service):
         protos = {side: self.clients[side].protocol for side in SIDES}
         states: dict[str, str] = {}
         ds = []
+        asks = []
         try:
             for side, proto in protos.items():
                 ask = proto.server_request(codec.SESSION_HELD, self.session_names[side])
+                asks.append((proto, ask))
                 ask.addCallback(lambda payload, side=side: states.__setitem__(
                     side, codec.parse_session_held(payload)[1]))
                 ask.addErrback(lambda f: None)   # malformed, or the connection went: not closing
@@ -740,6 +742,9 @@ class BridgeService(service.Service):
             ds.append(defer.fail(ConnectionError("a side went away")))
 
         def answered(_):
+            for proto, ask in asks:   # the round trip came back first: that server never answers
+                if not ask.called:
+                    proto.forgetRequest(codec.SESSION_HELD, ask)
             if generation != self._takeovers or not self._catching_up:
                 return
             closing = sorted(side for side, state in states.items() if state == codec.HELD_CLOSING)
