@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from sbus.core import takeover as t
-from sbus.core.takeover import Takeover, TakeoverError, seniority_id
+from sbus.core.takeover import Takeover, TakeoverError
 
 
 class Clock:
@@ -333,15 +333,3 @@ class TwoServices(RuleBasedStateMachine):
 
 TestTwoServices = TwoServices.TestCase
 TestTwoServices.settings = settings(max_examples=600, stateful_step_count=25, deadline=None, database=None)
-
-
-def test_seniority_ids_order_by_start_time_and_keep_the_priority():
-    clock = Clock()
-    clock.now = 1_700_000_000.0
-    first = seniority_id(clock=clock)
-    clock.now += 0.002
-    later = seniority_id(clock=clock)
-    assert len(first) == len(later) == 36 and first[:4] == "8000"
-    assert first < later                         # the one started first wins the root
-    assert seniority_id(0x1000, clock=clock) < first   # a better priority still wins
-    assert seniority_id(clock=clock) != later    # the rest is random

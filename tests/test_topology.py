@@ -239,3 +239,17 @@ def test_change_notice_re_announces():
         sim._flush(i)
     sim.run(SETTLE, check=lambda s: assert_no_cycle(s, 2))
     assert sim.forwarding() == before
+
+
+def test_node_ids_order_by_start_time_and_keep_the_priority():
+    """A service restarted while the one that replaced it carries never outranks it (issue 34:
+    a restarted bridge preempted the live one while it still delivered its takeover backlog)."""
+    now = [1_700_000_000.0]
+    first = topology.new_id(clock=lambda: now[0])
+    now[0] += 0.002
+    later = topology.new_id(clock=lambda: now[0])
+    assert len(first) == len(later) == 36 and first[:4] == "8000"
+    assert first < later                                           # the one started first wins
+    assert topology.new_id(0x1000, clock=lambda: now[0]) < first   # a better priority still wins
+    assert topology.new_id(clock=lambda: now[0]) != later          # the rest is random
+    Hello(first, 0, later, 1, "a", "b")                             # a valid id on the wire

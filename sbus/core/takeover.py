@@ -1,4 +1,5 @@
-"""One takeover machine for a hot standby (sans-I/O; used by ``sbus-bridge`` and ``sbus-link``).
+"""One takeover machine for a hot standby (sans-I/O; for ``sbus-bridge`` and ``sbus-link``, which
+still keep takeovers of their own: issue 34).
 
 A service that may carry a flow (a bridge's two directions, a link half's receiving one) while
 another path may carry it too decides here *when* it carries. The spanning tree says whose the
@@ -39,9 +40,9 @@ Invariants (tests/test_takeover_machine.py):
 
 * a service carries (`carrying`) only after ``peer_gone``, i.e. when the tree has declared the
   other path dead or the other path stood down (the tree blocks at once and unblocks only after
-  its forward delay); a restarted service starts ``STOPPED`` and cannot carry before that. With
-  `seniority_id` node ids, a restarted service never outranks the live one it replaced, so the
-  tree gives it the flow only once that one is dead;
+  its forward delay); a restarted service starts ``STOPPED`` and cannot carry before that. Node
+  ids begin with the start time (`sbus.core.topology.new_id`): a restarted service never
+  outranks the live one it replaced, so the tree gives it the flow only once that one is dead;
 * every message of a takeover window is carried once (`REPLAY`) or counted lost (`COUNT_LOST`:
   the catch-up failed, a side went away during it): leaving ``CATCHING_UP`` otherwise keeps the
   window (back to ``STANDBY``: the window goes on pairing), and `RESET` only forgets what another
@@ -50,10 +51,7 @@ Invariants (tests/test_takeover_machine.py):
 
 from __future__ import annotations
 
-import os
 import time
-
-from sbus.core.topology import new_id
 
 STOPPED = "stopped"
 STANDBY = "standby"
@@ -148,17 +146,6 @@ class TakeoverError(RuntimeError):
         super().__init__(f"takeover: cannot handle event {event!r} in state {state!r}")
         self.state = state
         self.event = event
-
-
-def seniority_id(priority: int = 0x8000, clock=time.time) -> str:
-    """A spanning-tree node id (`sbus.core.topology.new_id`'s form) that puts the start time,
-    in milliseconds, before the random part: among nodes of one priority the one started
-    first has the lowest id, so it stays root or designated. A service restarted while the one
-    that replaced it carries never outranks it: it stands by until that one is declared dead,
-    instead of preempting it while it still delivers its takeover backlog (issue 34)."""
-    base = new_id(priority)
-    started = int(clock() * 1000) & (1 << 48) - 1
-    return f"{base[:4]}{started:012x}{os.urandom(10).hex()}"
 
 
 class Takeover:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 
 #: Reserved keys (never forwarded by a bridge or link; relays carry them like any key).
@@ -64,11 +65,16 @@ MAX_COST = 32
 VERSION = 1
 
 
-def new_id(priority: int = 0x8000) -> str:
-    """A node id: 4 hex digits of priority (lower wins the root), then 32 random hex digits."""
+def new_id(priority: int = 0x8000, clock=time.time) -> str:
+    """A node id: 4 hex digits of priority (lower wins the root), 12 of the start time in
+    milliseconds, then 20 random ones. Among nodes of one priority the one started first has
+    the lowest id, so it stays root or designated: a service restarted while the one that
+    replaced it carries never outranks it, and stands by until that one is declared dead
+    instead of preempting it while it still delivers its takeover backlog (issue 34)."""
     if not 0 <= priority <= 0xFFFF:
         raise ValueError("priority must fit in 16 bits")
-    return f"{priority:04x}" + os.urandom(16).hex()
+    started = int(clock() * 1000) & (1 << 48) - 1
+    return f"{priority:04x}{started:012x}{os.urandom(10).hex()}"
 
 
 _ROLES = {r: r for r in ("designated", "root", "alternate")}
