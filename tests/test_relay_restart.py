@@ -491,9 +491,6 @@ def test_a_symlink_of_our_own_uid_is_followed(start_bus, tmp_path, procs):
     both_ways(master.address, relay, b"via-link")
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(pytest.main([__file__, "-q"]))
-
 
 def test_what_a_block_mode_client_does_not_read_waits_on_the_master_not_in_the_relay(start_bus, tmp_path, procs):
     """Issue 34, "restarts counted end to end": a relay keeps little of the master's messages in
@@ -563,3 +560,7 @@ def receive(sock, key: bytes, n: int) -> list[bytes]:
 def stats_of(relay: Relay) -> dict:
     with relay.connect() as s:
         return stats(s)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
