@@ -361,6 +361,47 @@ def test_recorder_on_a_full_disk_marks_every_lost_message(bus, start_recorder, s
 # ---------------------------------------------------------------- relay: a local client of another uid
 
 
+def test_another_uid_in_block_mode_that_does_not_read_never_holds_the_relays_intake(open_dir, tmp_path):
+    """A relay stops reading its master while a few read batches wait for a `block`-mode client
+    of its own uid (issue 34): the bus's hold budget does not see that hold, so a client of
+    another uid must not get it (it could stall everyone's feed, reading a little between
+    holds); its queue waits in the relay up to the bus's cap, as for any client."""
+    from test_lossless import HARD_BLOCK, routed
+    from test_relay import Relay, relay_stats
+
+    master = TwistdBus(os.path.join(open_dir, "master.socket"), tmp_path / "master.log", ("--mode", "0777"))
+    relay = Relay(master.address, os.path.join(open_dir, "relay.socket"), tmp_path, "--mode", "0777")
+    try:
+        os.setegid(65534)
+        os.seteuid(65534)
+        try:
+            other = connect(relay.address)           # its credentials are taken at connect
+        finally:
+            os.seteuid(0)
+            os.setegid(0)
+        send(other, HARD_BLOCK, sub(b"wide/"))
+        assert sync(other) == []
+        reader = connect(relay.address)
+        send(reader, sub(b"wide/"))
+        sync(reader)
+        routed(master.address, reader, b"wide/")
+        with connect(master.address) as pub:
+            for i in range(2000):
+                send(pub, msg(b"wide/%d" % i, b"x" * 40))
+            got = 0
+            while got < 2000:
+                p = recv(reader, 30.0)
+                assert p, f"the reader was cut off after {got}"
+                got += p.startswith(b"MSG wide/") and not p.startswith(b"MSG wide/probe")
+        st = relay_stats(relay)
+        assert st["intake_pauses"] == 0 and not st["intake_paused"], st
+        other.close()
+        reader.close()
+    finally:
+        relay.stop()
+        master.stop()
+
+
 def test_another_uid_on_a_relay_cannot_get_the_relay_cut_off(open_dir, tmp_path):
     from test_relay import Relay
 

@@ -281,11 +281,15 @@ class Backlog:
     hold it. One that keeps it held `patience` seconds (half the stall timeout) is let be until
     its queue is small again: the bus's own cap and stall budget then apply to it, as to any
     client, so a stuck reader stops the relay at most `patience` longer than before, and is
-    still disconnected as ``stalled``."""
+    still disconnected as ``stalled``. Only connections of the relay's own uid or root (a relay
+    below, a service of ours) may hold it: the bus's hold budget does not see this hold, and a
+    client of another uid could otherwise stall everyone's feed again and again by reading a
+    little between holds; theirs waits here up to the bus's cap, as before."""
 
-    def __init__(self, reactor, patience: float):
+    def __init__(self, reactor, patience: float, trusted_uids=(0, os.getuid())):
         self.reactor = reactor
         self.patience = patience
+        self.trusted_uids = frozenset(trusted_uids)
         #: Local clients whose queue the relay waits to see sent, each with its watch.
         self.waiting: dict = {}
         #: Clients that held the relay past `patience`, let be until their queue is small.
@@ -303,7 +307,8 @@ class Backlog:
             self.exempt = {c for c in self.exempt if c.connected}
         for client in clients:
             out = client.outbox
-            if (out.hard != BLOCK and out.soft != BLOCK) or client in self.waiting:
+            if (out.hard != BLOCK and out.soft != BLOCK) or client in self.waiting \
+                    or client.cred.uid not in self.trusted_uids:
                 continue
             if out.nbytes <= BACKLOG_BYTES and len(out) <= BACKLOG_PACKETS:
                 self.exempt.discard(client)
