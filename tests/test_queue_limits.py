@@ -165,7 +165,6 @@ def test_a_stats_answer_never_counts_what_the_journal_has_not_written(tmp_path):
     from twisted.internet.task import Clock
 
     from sbus.services.queue import QueueService
-    from sbus.services.svcstats import STATS_REQUEST
 
     store = QueueStore(str(tmp_path))
     svc = QueueService(None, [(b"r", b"r/")], store=store, reactor=Clock())
@@ -175,11 +174,13 @@ def test_a_stats_answer_never_counts_what_the_journal_has_not_written(tmp_path):
     seen = []
 
     class Control:
+        credentials, max_packet = None, 1 << 20
+
         def sendPacket(self, packet):
             seen.append((json.loads(packet.split(b"\0", 1)[1])["stats"]["groups"]["r"]["received"],
                          sum(1 for _ in store.dirty), (tmp_path / "r.journal").stat().st_size))
 
-    svc.controlMessage(Control(), STATS_REQUEST, b"!/cred/0/0/0/stats")
+    svc.answerStats(Control(), b"!/cred/0/0/0/stats")
     received, dirty, size = seen[0]
     assert (received, dirty) == (3, 0) and size > 0, seen
     store.close()

@@ -16,12 +16,9 @@ module moves packets:
 
 from __future__ import annotations
 
-import json
 import os
 import select
 
-from twisted.application import service
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python import usage
 
@@ -30,9 +27,9 @@ from sbus.core.codec import MAX_PACKET
 from sbus.core.reqrep import Ask, Responder
 from sbus.core.patterns import matches
 from sbus.core.workqueue import ACK_KEY, MEMBER_KEYS, MODES, NACK_KEY, OVERFLOWS, PROGRESS_KEY, REJECT_KEY, SERVES_ROOT, SUBMIT_ROOT, QueueCore, check_group
-from sbus.services.shutdown import exit_zero_on_sigterm
 from sbus.options import METRICS_OPTION
-from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost, unknown_gaps
+from sbus.services.chassis import Chassis
+from sbus.services.svcstats import lost
 
 #: Seconds between looks at the deadlines (ack wait, nack delays): their resolution.
 TICK = 0.1
@@ -44,40 +41,34 @@ SESSION_LINGER = 60.0
 log = Logger()
 
 
-class QueueService(service.Service):
+class QueueService(Chassis):
+    kind = "sbus-queue"
+    log = log
+
     def __init__(self, bus, groups, *, limit: int = 10000, full: str = "block", window: int = 64,
                  window_bytes: int = 1 << 20, allowed_uids=(), max_packet: int = MAX_PACKET,
                  stats_interval: float = 60.0, ack_wait: float | None = None,
                  max_deliveries: int | None = None, dead_letter: bytes | None = None, store=None,
                  max_bytes: int | None = None, overflow: str = "reject-publish", caps=None,
                  reactor=None):
-        self.bus = bus
-        self._reactor = reactor
         self.core = QueueCore(groups, limit=limit, full=full, window=window, window_bytes=window_bytes,
                               allowed_uids=allowed_uids, max_packet=max_packet, ack_wait=ack_wait,
                               max_deliveries=max_deliveries, dead_letter=dead_letter,
                               clock=lambda: self.reactor.seconds(), store=store,
                               max_bytes=max_bytes, overflow=overflow, caps=caps)
+        super().__init__(bus, stats_interval=stats_interval, reactor=reactor)
         self.store = store
         self._flush = None  # the call that writes this turn's journal records
         self.full = full
         self.max_packet = max_packet
-        self.stats_interval = stats_interval
         self.intake = self.control = None
         self.paused = False
         self.pauses = 0
-        self.intake_connects = self.control_connects = 0
-        self.control_started = False
         self.intake_ready = False   # the intake is connected and subscribed
         self.following = False      # the control connection asked for the interest feed
         #: Confirmed submissions are requests: answered verified when the submitter asks
         #: (`responder_uid`), through the one request/reply responder.
         self.submits = Responder(max_packet)
-        self.responder = StatsResponder("sbus-queue", self._name, self.stats,
-                                        lambda: {"groups": sorted(g.decode() for g in self.core.groups)})
-        self._loop = None
-        self._ticker = None
-        self._last = None
         self._hangup = None  # LoopingCall: watches a paused intake for the bus closing it
         #: Disconnections of the intake by the bus, by the reason it gave (e.g. `stalled`).
         self.intake_disconnects: dict[str, int] = {}
@@ -87,119 +78,76 @@ class QueueService(service.Service):
         #: restart of this service, a reconnection): lost, reason `restart`.
         self.restart_lost = 0
 
-    @property
-    def reactor(self):
-        if self._reactor is None:
-            from twisted.internet import reactor
-            self._reactor = reactor
-        return self._reactor
-
-    def _name(self) -> str:
+    def statsName(self) -> str:
         return ",".join(f"{g.name.decode()}={g.pattern.decode('utf-8', 'replace')}"
                         for g in self.core.groups.values())
 
+    def publicStats(self) -> dict:
+        return {"groups": sorted(g.decode() for g in self.core.groups)}
+
     # -- life cycle
 
-    def startService(self):
-        from sbus.client.twisted import ReconnectingClient, SbusProtocol
-
-        super().startService()
-        svc = self
-
-        class Intake(SbusProtocol):
-            def messageReceived(self, key, payload, packet):
-                svc.intakeMessage(key, payload)
-
-            def dropNotice(self, count, first, last):
-                svc.core.intake_dropped(count)
-                log.warn("intake: the server dropped {n} messages for us (counted lost)", n=count)
-
-            def connectionLost(self, reason=None):
-                notice = self.disconnectReason
-                if notice is not None:
-                    svc.intake_disconnects[notice.reason] = svc.intake_disconnects.get(notice.reason, 0) + 1
-                    log.warn("intake: the bus disconnected it ({reason}: {text}); what it still held "
-                             "for us is lost, counted in lost.restart once the intake is back",
-                             reason=notice.reason, text=notice.text)
-                SbusProtocol.connectionLost(self, reason)
-
-        class Control(SbusProtocol):
-            def messageReceived(self, key, payload, packet):
-                svc.controlMessage(self, key, payload)
-
-            def unsolicitedControl(self, key, payload):
-                if key == codec.INTEREST:
-                    svc.sendAll(svc.core.interest(payload))
-                    if len(svc.core.conflicts) > len(svc.given_up):
-                        svc.giveUp()
-                    if payload == b"=":
-                        log.info("control: following the members ({n} now)", n=len(svc.core.members))
-
-        class IntakeClient(ReconnectingClient):
-            def connectionMade(self, protocol):
-                svc.intake_connects += 1
-                if svc.paused:
-                    protocol.transport.pauseProducing()
-                    svc.watchHangup()
-                protocol.sync().addCallbacks(lambda _: svc.intakeReady(), lambda f: None)
-
-            def sessionClaimed(self, reply):
-                # What the bus still held for the previous intake (this process's or a dead
-                # one's) and what came while none was connected: counted there, told here.
-                ReconnectingClient.sessionClaimed(self, reply)
-                if reply.state == "resumed":
-                    svc.restart_lost += reply.missed
-                    self.confirmSession()  # logged and counted: the bus may forget it
-
-            def connectionLost(self, reason):
-                svc.intake_ready = False
-                if svc.running:
-                    log.warn("intake: lost the bus ({why}); reconnecting", why=_why(reason))
-
-        class ControlClient(ReconnectingClient):
-            def connectionMade(self, protocol):
-                svc.control_connects += 1
-                svc.following = False
-                svc.follow()
-                protocol.whoami().addCallbacks(svc.identified, lambda f: None)
-                log.info("control: connected to {bus} as {who}", bus=svc.bus or "(default bus)",
-                         who=(protocol.credentials or b"").decode("utf-8", "replace"))
-
-            def connectionLost(self, reason):
-                svc.core.control_lost()
-                svc.following = False
-                if svc.running:
-                    log.warn("control: lost the bus ({why}); reconnecting", why=_why(reason))
-
-        self.control = ControlClient(self.reactor, self.bus, Control, max_packet=self.max_packet, watch=True)
-        self.control.echo(False)
-        self.control.subscribe(ACK_KEY)
-        for key in MEMBER_KEYS:
-            self.control.subscribe(key)
-        self.control.subscribe(STATS_REQUEST)
-        for name in self.core.groups:  # confirmed submissions (requests)
-            self.control.subscribe(SUBMIT_ROOT + name)
-        for key in self.core.serves_patterns():  # tells a later service for our groups to give them up
-            self.control.subscribe(key)
-        self.intake = IntakeClient(self.reactor, self.bus, Intake, max_packet=self.max_packet, watch=True)
-        self.intake.echo(False)
-        if self.full == "block":
-            self.intake.flood(hard="block")
-        for g in self.core.groups.values():
-            self.intake.subscribe(g.pattern)
-        self.intake.holdSession(codec.session_name(f"sbus-queue {self._name()}"), SESSION_LINGER, confirm=True)
-        # the control connection once the intake is subscribed (and see _follow)
-        self.intake.start()
+    def setUp(self):
+        # the control connection starts once the intake is subscribed (and see `follow`)
+        self.control = self.connect(
+            "control", subscribe=[ACK_KEY, *MEMBER_KEYS, *(SUBMIT_ROOT + name for name in self.core.groups),
+                                  *self.core.serves_patterns()],  # the last: a later service for our groups gives them up
+            stats=True, start=False, max_packet=self.max_packet, message=self.controlMessage,
+            control=self.interestNotice, made=self.controlMade, lost=self.controlLost)
+        self.intake = self.connect(
+            "intake", subscribe=[g.pattern for g in self.core.groups.values()],
+            flood={"hard": "block"} if self.full == "block" else None, max_packet=self.max_packet,
+            session=(codec.session_name(f"sbus-queue {self.statsName()}"), SESSION_LINGER, True),
+            message=self.intakeMessage, dropped=self.intakeDropped, notice=self.intakeNotice,
+            made=self.intakeMade, ready=self.intakeReady, lost=self.intakeLost,
+            claimed=self.intakeClaimed)
         log.info("sbus-queue: groups {g}; waiting at most: {caps}; publishes over a reject-publish cap: {mode}; "
-                 "window {w} per member", g=self._name(), caps=self.core.caps_text(),
+                 "window {w} per member", g=self.statsName(), caps=self.core.caps_text(),
                  mode=self.full, w=next(iter(self.core.groups.values())).window)
-        self._loop = LoopingCall(self._report, False)
-        self._loop.clock = self.reactor
-        self._loop.start(self.stats_interval, now=False)
-        self._ticker = LoopingCall(self._tick)  # ack deadlines, nack delays, fsync of the journals
-        self._ticker.clock = self.reactor
-        self._ticker.start(TICK, now=False)
-        exit_zero_on_sigterm(self.reactor)
+        self.every(TICK, self._tick)  # ack deadlines, nack delays, fsync of the journals
+        self._hangup = self.every(HANGUP_CHECK, self._checkHangup, start=False)
+
+    def intakeMade(self, proto) -> None:
+        if self.paused:
+            proto.transport.pauseProducing()
+            self.watchHangup()
+
+    def intakeDropped(self, count, first, last) -> None:
+        self.core.intake_dropped(count)
+        log.warn("intake: the server dropped {n} messages for us (counted lost)", n=count)
+
+    def intakeNotice(self, notice) -> None:
+        self.intake_disconnects[notice.reason] = self.intake_disconnects.get(notice.reason, 0) + 1
+        log.warn("intake: the bus disconnected it ({reason}: {text}); what it still held "
+                 "for us is lost, counted in lost.restart once the intake is back",
+                 reason=notice.reason, text=notice.text)
+
+    def intakeClaimed(self, reply) -> None:
+        # What the bus still held for the previous intake (this process's or a dead one's) and
+        # what came while none was connected: counted there, told here (then confirmed).
+        if reply.state == "resumed":
+            self.restart_lost += reply.missed
+
+    def intakeLost(self, reason) -> None:
+        self.intake_ready = False
+
+    def controlMade(self, proto) -> None:
+        self.following = False
+        self.follow()
+        proto.whoami().addCallbacks(self.identified, lambda f: None)
+        log.info("control: connected to {bus} as {who}", bus=self.bus or "(default bus)", who=self.who(proto))
+
+    def controlLost(self, reason) -> None:
+        self.core.control_lost()
+        self.following = False
+
+    def interestNotice(self, key: bytes, payload: bytes) -> None:
+        if key == codec.INTEREST:
+            self.sendAll(self.core.interest(payload))
+            if len(self.core.conflicts) > len(self.given_up):
+                self.giveUp()
+            if payload == b"=":
+                log.info("control: following the members ({n} now)", n=len(self.core.members))
 
     def _tick(self) -> None:
         self.sendAll(self.core.tick())
@@ -216,11 +164,10 @@ class QueueService(service.Service):
         self._flush = None
         self.store.flush()
 
-    def intakeReady(self) -> None:
+    def intakeReady(self, proto) -> None:
         log.info("intake: subscribed to {p}", p=", ".join(repr(g.pattern) for g in self.core.groups.values()))
         self.intake_ready = True
-        if self.running and not self.control_started:
-            self.control_started = True
+        if self.running and not self.control.running:
             self.control.start()
         self.follow()
 
@@ -252,21 +199,10 @@ class QueueService(service.Service):
             log.error("sbus-queue: no group left to serve; stopping")
             self.reactor.stop()
 
-    def stopService(self):
-        from twisted.internet import defer
-
-        super().stopService()
-        for loop in (self._loop, self._hangup, self._ticker):
-            if loop is not None and loop.running:
-                loop.stop()
-        ds = [c.stop() for c in (self.intake, self.control) if c is not None]
-
-        def stopped(_):
-            if self.store is not None:
-                self.store.flush(sync=True)
-                self.store.close()
-            self._report(True)
-        return defer.DeferredList(ds, consumeErrors=True).addCallback(stopped)
+    def afterStop(self):
+        if self.store is not None:
+            self.store.flush(sync=True)
+            self.store.close()
 
     # -- traffic
 
@@ -279,7 +215,7 @@ class QueueService(service.Service):
         for packet in packets:
             proto.sendPacket(packet)
 
-    def intakeMessage(self, key: bytes, payload: bytes) -> None:
+    def intakeMessage(self, key: bytes, payload: bytes, proto=None) -> None:
         self.sendAll(self.core.message(key, payload))
         self.journalled()
         if not self.paused and self.core.should_pause():
@@ -336,10 +272,7 @@ class QueueService(service.Service):
     def watchHangup(self) -> None:
         """A paused intake is not read, so the reactor would not see the bus close it (a stall):
         look for the hangup itself, every `HANGUP_CHECK` seconds while paused."""
-        if self._hangup is None:
-            self._hangup = LoopingCall(self._checkHangup)
-            self._hangup.clock = self.reactor
-        if not self._hangup.running:
+        if self._hangup is not None and not self._hangup.running:
             self._hangup.start(HANGUP_CHECK, now=False)
 
     def _checkHangup(self) -> None:
@@ -357,9 +290,14 @@ class QueueService(service.Service):
             self.intake_disconnects["closed_while_paused"] = self.intake_disconnects.get("closed_while_paused", 0) + 1
             proto.transport.resumeProducing()
 
-    def controlMessage(self, proto, key: bytes, payload: bytes) -> None:
+    def controlMessage(self, key: bytes, payload: bytes, proto) -> None:
         self._controlMessage(proto, key, payload)
         self.journalled()
+
+    def answerStats(self, proto, payload: bytes) -> None:
+        if self.store is not None:
+            self.store.flush()  # what the answer counts is in the kernel before it is told
+        super().answerStats(proto, payload)
 
     def _controlMessage(self, proto, key: bytes, payload: bytes) -> None:
         if key == ACK_KEY:
@@ -376,12 +314,6 @@ class QueueService(service.Service):
             self._submit(proto, key[len(SUBMIT_ROOT):], payload)
         elif key == self.submits.challenge_key:
             self._challenged(proto, payload)
-        elif key == STATS_REQUEST:
-            if self.store is not None:
-                self.store.flush()  # what the answer counts is in the kernel before it is told
-            packet = self.responder.answer(payload)
-            if packet is not None and len(packet) <= self.max_packet:
-                proto.sendPacket(packet)
 
     # -- statistics
 
@@ -393,23 +325,11 @@ class QueueService(service.Service):
         st["pauses"] = self.pauses
         st["intake_disconnects"] = dict(self.intake_disconnects)
         # what the bus counted nothing for while the intake was away (restarted, lingered out)
-        st["unknown_gaps"] = unknown_gaps(*(c for c in (self.intake,) if c is not None))
+        st["unknown_gaps"] = self.unknownGaps()
         st["bus"] = {"connected": bool(self.control and self.control.connected
                                        and self.intake and self.intake.connected),
-                     "reconnects": max(0, self.intake_connects - 1) + max(0, self.control_connects - 1)}
+                     "reconnects": self.reconnects()}
         return st
-
-    def _report(self, final: bool) -> None:
-        st = self.stats()
-        if not final and st == self._last:
-            return
-        self._last = st
-        log.info("sbus-queue {what}: {stats}", what="stopped" if final else "stats",
-                 stats=json.dumps(st, separators=(",", ":")))
-
-
-def _why(reason) -> str:
-    return reason.getErrorMessage() if hasattr(reason, "getErrorMessage") else str(reason)
 
 
 class Options(usage.Options):

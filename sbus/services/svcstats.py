@@ -93,14 +93,16 @@ class StatsResponder:
         """Answer the requests that reach `client` (a `ReconnectingClient`, on every connection
         it makes): each on the connection it came by, whose whoami decides the reply key."""
         def received(key: bytes, payload: bytes) -> None:
-            proto = client.protocol
-            if proto is None or not proto.connected:
-                return
-            packet = self.answer(payload, proto.credentials)
-            if packet is not None and len(packet) <= client.max_packet:
-                proto.sendPacket(packet)
+            if client.protocol is not None and client.protocol.connected:
+                self.reply(client.protocol, payload)
 
         client.subscribe(STATS_REQUEST, received)
+
+    def reply(self, proto, payload: bytes) -> None:
+        """Answer a request that came on `proto` (an `SbusProtocol`), if it fits a packet."""
+        packet = self.answer(payload, proto.credentials)
+        if packet is not None and len(packet) <= proto.max_packet:
+            proto.sendPacket(packet)
 
     def answer(self, payload: bytes, whoami: bytes | None = None) -> bytes | None:
         """The packet to publish for a request with this payload, received on a connection
