@@ -120,10 +120,8 @@ from __future__ import annotations
 import os
 from collections import deque
 
-from twisted.application import service
-from twisted.internet import defer, endpoints, protocol
+from twisted.internet import endpoints, protocol
 from twisted.internet.interfaces import IHalfCloseableProtocol
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python import usage
 from twisted.python.failure import Failure
@@ -132,8 +130,7 @@ from zope.interface import implementer
 from sbus.options import METRICS_OPTION, MISSING_BUS_HELP, positive_int
 from sbus.services.access import endpoint_kind, peer_credentials, server_endpoint
 from sbus.services.admission import Admission
-from sbus.services.shutdown import exit_zero_on_sigterm
-from sbus.services.svcstats import StatsResponder, unknown_gaps
+from sbus.services.chassis import Chassis
 
 from sbus.core.codec import MAX_PACKET
 from sbus.core.credentials import CredentialError, check_key
@@ -704,76 +701,37 @@ class MsgbusGateway(protocol.Factory):
         self.deliver((key[len(KEY_PREFIX):],), payload)
 
 
-class MsgbusService(service.MultiService):
-    name = "sbus-msgbus"
+class MsgbusService(Chassis):
+    name = kind = "sbus-msgbus"
+    log = log
 
     def __init__(self, bus, port: str = DEFAULT_PORT, *, stats_interval: float = 60.0,
                  max_delay: float = 10.0, reactor=None, backlog: int = DEFAULT_BACKLOG,
                  **gateway_options):
-        super().__init__()
+        super().__init__(bus, stats_interval=stats_interval, reactor=reactor)
         self.backlog = backlog
         gateway_options.setdefault("admission", Admission(bus, "sbus-msgbus"))
-        self.bus_address = bus
         self.port = port
-        self.stats_interval = stats_interval
         self.max_delay = max_delay
-        self._reactor = reactor
         self.gateway = MsgbusGateway(**gateway_options)
-        self.responder = StatsResponder("sbus-msgbus", port, self.stats)
         self.client = None
-        self.connects = 0
-        self._loop = None
-        self._last = None
         self._listening = None
 
-    @property
-    def reactor(self):
-        if self._reactor is None:
-            from twisted.internet import reactor
-            self._reactor = reactor
-        return self._reactor
+    def statsName(self) -> str:
+        return self.port
 
-    def startService(self):
-        from sbus.client.twisted import ReconnectingClient, SbusProtocol
-
+    def setUp(self):
         gateway = self.gateway
-        svc = self
-
-        class BusProtocol(SbusProtocol):
-            def messageReceived(self, key, payload, packet):
-                if key.startswith(KEY_PREFIX):
-                    gateway.busMessage(key, payload)
-                else:  # sbus/services/stats: the responder's callback
-                    SbusProtocol.messageReceived(self, key, payload, packet)
-
-        class Client(ReconnectingClient):
-            def connectionMade(self, proto):
-                svc.connects += 1
-
-                def ready(_):
-                    log.info("connected to the bus {bus} as {who}; subscribed to msgbus/, echo off"
-                             "{again}", bus=svc.bus_address or "(default address)",
-                             who=(proto.credentials or b"?").decode("utf-8", "replace"),
-                             again="" if svc.connects == 1 else f" (reconnect {svc.connects - 1})")
-
-                proto.sync().addCallbacks(ready, lambda f: None)
-                # the bus's -u list (admission): until it is known, only root and our uid are served
-                proto.server_request(b"server/stats").addCallbacks(gateway.admission.learn, lambda f: None)
-
-            def connectionLost(self, reason):
-                if svc.running:
-                    log.warn("lost the bus connection ({why}); reconnecting", why=reason)
-
-        self.client = Client(self.reactor, self.bus_address, BusProtocol, maxDelay=self.max_delay,
-                             max_packet=gateway.max_packet, watch=True)
-        self.client.missesUncounted = True  # no session: a reconnection's gap is logged and counted
-        self.client.subscribe(KEY_PREFIX)
-        self.responder.serve(self.client)
-        self.client.echo(False)
-        gateway.bus = self.client
-        self.client.start()
-
-        exit_zero_on_sigterm(self.reactor)
+        gateway.bus = self.client = self.connect(
+            subscribe=[KEY_PREFIX], misses=True, stats=True, maxDelay=self.max_delay,
+            max_packet=gateway.max_packet, message=lambda key, payload, proto: gateway.busMessage(key, payload),
+            # the bus's -u list (admission): until it is known, only root and our uid are served
+            made=lambda proto: proto.server_request(b"server/stats").addCallbacks(gateway.admission.learn,
+                                                                                  lambda f: None),
+            ready=lambda proto: log.info(
+                "connected to the bus {bus} as {who}; subscribed to msgbus/, echo off{again}",
+                bus=self.bus or "(default address)", who=self.who(proto),
+                again=f" (reconnect {self.client.connects - 1})" if self.client.connects > 1 else ""))
         endpoint = server_endpoint(self.reactor, self.port, gateway.admission.access, self.backlog)
         result = []
         endpoint.listen(gateway).addBoth(result.append)
@@ -789,23 +747,12 @@ class MsgbusService(service.MultiService):
                  host=getattr(host, "host", getattr(host, "name", host)), port=getattr(host, "port", ""),
                  who=gateway.admission.describe(),
                  remote="; remote peers too (--allow-remote)" if gateway.allow_remote else "")
-        super().startService()
-        self._loop = LoopingCall(self._report, False)
-        self._loop.clock = self.reactor
-        self._loop.start(self.stats_interval, now=False)
 
-    def stopService(self):
-        super().stopService()
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
-        ds = []
-        if self._listening is not None:
-            ds.append(defer.maybeDeferred(self._listening.stopListening))
+    def beforeStop(self):
         for c in list(self.gateway.clients):
             c.close()
-        if self.client is not None:
-            ds.append(self.client.stop())
-        return defer.DeferredList(ds, consumeErrors=True).addCallback(lambda _: self._report(True))
+        if self._listening is not None:
+            return self._listening.stopListening()
 
     def stats(self) -> dict:
         g = self.gateway
@@ -813,16 +760,12 @@ class MsgbusService(service.MultiService):
             "clients": len(g.clients), "from_clients": g.received_clients, "from_bus": g.received_bus,
             "delivered": g.delivered, "published": g.published,
             "drops": {"slow_client": g.dropped_clients, "not_published": g.dropped_bus},
-            "errors": g.errors, "refused": g.refused, "reconnects": max(0, self.connects - 1),
-            "unknown_gaps": unknown_gaps(self.client) if self.client is not None else unknown_gaps(),
+            "errors": g.errors, "refused": g.refused, "reconnects": self.reconnects(),
+            "unknown_gaps": self.unknownGaps(),
             "stats_requests": {"answered": self.responder.answered, "refused": self.responder.refused},
         }
 
-    def _report(self, final: bool) -> None:
-        st = self.stats()
-        if not final and st == self._last:
-            return
-        self._last = st
+    def reportLine(self, st: dict, final: bool) -> None:
         log.info("{what}: clients={clients}; messages from clients={fc} from bus={fb}; delivered={d}; "
                  "published to bus={p}; drops slow client={ds} not published={dn}; errors={e}; "
                  "refused={rf}; reconnects={r}", rf=st["refused"], what="stopped" if final else "stats", clients=st["clients"],
