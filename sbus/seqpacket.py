@@ -124,7 +124,7 @@ class SeqPacketTransport:
     __slots__ = (
         "socket", "protocol", "reactor", "peer", "outbox", "max_packet", "drain_cap",
         "connected", "disconnecting", "_fd", "_reading", "_writing",
-        "_buf", "_producer", "_producerPaused", "_streaming", "_host", "packets_out",
+        "_buf", "_producer", "_producerPaused", "_streaming", "_host", "packets_in", "packets_out",
         "bytes_out", "packets_unsendable", "_aborted", "_closing", "_batchDone", "_sendRefused",
         "_drainLeft", "_drainReason", "_paused", "_sndbuf", "_grown", "_stash", "_many", "__weakref__",
     )
@@ -150,6 +150,9 @@ class SeqPacketTransport:
         self._producerPaused = False
         self._streaming = True
         self._host = None
+        #: Packets handed to the protocol (end of file not counted): what a session's holder
+        #: acknowledges (`server/session-ack`), as the peer's `packets_out` counts them.
+        self.packets_in = 0
         self.packets_out = 0
         self.bytes_out = 0
         #: Packets dropped because the kernel refused them (EMSGSIZE), not because the peer left.
@@ -386,6 +389,7 @@ class SeqPacketTransport:
                 if i < n and self.connected and not self._aborted:
                     self._stash = packets[i:]  # paused: the rest waits, as unread packets do
                 break
+        self.packets_in += i if why is None else i - 1
         if self._batchDone:
             protocol.readBatchDone()
         return why

@@ -431,11 +431,14 @@ class Client:
     extensions: bool = False
     expected: int = 0  # messages that matched while subscribed (counted by the server's view)
     sent_msgs: int = 0  # messages the server's socket took for it
+    sent_all: int = 0  # packets of any kind the server's socket took for it
+    acked: int | None = None  # the last `server/session-ack` count the server took from it
     seq: int = 0  # its own messages published
     session: bytes | None = None
     # what the client saw
     requests: deque = field(default_factory=deque)
     got: int = 0
+    read_packets: int = 0  # every packet it read
     told_dropped: int = 0
     last_seq: dict = field(default_factory=dict)
     seen: set = field(default_factory=set)
@@ -473,6 +476,7 @@ class Simulation:
         #: Draws for operations added later (`server/session-held`), from a stream of their own so
         #: that the seeds kept as tests still play the scenarios they were found with.
         self.rng_more = random.Random(seed ^ 0x5E55)
+        self.rng_ack = random.Random(seed ^ 0xACC)  # (`server/session-ack`, later still)
         self.trace = [] if trace else None
         self.transcript: list = []
         #: What the server did in this step that may add holds to the interest table: packets
@@ -539,8 +543,10 @@ class Simulation:
 
     def _sent(self, sock, packet: bytes) -> None:
         client = self.by_server_sock.get(id(sock))
-        if client is not None and packet[:4] == b"MSG ":
-            client.sent_msgs += 1
+        if client is not None:
+            client.sent_all += 1
+            if packet[:4] == b"MSG ":
+                client.sent_msgs += 1
 
     # -- the model: what the server does with each packet it processes, in its order
 
@@ -608,6 +614,10 @@ class Simulation:
                     client.held_asked.append((name, codec.HELD_FREE))
                 else:  # closing: its peer hung up, the server has not read to its end of file
                     client.held_asked.append((name, codec.HELD_CLOSING if holder.hung_up else codec.HELD_LIVE))
+            elif key == codec.SESSION_ACK:
+                name, _, count = packet[5 + len(key) + 1:].partition(b"\0")
+                if self.holders.get((client.cred.uid, name)) is client and count.isdigit():
+                    client.acked = int(count)
             elif key == codec.SESSION:
                 name = (client.cred.uid, packet[5 + len(key) + 1:].split(b"\0", 1)[0])
                 holder = self.holders.get(name)
@@ -708,13 +718,25 @@ class Simulation:
         for _ in range(n):
             try:
                 packet = c.sock.recv()
-            except (BlockingIOError, ConnectionResetError):
-                return
-            except OSError:
-                return
+            except OSError:  # (BlockingIOError, ConnectionResetError among them)
+                break
             if not packet:
-                return
+                break
+            c.read_packets += 1
             self.received(c, packet)
+        more = self.rng_ack
+        if c.session is not None and not c.hung_up and more.random() < 0.3:
+            # It acknowledges what it read (or an older count, or more than it read, or a name
+            # it does not hold): at its close the server counts what it sent past that.
+            count, name = c.read_packets, c.session
+            q = more.random()
+            if q < 0.2:
+                count = max(0, count - more.randrange(1, 5))
+            elif q < 0.25:
+                count += more.randrange(1, 50)
+            elif q < 0.3:
+                name = more.choice([b"s0", b"s1", b"s2"])
+            self.send(c, codec.session_ack(name, count))
 
     def received(self, c: Client, packet: bytes) -> None:
         self.transcript.append((c.n, packet if packet[:4] == b"MSG " else _reply_kind(packet)))
@@ -1004,6 +1026,8 @@ class Simulation:
             if standing:
                 drops = sum(c.proto.drops.values()) if c.proto.drops else 0
                 self.ghosts[name] = c.expected - c.sent_msgs - drops
+                if c.acked is not None:  # what it read past its last word counts too
+                    self.ghosts[name] += max(0, c.sent_all - c.acked)
                 self.ghost_subs[name] = Counter({p: n for p, n in c.subs.items() if not p.startswith(SECRET_ROOT)})
 
 

@@ -112,6 +112,7 @@ class SbusProtocol(Protocol):
         #: The server's `server/disconnect` notice, if it sent one before closing.
         self.disconnectReason: codec.DisconnectNotice | None = None
         self._reqrep: Requester | None = None  # request/reply state, made at the first request()
+        self._acknowledged = 0  # the last count `acknowledgeSession` sent
 
     # -- connection
 
@@ -256,6 +257,16 @@ class SbusProtocol(Protocol):
     def confirmSession(self, name: bytes) -> None:
         """The count the claim of session `name` was told is recorded: the server may forget it."""
         self.sendPacket(codec.session_confirm(name))
+
+    def acknowledgeSession(self, name: bytes, count: int | None = None) -> None:
+        """Tell the server the first `count` packets this connection read (default: all so far)
+        are handed on: if it closes holding session `name`, what was sent past them (unread in
+        the kernel, or held here) is counted as missed too (docs/protocol.md "Acknowledging
+        what was read"). Sent only when it says more than the last one."""
+        n = self.transport.packets_in if count is None else count
+        if n > self._acknowledged and self.connected:
+            self._acknowledged = n
+            self.sendPacket(codec.session_ack(name, n))
 
     def echo(self, on: bool = True) -> None:
         self.sendPacket(echo_packet(on))
@@ -659,6 +670,7 @@ class ReconnectingClient:
         self._flood: dict[str, object] = {}
         #: `holdSession`: (name, linger, confirm), claimed again on every connection.
         self._session: tuple[bytes, float, bool] | None = None
+        self._holding: SbusProtocol | None = None  # the connection the server said holds it
         self._delay = initialDelay
         self._call = None
         self._connecting = False
@@ -684,6 +696,13 @@ class ReconnectingClient:
         proto = self.protocol
         if self._session is not None and proto is not None and proto.connected:
             proto.confirmSession(self._session[0])
+
+    def acknowledgeSession(self, count: int | None = None) -> None:
+        """The current connection's first `count` packets read (default: all) are handed on
+        (`SbusProtocol.acknowledgeSession`); nothing before the session is claimed."""
+        proto = self.protocol
+        if self._session is not None and proto is not None and proto is self._holding:
+            proto.acknowledgeSession(self._session[0], count)
 
     def start(self) -> "ReconnectingClient":
         if not self._running:
@@ -911,6 +930,7 @@ class ReconnectingClient:
         what was published meanwhile is missed in a number nobody knows: one line naming the
         interval, and counted (`unknownGaps`); then `sessionClaimed`."""
         self.gapEnded(reply.state != "new", reply.name)
+        self._holding = self.protocol if reply.state in ("new", "resumed") else None
         self.sessionClaimed(reply)
 
     def gapEnded(self, counted: bool, session: bytes | None = None) -> None:

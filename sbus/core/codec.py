@@ -161,6 +161,10 @@ SESSION_CONFIRM = b"server/session-confirm"
 #: A request (docs/protocol.md "Sessions", "Is a session held?"): is a session of this uid held,
 #: and is its holder's peer still there? It claims nothing (a standby asks before it takes over).
 SESSION_HELD = b"server/session-held"
+#: A session's holder says how many packets it has read on this connection and handed on
+#: (docs/protocol.md "Sessions", "Acknowledging what was read"): at a close the server counts
+#: what it sent past that as missed (the kernel's buffer toward a killed holder). No answer.
+SESSION_ACK = b"server/session-ack"
 #: Its answers: nobody holds it; a connection whose peer is there holds it; the holder's peer has
 #: closed and the server has not yet read all it sent (routed before the name is free); bad name.
 HELD_FREE, HELD_LIVE, HELD_CLOSING, HELD_REFUSED = "free", "held", "closing", "refused"
@@ -251,6 +255,11 @@ def session_request(name: bytes, linger: float, confirm: bool = False) -> bytes:
 def session_confirm(name: bytes) -> bytes:
     """The CMSG that tells the server the count of session `name`'s claim is recorded."""
     return b"CMSG %s\0%s" % (SESSION_CONFIRM, name)
+
+
+def session_ack(name: bytes, count: int) -> bytes:
+    """The CMSG that tells the server `count` packets of this connection were read and handed on."""
+    return b"CMSG %s\0%s\0%d" % (SESSION_ACK, name, count)
 
 
 def session_reply(name: bytes, state: bytes, missed: int = 0, gap: float = 0.0, linger: float = 0.0,

@@ -20,7 +20,7 @@ from sbus.core.codec import MAX_SESSION_NAME as MAX_NAME
 from sbus.core.codec import check_session_name
 from sbus.core.codec import session_reply as reply
 
-__all__ = ["SessionTable", "Lingering", "SessionRefused", "parse_request", "reply",
+__all__ = ["SessionTable", "Lingering", "SessionRefused", "parse_request", "parse_ack", "reply",
            "NEW", "RESUMED", "BUSY", "REFUSED", "MAX_NAME", "DEFAULT_MAX_LINGER"]
 
 NEW = b"new"
@@ -54,6 +54,18 @@ def parse_request(payload: bytes, max_linger: float) -> tuple[bytes, float, bool
     if not math.isfinite(linger) or linger < 0:
         raise SessionRefused(f"linger {text[:20]!r} is not a number of seconds >= 0")
     return name, min(linger, max_linger), bool(flagged)
+
+
+def parse_ack(payload: bytes) -> tuple[bytes, int]:
+    """``NAME\0COUNT`` (``server/session-ack``) -> (name, packets read); raises `SessionRefused`."""
+    name, sep, text = payload.partition(b"\0")
+    try:
+        check_session_name(name)
+    except ValueError as e:
+        raise SessionRefused(str(e)) from None
+    if not sep or not text.isdigit() or len(text) > 20:
+        raise SessionRefused(f"count {text[:24]!r} after the session name is not a number of packets")
+    return name, int(text)
 
 
 class Lingering:
@@ -110,6 +122,7 @@ class SessionTable:
         self._held: dict[tuple[int, bytes], object] = {}  # (uid, name) -> client
         self._names: dict[object, tuple[bytes, float]] = {}  # client -> (name, linger)
         self._unconfirmed: dict[object, int] = {}  # client -> the count it was told, until it confirms
+        self._acked: dict[object, int] = {}  # client -> packets it says it read and handed on
         self._lingering: dict[tuple[int, bytes], Lingering] = {}
         #: Totals for `server/stats`.
         self.resumed = 0
@@ -154,15 +167,25 @@ class SessionTable:
             return None
         return self._unconfirmed.pop(client, 0)
 
-    def leave(self, client, uid: int) -> tuple[bytes, float, int] | None:
-        """`client` closed: (its name, its linger, the count it was told and never confirmed) if
-        it held one; the name is free again."""
+    def ack(self, client, name: bytes, count: int) -> bool:
+        """`client` read and handed on `count` packets of its connection (its latest word
+        counts); False if it does not hold `name`."""
+        entry = self._names.get(client)
+        if entry is None or entry[0] != name:
+            return False
+        self._acked[client] = count
+        return True
+
+    def leave(self, client, uid: int) -> tuple[bytes, float, int, int | None] | None:
+        """`client` closed: (its name, its linger, the count it was told and never confirmed,
+        the packets it last said it read or None) if it held one; the name is free again."""
         entry = self._names.pop(client, None)
         carried = self._unconfirmed.pop(client, 0)
+        acked = self._acked.pop(client, None)
         if entry is None:
             return None
         del self._held[(uid, entry[0])]
-        return entry[0], entry[1], carried
+        return entry[0], entry[1], carried, acked
 
     def linger(self, ghost: Lingering) -> None:
         """Keep `ghost` until it is claimed or `expire`d (a name has at most one)."""

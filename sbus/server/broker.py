@@ -32,7 +32,7 @@ from sbus.core.pausing import HoldBudget, Holds, Pauses
 from sbus.core.reasons import Disconnect, Drop, Refusal
 from sbus.core.router import Router
 from sbus.core.runs import extent as run_extent
-from sbus.core.sessions import REFUSED, Lingering, SessionRefused, SessionTable, parse_request
+from sbus.core.sessions import REFUSED, Lingering, SessionRefused, SessionTable, parse_ack, parse_request
 from sbus.core.sessions import reply as session_reply
 from sbus.interfaces import IQueueingProtocol
 from sbus.server.config import ServerConfig, allowed_uid_set, pattern_cost
@@ -50,6 +50,7 @@ _DISCONNECT = b"CMSG " + codec.DISCONNECT + b"\0"
 _INTEREST = b"CMSG " + codec.INTEREST + b"\0"
 _SESSION = b"CMSG " + codec.SESSION
 _SESSION_CONFIRM = b"CMSG " + codec.SESSION_CONFIRM
+_SESSION_ACK = b"CMSG " + codec.SESSION_ACK
 
 # Disconnect reasons, as they appear in statistics (`sbus.core.reasons`, the one vocabulary).
 PROTOCOL_ERROR = Disconnect.PROTOCOL_ERROR
@@ -292,6 +293,8 @@ class BrokerProtocol(protocol.Protocol):
                 self.factory.sessionConfirmed(self, packet[len(_SESSION_CONFIRM) + 1:])
             elif key == codec.SESSION_HELD:
                 self.factory.sessionHeldAsked(self, packet.partition(b"\0")[2])
+            elif key == codec.SESSION_ACK:
+                self.factory.sessionAcked(self, packet[len(_SESSION_ACK) + 1:])
         else:
             clock = self.factory.work_clock
             t0 = clock()
@@ -1437,6 +1440,17 @@ class BrokerFactory(protocol.Factory):
             log.warn("server/session-confirm from {client}: it holds no session {name}",
                      client=client.label, name=_show(name[:200]))
 
+    def sessionAcked(self, client: BrokerProtocol, payload: bytes) -> None:
+        """`server/session-ack`: `client` has read and handed on this many packets. What the
+        server sent past that when it closes (unread in the kernel, or held by the dead process)
+        is counted as missed with the rest. No answer."""
+        try:
+            name, count = parse_ack(payload)
+            if not self.sessions.ack(client, name, count):
+                raise SessionRefused(f"it holds no session {_show(name[:200])}")
+        except SessionRefused as e:
+            log.warn("server/session-ack from {client} ignored: {why}", client=client.label, why=str(e))
+
     def sessionHeldAsked(self, client: BrokerProtocol, name: bytes) -> None:
         """`server/session-held`: is `client`'s uid's session `name` held, and is its holder's peer
         still there? ``closing``: the peer has closed and what it sent is not all read yet (read
@@ -1453,14 +1467,18 @@ class BrokerFactory(protocol.Factory):
             state = codec.HELD_CLOSING if holder.transport.peerClosed() else codec.HELD_LIVE
         client.reply(codec.session_held_reply(name, state))
 
-    def _linger(self, client: BrokerProtocol, name: bytes, linger: float, carried: int) -> Lingering:
+    def _linger(self, client: BrokerProtocol, name: bytes, linger: float, carried: int,
+                acked: int | None) -> Lingering:
         """`client` closed holding session `name`: a stand-in takes over its patterns (not its
         secret ones: a secret reaches only a live process) and counts what they match, charged to
         the uid as the patterns were, until it is claimed or `linger` seconds are up. It starts
-        with what was queued, unsent, and the count `client` was told and never confirmed."""
+        with what was queued, unsent, what was sent past the packets `client` last acknowledged
+        (if it ever did), and the count `client` was told and never confirmed."""
         uid = client.cred.uid
-        ghost = Lingering(uid, name, self.reactor.seconds(), linger, missed=client.outbox.lost + len(client.outbox),
-                          carried=carried)
+        missed = client.outbox.lost + len(client.outbox)
+        if acked is not None:
+            missed += max(0, client.transport.packets_out - acked)
+        ghost = Lingering(uid, name, self.reactor.seconds(), linger, missed=missed, carried=carried)
         router = self.router
         router.add_client(ghost, None)
         secret = (SECRET_ROOT, self.config.cred_prefix + SECRET_ROOT)

@@ -227,8 +227,9 @@ class UpstreamProtocol(SbusProtocol):
         self.relay.upstreamDrained(self)
 
     def readBatchDone(self) -> None:
-        """What the master sent in one wakeup is queued for local clients: send it, and stop
-        reading the master while too much of it stays queued here (`Backlog`)."""
+        """What the master sent in one wakeup is queued for local clients: send it, stop
+        reading the master while too much of it stays queued here (`Backlog`), and tell the
+        master it is handed on (`server/session-ack`)."""
         relay = self.relay
         factory = relay.factory
         if factory is not None:
@@ -236,6 +237,10 @@ class UpstreamProtocol(SbusProtocol):
             factory.flushDirty(self)
             if queued and self is relay.up:
                 relay.backlog.check(queued, self.pauses)
+        if self.claim is not None:
+            # routed here: a kill from now on loses it in our memory (`Backlog` keeps that
+            # small), not uncounted in the master's kernel buffer toward us
+            self.claim.acknowledge()
 
     def unsolicitedControl(self, key: bytes, payload: bytes | None) -> None:
         if key == RELAY_WHOAMI and payload:

@@ -116,6 +116,12 @@ class SessionClaim:
 
         return d.addCallbacks(answered, failed)
 
+    def acknowledge(self, count: int | None = None) -> None:
+        """The connection's first `count` packets read (default: all) are handed on
+        (`SbusProtocol.acknowledgeSession`): a kill counts what the server sent past them."""
+        if self.holds and self.proto.connected:
+            self.proto.acknowledgeSession(self.name, count)
+
     def confirm(self) -> None:
         """The count is logged and counted: the server may forget it."""
         if self.reply is not None and self.reply.state == "resumed" and self.proto.connected:
