@@ -275,8 +275,8 @@ def test_drop_report_is_logged(tmp_path):
     seen = []
     globalLogPublisher.addObserver(seen.append)
     try:
-        svc._report()
-        svc._report()  # nothing new: no line
+        svc.report()
+        svc.report()  # nothing new: no line
     finally:
         globalLogPublisher.removeObserver(seen.append)
     from twisted.logger import formatEvent

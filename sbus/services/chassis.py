@@ -53,7 +53,7 @@ class Chassis(service.Service):
         self.responder = StatsResponder(self.kind, self.statsName, self.stats, self.publicStats)
         self.buses: list[ReconnectingClient] = []
         self._loops: list[LoopingCall] = []
-        self._last = None
+        self._lastStats = None
 
     @property
     def reactor(self):
@@ -89,9 +89,9 @@ class Chassis(service.Service):
     def report(self, final: bool = False) -> None:
         """Every `stats_interval` (if the stats changed) and once at the end of a stop."""
         st = self.stats()
-        if not final and st == self._last:
+        if not final and st == self._lastStats:
             return
-        self._last = st
+        self._lastStats = st
         self.reportLine(st, final)
 
     def answerStats(self, proto, payload: bytes) -> None:

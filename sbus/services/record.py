@@ -52,9 +52,7 @@ import threading
 import time
 from collections import deque
 
-from twisted.application import service
 from twisted.internet import defer, threads
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python import usage
 
@@ -62,7 +60,7 @@ from sbus.core import codec
 from sbus.core.credentials import SECRET_ROOT
 from sbus.core.patterns import matches
 from sbus.options import METRICS_OPTION, MISSING_BUS_HELP, RespelledOptions, session_name_option
-from sbus.services.svcstats import StatsResponder, unknown_gaps
+from sbus.services.chassis import Chassis
 from sbus.pipeline.schema import (
     DEFAULT_ROLL_AGE,
     DEFAULT_ROLL_BYTES,
@@ -388,36 +386,14 @@ class Recorder:
         self.next_seq += 1
 
 
-def _make_protocol(recorder: Recorder, service: "RecordService"):
-    from sbus.client.twisted import SbusProtocol
-
-    class RecorderProtocol(SbusProtocol):
-        def messageReceived(self, key, payload, packet):
-            recorder.record(key, payload, self.stored_pattern)
-
-        def dropNotice(self, count, first, last):
-            # CMSG server/dropped (the client has parsed it): mark it, count it, log it
-            if count <= 0:
-                return
-            recorder.dropped_by_bus(count, first, last)
-            service.noticeReceived(count, first, last)
-
-        def connectionLost(self, reason=None):
-            notice = self.disconnectReason  # CMSG server/disconnect, if it got through
-            if notice is not None:
-                service.disconnectNotice(notice.reason, notice.text)
-            super().connectionLost(reason)
-
-    return RecorderProtocol
-
-
 def _show(key: bytes) -> str:
     text = key[:80].decode("utf-8", "backslashreplace")
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text) + ("..." if len(key) > 80 else "")
 
 
-class RecordService(service.Service):
-    name = "sbus-record"
+class RecordService(Chassis):
+    name = kind = "sbus-record"
+    log = log
 
     def __init__(self, bus, out: str, patterns: list[bytes], *, roll_bytes=DEFAULT_ROLL_BYTES,
                  roll_age=DEFAULT_ROLL_AGE, row_group_bytes=DEFAULT_ROW_GROUP_BYTES,
@@ -425,28 +401,24 @@ class RecordService(service.Service):
                  compression="snappy", report_interval=DEFAULT_REPORT_INTERVAL, lossy=False,
                  exclude=(PIPELINE_PREFIX,), session: bytes | None = None,
                  session_linger: float = DEFAULT_SESSION_LINGER, reactor=None):
-        self.bus = bus
+        super().__init__(bus, stats_interval=report_interval, reactor=reactor)
         self.out = out
         self.patterns = patterns or [b""]
         self.settings = dict(roll_bytes=roll_bytes, roll_age=roll_age, row_group_bytes=row_group_bytes,
                              retain_age=retain_age, retain_bytes=retain_bytes, compression=compression)
         self.queue_bytes = queue_bytes
-        self.report_interval = report_interval
         self.lossy = lossy
         self.exclude = list(exclude)
         #: `server/session`: its name (default: the recording directory) and linger (0: none).
         self.session = session or codec.session_name(f"sbus-record {os.path.abspath(out)}")
         self.session_linger = session_linger
-        self._reactor = reactor
         self.client = None
         #: The connection that answers ``sbus/services/stats`` (`sbus.services.svcstats`).
         self.control = None
-        self.responder = StatsResponder("sbus-record", os.path.abspath(out), self.stats)
         self.sink: BoundedWriter | None = None
         self.recorder: Recorder | None = None
         self._done: defer.Deferred | None = None
         self._recovering: defer.Deferred | None = defer.succeed(None)
-        self._loop = None
         self._last = (0, 0)
         self._last_bus = (0, 0)  # (messages, notices) at the last log line
         self._last_bus_line = None  # when the last bus-drop line was logged
@@ -457,12 +429,8 @@ class RecordService(service.Service):
         self.degraded_for = DEGRADED_FOR
         self._restore_call = None
 
-    @property
-    def reactor(self):
-        if self._reactor is None:
-            from twisted.internet import reactor
-            self._reactor = reactor
-        return self._reactor
+    def statsName(self) -> str:
+        return os.path.abspath(self.out)
 
     def _from_thread(self, text: str) -> None:
         self.reactor.callFromThread(log.info, "{text}", text=text)
@@ -478,13 +446,9 @@ class RecordService(service.Service):
         else:
             transport.resumeProducing()
 
-    def startService(self):
-        from sbus.client.twisted import ReconnectingClient
+    def setUp(self):
         from sbus.pipeline.writer import RecordingWriter
 
-        super().startService()
-        from sbus.services.shutdown import exit_zero_on_sigterm
-        exit_zero_on_sigterm(self.reactor)
         # recovery (publishing a crashed run's journal) runs on a thread once we are subscribed:
         # a big journal must not keep us off the bus (issue 35: 23 s away for 263 MB)
         writer = RecordingWriter(self.out, log=self._from_thread, recover_later=True, **self.settings)
@@ -495,7 +459,7 @@ class RecordService(service.Service):
                                   on_full=None if self.lossy else self._hold,
                                   call_in_reactor=self.reactor.callFromThread)
         secret = [p for p in self.patterns if p.startswith(SECRET_ROOT)]
-        self.recorder = Recorder(self.sink, writer.next_seq, secret, self.exclude)
+        self.recorder = rec = Recorder(self.sink, writer.next_seq, secret, self.exclude)
         if found.unclean:
             self._markCrash(writer)
         self.sink.start()
@@ -507,61 +471,40 @@ class RecordService(service.Service):
                  mode="lossy: the bus discards for us when we are behind" if self.lossy else
                       "lossless: publishers are held back when we are behind",
                  excl=", ".join(_show(p) for p in [SECRET_ROOT, *self.exclude]))
-
-        svc = self
-
-        class Client(ReconnectingClient):
-            def connectionMade(self, protocol):
-                if svc.sink.full:  # still draining what the last connection brought
-                    protocol.transport.pauseProducing()
-
-                def subscribed(_):
-                    log.info("connected to the bus as {who}; subscribed",
-                             who=(protocol.credentials or b"?").decode("utf-8", "replace"))
-
-                # after the round trip the server has our subscriptions and modes in place
-                protocol.sync().addCallbacks(subscribed, lambda f: None)
-
-            def sessionClaimed(self, reply):
-                ReconnectingClient.sessionClaimed(self, reply)
-                if reply.state == "resumed" and reply.missed:
-                    svc.recorder.missed_while_away(reply.missed)
-
-            def connectionLost(self, reason):
-                if svc.running:
-                    log.warn("lost the bus connection ({why}); reconnecting", why=reason)
-                    if svc.sink.full and not svc.lossy and not svc.degraded:
-                        # cut off while we held the publishers: the bus's hold budget (its
-                        # disconnect notice may not get through a full socket)
-                        svc._degrade()
-
-        self.client = Client(self.reactor, self.bus, _make_protocol(self.recorder, self), maxDelay=5.0, watch=True)
-        for p in self.patterns:
-            self.client.subscribe(p)
-        if self.session_linger > 0:
-            self.client.holdSession(self.session, self.session_linger)
-        else:
-            self.client.missesUncounted = True  # a reconnection's gap is logged and counted
         # stats requests on a connection of their own: the recording one may hold the bus
         # (lossless, writer full) or be paused, and must not count them as missed
-        class Control(ReconnectingClient):
-            def connectionFailed(self, reason):
-                pass  # the recording connection says it
-
-        self.control = Control(self.reactor, self.bus, maxDelay=5.0, watch=True)
-        self.control.echo(False)
-        self.responder.serve(self.control)
-        self.control.start()
-        if self.lossy:
-            self.client.flood(soft="queue", hard="discard")
-        else:
-            self.client.flood(soft="block", hard="block")
-        self.client.start()
+        self.control = self.connect(stats=True, quiet=True, maxDelay=5.0)
+        linger = self.session_linger > 0
+        self.client = self.connect(
+            subscribe=self.patterns, maxDelay=5.0, misses=not linger,
+            session=(self.session, self.session_linger, False) if linger else None,
+            flood=dict(soft="queue", hard="discard") if self.lossy else dict(soft="block", hard="block"),
+            message=lambda key, payload, proto: rec.record(key, payload, proto.stored_pattern),
+            dropped=self.dropNotice, notice=lambda n: self.disconnectNotice(n.reason, n.text),
+            made=self.connectionMade, lost=self.connectionLost, claimed=self.sessionClaimed,
+            ready=lambda proto: log.info("connected to the bus as {who}; subscribed", who=self.who(proto)))
         self._recovering = threads.deferToThreadPool(self.reactor, self.reactor.getThreadPool(), writer.recover)
         self._recovering.addCallbacks(self._recovered, lambda f: log.failure("recovering the journal failed", f))
-        self._loop = LoopingCall(self._report)
-        self._loop.clock = self.reactor
-        self._loop.start(self.report_interval, now=False)
+
+    def connectionMade(self, proto) -> None:
+        if self.sink.full:  # still draining what the last connection brought
+            proto.transport.pauseProducing()
+
+    def sessionClaimed(self, reply) -> None:
+        if reply.state == "resumed" and reply.missed:
+            self.recorder.missed_while_away(reply.missed)
+
+    def connectionLost(self, reason) -> None:
+        if self.running and self.sink.full and not self.lossy and not self.degraded:
+            # cut off while we held the publishers: the bus's hold budget (its disconnect
+            # notice may not get through a full socket)
+            self._degrade()
+
+    def dropNotice(self, count: int, first: bytes, last: bytes) -> None:
+        """CMSG server/dropped (the client has parsed it): mark it, count it, log it."""
+        if count > 0:
+            self.recorder.dropped_by_bus(count, first, last)
+            self.noticeReceived(count, first, last)
 
     def _recovered(self, found) -> None:
         """Say what recovery found in ``_tmp/`` (it ran beside the new traffic)."""
@@ -622,7 +565,7 @@ class RecordService(service.Service):
         else:
             run[1] = last
         now = self.reactor.seconds()
-        if self._last_bus_line is None or now - self._last_bus_line >= self.report_interval:
+        if self._last_bus_line is None or now - self._last_bus_line >= self.stats_interval:
             self._logBusDrops(now)
 
     def _logBusDrops(self, now) -> None:
@@ -638,8 +581,12 @@ class RecordService(service.Service):
                  "key {last}); {total} dropped by the bus since start (marked in the recording)",
                  n=n, k=k, first=_show(first), last=_show(last), total=rec.bus_dropped)
 
-    def _report(self):
+    def report(self, final: bool = False) -> None:
+        """Losses since the last report (one line per kind while it lasts); at the end, the
+        stop line with every count."""
         sink, rec = self.sink, self.recorder
+        if sink is None:
+            return
         if rec.lost_run is not None and sink.has_room(2 * ROW_OVERHEAD + 2 * 512):
             rec.mark_lost_run()
         dropped, dropped_bytes = sink.dropped, sink.dropped_bytes
@@ -648,58 +595,43 @@ class RecordService(service.Service):
         if n:
             log.warn("cannot keep up: dropped {n} messages ({b} bytes) in the last {dt:g}s; "
                      "{total} dropped, {accepted} recorded since start; queue {q} of {max} bytes",
-                     n=n, b=b, dt=self.report_interval, total=dropped, accepted=sink.accepted,
+                     n=n, b=b, dt=self.stats_interval, total=dropped, accepted=sink.accepted,
                      q=sink.queued_bytes, max=sink.max_bytes)
         self._logBusDrops(self.reactor.seconds())
         if sink.paused_times != self._held:
             log.info("writer behind: held the bus back {n} time(s) in the last {dt:g}s "
                      "(queue {q} of {max} bytes)", n=sink.paused_times - self._held,
-                     dt=self.report_interval, q=sink.queued_bytes, max=sink.max_bytes)
+                     dt=self.stats_interval, q=sink.queued_bytes, max=sink.max_bytes)
             self._held = sink.paused_times
         if not self.client.connected and self.client.lastFailure is not None:
             log.warn("not connected to the bus at {what}", what=self.client.lastFailure)
 
-    def stopService(self):
-        super().stopService()
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
+        if final:
+            gaps = (f"; {rec.gaps} gap of unknown size (the last run did not stop cleanly; "
+                    f"{sum(n for _, n, _ in sink.writer.recovery.recovered)} of its messages recovered)"
+                    if rec.gaps else "; no gaps")
+            log.info("stopped: {rec} messages recorded, {lost} lost ({bus} dropped by the bus, "
+                     "{drop} dropped by our queue, {werr} lost to write errors, {away} published "
+                     "while no recorder was connected){gaps}; {filt} secret "
+                     "filtered, {excl} excluded; {files} files published",
+                     rec=sink.accepted - sink.lost_rows,
+                     lost=rec.bus_dropped + sink.dropped + sink.lost_rows + rec.missed_away,
+                     bus=rec.bus_dropped, drop=sink.dropped, werr=sink.lost_rows, away=rec.missed_away,
+                     gaps=gaps, filt=rec.filtered, excl=rec.excluded, files=sink.writer.files_published)
+
+    def beforeStop(self):
         if self._restore_call is not None and self._restore_call.active():
             self._restore_call.cancel()
-        d = self._lastSync()
-        d.addBoth(lambda _: self.client.stop() if self.client is not None else None)
-        if self.control is not None:
-            d.addBoth(lambda _: self.control.stop())
+        return self._lastSync()
 
-        def flush(_):
-            if self.sink is None:
-                return None
-            self.recorder.mark_lost_run()
-            self.sink.stop()
-            return self._done
+    def afterStop(self):
+        def flush(_):  # the marker goes with the writer's close: only once recovery is done
+            if self.sink is not None:
+                self.recorder.mark_lost_run()
+                self.sink.stop()
+                return self._done
 
-        def recovered(_):  # the marker goes with the writer's close: only once recovery is done
-            return self._recovering
-
-        def done(_):
-            s = self.sink
-            if s is not None:
-                self._report()
-                rec = self.recorder
-                gaps = (f"; {rec.gaps} gap of unknown size (the last run did not stop cleanly; "
-                        f"{sum(n for _, n, _ in s.writer.recovery.recovered)} of its messages recovered)"
-                        if rec.gaps else "; no gaps")
-                log.info("stopped: {rec} messages recorded, {lost} lost ({bus} dropped by the bus, "
-                         "{drop} dropped by our queue, {werr} lost to write errors, {away} published "
-                         "while no recorder was connected){gaps}; {filt} secret "
-                         "filtered, {excl} excluded; {files} files published",
-                         rec=s.accepted - s.lost_rows,
-                         lost=rec.bus_dropped + s.dropped + s.lost_rows + rec.missed_away,
-                         bus=rec.bus_dropped, drop=s.dropped, werr=s.lost_rows, away=rec.missed_away,
-                         gaps=gaps, filt=rec.filtered,
-                         excl=rec.excluded, files=s.writer.files_published)
-
-        return d.addBoth(recovered).addBoth(flush).addCallback(done)
-
+        return self._recovering.addBoth(flush)
 
     def stats(self) -> dict:
         """The recorder's counts, for ``--metrics`` (`sbus.metrics.StatsCollector` reads them
@@ -729,7 +661,7 @@ class RecordService(service.Service):
             "queue_limit_bytes": sink.max_bytes,
             "degraded": self.degraded,
             "lost": {reason: n for reason, n in lost.items() if n},
-            "unknown_gaps": unknown_gaps(self.client),
+            "unknown_gaps": self.unknownGaps(),
             "stats_requests": {"answered": self.responder.answered, "refused": self.responder.refused},
         }
 
