@@ -179,14 +179,17 @@ class Attack:
             return b"real " + body
 
         def serve():
-            srv = Client(address)
-            srv.serve(b"svc/", handler, ready=lambda: os.write(self.who_w, srv.whoami(10) + b"\n"))
+            with Client(address) as srv:
+                try:
+                    srv.serve(b"svc/", handler, ready=lambda: os.write(self.who_w, srv.whoami(10) + b"\n"))
+                except ConnectionClosed:
+                    pass  # the bus stopped as it answered the forger's challenge to a request already answered
             return "served"
 
-        if responder_uid == 0:
-            self.threads = [threading.Thread(target=serve, daemon=True)]
-        else:
-            self.threads = [threading.Thread(target=lambda: run_as(responder_uid, responder_uid, serve), daemon=True)]
+        def responder():
+            self.out["responder"] = serve() if responder_uid == 0 else run_as(responder_uid, responder_uid, serve)
+
+        self.threads = [threading.Thread(target=responder, daemon=True)]
         self.threads[0].start()
         self.responder = os.read(self.who_r, 200).strip()
         t = threading.Thread(target=lambda: self.out.setdefault(
@@ -207,6 +210,7 @@ class Attack:
             t.join(30)
         for fd in (self.signal_r, self.signal_w, self.who_r, self.who_w):
             os.close(fd)
+        assert self.out.get("responder") == "served", self.out.get("responder")  # it ended, without an error
         keys = self.out.get("forger", "")
         assert keys.startswith("["), keys
         assert "svc/" in keys and "!/cred/0/" not in keys, keys  # it saw the requests, never a token
