@@ -34,6 +34,7 @@ from twisted.application import service
 from twisted.internet import defer
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
+from twisted.python import usage
 
 from sbus.client.twisted import ReconnectingClient, SbusProtocol
 from sbus.services.shutdown import exit_zero_on_sigterm
@@ -136,9 +137,20 @@ class Chassis(service.Service):
 
         class Client(ReconnectingClient):
             connects = 0
+            paused = False
+
+            def pauseReading(self, paused: bool = True) -> None:
+                """Stop (False: resume) reading the bus, on this connection and the next ones."""
+                self.paused = paused
+                if self.connected and paused:
+                    self.protocol.transport.pauseProducing()
+                elif self.connected:
+                    self.protocol.transport.resumeProducing()
 
             def connectionMade(self, proto):
                 self.connects += 1
+                if self.paused:
+                    proto.transport.pauseProducing()
                 if made is not None:
                     made(proto)
                 if ready is not None:  # after the round trip the bus has our settings in place
@@ -193,6 +205,16 @@ class Chassis(service.Service):
 
     def reconnects(self) -> int:
         return sum(max(0, c.connects - 1) for c in self.buses)
+
+    @staticmethod
+    def checkBus(address) -> None:
+        """The ``--bus`` option: a bad address is a usage error now (one line), not a log line later."""
+        from sbus.client.address import AddressError, parse
+        try:
+            if address:
+                parse(address)
+        except AddressError as e:
+            raise usage.UsageError(f"--bus: {e}") from None
 
     @staticmethod
     def who(proto) -> str:

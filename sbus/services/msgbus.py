@@ -813,12 +813,7 @@ class Options(usage.Options):
     ]
 
     def postOptions(self):
-        if self["bus"]:
-            from sbus.client.address import AddressError, parse
-            try:
-                parse(self["bus"])
-            except AddressError as e:
-                raise usage.UsageError(f"--bus: {e}") from None
+        Chassis.checkBus(self["bus"])
         for name in ("max-packet", "max-line", "queue-bytes", "backlog", "max-clients", "max-channel",
                      "max-channels", "max-channel-bytes", "max-uid-bytes"):
             self[name] = positive_int(name, self[name])

@@ -99,18 +99,13 @@ class QueueService(Chassis):
             flood={"hard": "block"} if self.full == "block" else None, max_packet=self.max_packet,
             session=(codec.session_name(f"sbus-queue {self.statsName()}"), SESSION_LINGER, True),
             message=self.intakeMessage, dropped=self.intakeDropped, notice=self.intakeNotice,
-            made=self.intakeMade, ready=self.intakeReady, lost=self.intakeLost,
+            ready=self.intakeReady, lost=self.intakeLost,
             claimed=self.intakeClaimed)
         log.info("sbus-queue: groups {g}; waiting at most: {caps}; publishes over a reject-publish cap: {mode}; "
                  "window {w} per member", g=self.statsName(), caps=self.core.caps_text(),
                  mode=self.full, w=next(iter(self.core.groups.values())).window)
         self.every(TICK, self._tick)  # ack deadlines, nack delays, fsync of the journals
         self._hangup = self.every(HANGUP_CHECK, self._checkHangup, start=False)
-
-    def intakeMade(self, proto) -> None:
-        if self.paused:
-            proto.transport.pauseProducing()
-            self.watchHangup()
 
     def intakeDropped(self, count, first, last) -> None:
         self.core.intake_dropped(count)
@@ -221,10 +216,8 @@ class QueueService(Chassis):
         if not self.paused and self.core.should_pause():
             self.paused = True
             self.pauses += 1
-            proto = self.intake.protocol
-            if proto is not None and proto.connected:
-                proto.transport.pauseProducing()
-                self.watchHangup()
+            self.intake.pauseReading()
+            self.watchHangup()
 
     def identified(self, whoami: bytes) -> None:
         """The control connection's whoami: verified submissions are answered from now on (the
@@ -265,9 +258,7 @@ class QueueService(Chassis):
             self.paused = False
             if self._hangup is not None and self._hangup.running:
                 self._hangup.stop()
-            proto = self.intake.protocol
-            if proto is not None and proto.connected:
-                proto.transport.resumeProducing()
+            self.intake.pauseReading(False)
 
     def watchHangup(self) -> None:
         """A paused intake is not read, so the reactor would not see the bus close it (a stall):
@@ -495,12 +486,7 @@ class Options(usage.Options):
                 self["store"] = QueueStore(self["store"])
             except JournalError as e:
                 raise usage.UsageError(str(e)) from None
-        if self["bus"]:
-            from sbus.client.address import AddressError, parse
-            try:
-                parse(self["bus"])
-            except AddressError as e:
-                raise usage.UsageError(f"--bus: {e}") from None
+        Chassis.checkBus(self["bus"])
 
 
 def makeService(options) -> QueueService:

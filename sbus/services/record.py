@@ -435,17 +435,6 @@ class RecordService(Chassis):
     def _from_thread(self, text: str) -> None:
         self.reactor.callFromThread(log.info, "{text}", text=text)
 
-    def _hold(self, full: bool) -> None:
-        """Lossless: stop reading the bus while the writer's queue is full (back-pressure)."""
-        proto = self.client.protocol if self.client is not None else None
-        transport = getattr(proto, "transport", None)
-        if transport is None:
-            return
-        if full:
-            transport.pauseProducing()
-        else:
-            transport.resumeProducing()
-
     def setUp(self):
         from sbus.pipeline.writer import RecordingWriter
 
@@ -456,7 +445,7 @@ class RecordService(Chassis):
         self._done = defer.Deferred()
         self.sink = BoundedWriter(writer, self.queue_bytes, report=self._from_thread,
                                   on_done=lambda: self.reactor.callFromThread(self._done.callback, None),
-                                  on_full=None if self.lossy else self._hold,
+                                  on_full=None if self.lossy else lambda full: self.client.pauseReading(full),
                                   call_in_reactor=self.reactor.callFromThread)
         secret = [p for p in self.patterns if p.startswith(SECRET_ROOT)]
         self.recorder = rec = Recorder(self.sink, writer.next_seq, secret, self.exclude)
@@ -481,14 +470,10 @@ class RecordService(Chassis):
             flood=dict(soft="queue", hard="discard") if self.lossy else dict(soft="block", hard="block"),
             message=lambda key, payload, proto: rec.record(key, payload, proto.stored_pattern),
             dropped=self.dropNotice, notice=lambda n: self.disconnectNotice(n.reason, n.text),
-            made=self.connectionMade, lost=self.connectionLost, claimed=self.sessionClaimed,
+            lost=self.connectionLost, claimed=self.sessionClaimed,
             ready=lambda proto: log.info("connected to the bus as {who}; subscribed", who=self.who(proto)))
         self._recovering = threads.deferToThreadPool(self.reactor, self.reactor.getThreadPool(), writer.recover)
         self._recovering.addCallbacks(self._recovered, lambda f: log.failure("recovering the journal failed", f))
-
-    def connectionMade(self, proto) -> None:
-        if self.sink.full:  # still draining what the last connection brought
-            proto.transport.pauseProducing()
 
     def sessionClaimed(self, reply) -> None:
         if reply.state == "resumed" and reply.missed:
@@ -781,12 +766,7 @@ class Options(RespelledOptions):
             require("pyarrow")
         except MissingExtra as e:
             raise usage.UsageError(str(e)) from None
-        if self["bus"]:
-            from sbus.client.address import AddressError, parse
-            try:
-                parse(self["bus"])
-            except AddressError as e:
-                raise usage.UsageError(f"--bus: {e}") from None
+        Chassis.checkBus(self["bus"])
         out = self["out"]
         if os.path.exists(out) and not os.path.isdir(out):
             raise usage.UsageError(f"--out: {out} is not a directory")
