@@ -1,29 +1,19 @@
-"""The service chassis: what every sbus service around a bus needs, written once.
+"""The service chassis (docs/deploy.md "Service chassis"): the machinery of a service on the
+bus, written once, in the manner of Twisted's ``ClientService`` with a back-off retry policy.
 
-Service chassis
----------------
-A service subclasses `Chassis` and supplies hooks; the chassis owns the machinery.
+A service subclasses `Chassis` and supplies hooks only: ``kind``, ``log``, ``statsName()``,
+``stats()``, ``publicStats`` (what other uids see, if anything); ``setUp()``, which makes its
+bus connections with `connect` and says there what it does with a message, a drop notice, the
+bus's disconnect notice or another control message, and when the connection comes (``made``,
+``ready``) or goes (``lost``) or its session claim is answered (``claimed``); ``reportLine``
+(or ``report``); ``beforeStop()`` (still connected) and ``afterStop()``.
 
-The service supplies:
-
-* ``kind`` (``"sbus-queue"``), ``log`` (its `Logger`), ``statsName()`` (its name in stats
-  answers), ``stats()`` (its counters, a JSON-able dict) and, if other uids may see more than
-  its kind and name, ``publicStats()``;
-* ``setUp()``: its named bus connections, each made by `connect` with what the service does
-  with a message (``message``), a drop notice (``dropped``), the bus's disconnect notice
-  (``notice``), an unsolicited control message (``control``), and when the connection comes
-  (``made``: at once; ``ready``: once the bus has its subscriptions and modes) or goes
-  (``lost``), and with what its session claim was told (``claimed``);
-* ``reportLine(stats, final)`` (or ``report(final)`` for a report of another shape), and its
-  own steps of a stop: ``beforeStop()`` (while still connected) and ``afterStop()``.
-
-The chassis owns, in the manner of Twisted's ``ClientService`` with a back-off retry policy:
-one `ReconnectingClient` per connection (back-off, the socket watch, echo off, subscriptions
-and flood modes again on every connection, the session claim or the count of uncounted gaps,
-the lost-connection line), the stats responder (`svcstats`), the report every
-``stats_interval`` seconds (only when the stats changed), other periodic calls (`every`),
-SIGTERM as a clean stop with status 0 (`shutdown`), and the order of a stop: periodic calls
-stop, ``beforeStop()``, every connection closes, ``afterStop()``, the final report.
+The chassis owns one `ReconnectingClient` per connection (back-off, the socket watch, echo
+off, the session claim or the count of uncounted gaps, paused reading kept across
+reconnections, the lost-connection line), the stats answers (`svcstats`), the report every
+``stats_interval`` (when changed), periodic calls (`every`), SIGTERM as a clean stop with
+status 0 (`shutdown`), and the order of a stop: periodic calls, ``beforeStop()``, the
+connections, ``afterStop()``, the final report.
 """
 
 from __future__ import annotations

@@ -655,19 +655,9 @@ class RecordService(Chassis):
         (in our socket, or in its queue for us) is read and recorded first, so that what was
         published before the recorder was stopped is in the recording. Bounded by STOP_SYNC
         seconds (a bus that does not answer, or a writer that stays full)."""
-        client = self.client
-        proto = client.protocol if client is not None and client.connected else None
-        if proto is None:
+        if self.client is None or not self.client.connected:
             return defer.succeed(None)
-        d = proto.sync()
-        timer = self.reactor.callLater(STOP_SYNC, d.cancel)
-
-        def over(result):
-            if timer.active():
-                timer.cancel()
-            return None
-
-        return d.addBoth(over)
+        return self.client.protocol.sync().addTimeout(STOP_SYNC, self.reactor).addBoth(lambda _: None)
 
 
 class Options(RespelledOptions):
