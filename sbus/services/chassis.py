@@ -128,6 +128,7 @@ class Chassis(service.Service):
         class Client(ReconnectingClient):
             connects = 0
             paused = False
+            counted = bool(session or misses)  # its gaps are the service's `unknown_gaps`
 
             def pauseReading(self, paused: bool = True) -> None:
                 """Stop (False: resume) reading the bus, on this connection and the next ones."""
@@ -152,7 +153,8 @@ class Chassis(service.Service):
 
             def connectionLost(self, reason):
                 if svc.running and not quiet:
-                    svc.log.warn("{prefix}lost the bus connection ({why}); reconnecting", prefix=prefix, why=reason)
+                    svc.log.warn("{prefix}lost the bus connection ({why}); reconnecting",
+                                 prefix=prefix, why=reason)
                 if lost is not None:
                     lost(reason)
 
@@ -164,7 +166,6 @@ class Chassis(service.Service):
                     self.confirmSession()  # counted: the bus may forget it
 
         client = Client(self.reactor, self.bus, Protocol, watch=True, **retry)
-        client.counted = bool(session or misses)
         for pattern in subscribe:
             client.subscribe(pattern)
         if stats:
@@ -223,7 +224,8 @@ class Chassis(service.Service):
             if loop.running:
                 loop.stop()
         d = defer.succeed(None)
-        for step in (self.beforeStop, lambda: defer.DeferredList([c.stop() for c in self.buses]),
+        for step in (self.beforeStop,
+                     lambda: defer.DeferredList([c.stop() for c in self.buses], consumeErrors=True),
                      self.afterStop, lambda: self.report(final=True)):
             d.addCallback(lambda _, step=step: step())
             d.addErrback(lambda f: self.log.failure("{kind}: a step of the stop failed", f, kind=self.kind))

@@ -88,10 +88,11 @@ class QueueService(Chassis):
     # -- life cycle
 
     def setUp(self):
-        # the control connection starts once the intake is subscribed (and see `follow`)
+        # the control connection starts once the intake is subscribed (and see `follow`); its
+        # serves patterns tell a later service for our groups to give them up
         self.control = self.connect(
             "control", subscribe=[ACK_KEY, *MEMBER_KEYS, *(SUBMIT_ROOT + name for name in self.core.groups),
-                                  *self.core.serves_patterns()],  # the last: a later service for our groups gives them up
+                                  *self.core.serves_patterns()],
             stats=True, start=False, max_packet=self.max_packet, message=self.controlMessage,
             control=self.interestNotice, made=self.controlMade, lost=self.controlLost)
         self.intake = self.connect(
@@ -99,8 +100,7 @@ class QueueService(Chassis):
             flood={"hard": "block"} if self.full == "block" else None, max_packet=self.max_packet,
             session=(codec.session_name(f"sbus-queue {self.statsName()}"), SESSION_LINGER, True),
             message=self.intakeMessage, dropped=self.intakeDropped, notice=self.intakeNotice,
-            ready=self.intakeReady, lost=self.intakeLost,
-            claimed=self.intakeClaimed)
+            ready=self.intakeReady, lost=self.intakeLost, claimed=self.intakeClaimed)
         log.info("sbus-queue: groups {g}; waiting at most: {caps}; publishes over a reject-publish cap: {mode}; "
                  "window {w} per member", g=self.statsName(), caps=self.core.caps_text(),
                  mode=self.full, w=next(iter(self.core.groups.values())).window)
