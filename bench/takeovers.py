@@ -45,9 +45,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))   # the tests' process helpers (as bench/nats_throughput.py)
 sys.path.insert(0, str(REPO))
 
-from helpers import SbusdProcess  # noqa: E402
+from helpers import SbusdProcess, connect, msg, send, sync  # noqa: E402
 from test_failover import (LINK_TAKEOVER, READY, RESUMED, TAKEOVER, WATCHING, Receiver,  # noqa: E402
-                           SteadyPublisher, armed, far_subscriber, marker_across, service_stats)
+                           SteadyPublisher, armed, far_subscriber, service_stats)
 from test_lossless import routed  # noqa: E402
 from test_link_failover import TransportLink  # noqa: E402
 from test_topology_services import Service, bridge, settled  # noqa: E402
@@ -356,22 +356,22 @@ def run(args, tmp: Path, started: dict) -> tuple[dict, list, list]:
         receivers[d].start()
         flows[d].start()
     time.sleep(args.settle)     # the steady flow before the first kill (workload, not a wait for an event)
-    record, notes = [], []
+    record, notes, anomalies = [], [], []
     for i in range(1, args.takeovers + 1):
         takeover(rig, i, flows, receivers, record, notes)
         time.sleep(args.settle)
     result = {}
+    sent = {d: flows[d].stop() for d in DIRECTIONS}    # both, before waiting for either's end marker
     for d in DIRECTIONS:
-        n = flows[d].stop()
+        n = sent[d]
         if flows[d].error:
-            notes.append(f"{d}: the publisher failed after {n}: {flows[d].error}")
-        try:
-            got = marker_across(src[d], prefix[d], n, receivers[d])
-        except AssertionError as e:
-            notes.append(f"{d}: the end marker did not arrive ({str(e).splitlines()[0]})")
-            receivers[d].stopping = True
-            receivers[d].join(5)
-            got = [x for x in receivers[d].got if x < n]
+            anomalies.append(f"{d}: the publisher failed after {n}: {flows[d].error}")
+        waited = end_marker(src[d], prefix[d], n, receivers[d])
+        if waited is None:
+            anomalies.append(f"{d}: the end marker (number {n}, published every 5 s) did not arrive in {WAIT:.0f} s")
+        elif waited > 5:
+            notes.append(f"{d}: the end marker arrived {waited:.0f} s after the publishers stopped")
+        got = [x for x in receivers[d].got if x < n]
         unique = set(got)
         if len(unique) < len(got):
             notes.append(f"{d}: received twice: {duplicated(got)}; the kills ({', '.join(t['at'] for t in record)} "
@@ -387,7 +387,7 @@ def run(args, tmp: Path, started: dict) -> tuple[dict, list, list]:
         sock.close()
     notes.append(f"counted lost: {len(rig.procs) - len(rig.from_logs)} live {rig.kind} process(es) by their stats, "
                  f"{len(rig.from_logs)} ({sum(p in rig.dead for p in rig.from_logs)} killed) by their logs")
-    return result, record, notes
+    return result, record, notes, anomalies
 
 
 def duplicated(got: list[int], show: int = 8) -> str:
@@ -402,6 +402,29 @@ def duplicated(got: list[int], show: int = 8) -> str:
         seen.add(x)
     shown = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:show])
     return shown + (f" and {len(runs) - show} more runs" if len(runs) > show else "")
+
+
+def end_marker(address: str, prefix: bytes, n: int, receiver: Receiver) -> float | None:
+    """Publish number `n` after the flow (again every 5 s: one message may fall in a gap) until
+    `receiver` has it, then stop the receiver: everything that came before it is in. Seconds
+    waited, None if it never came within WAIT."""
+    t0 = time.monotonic()
+    seen = 0
+    found = None
+    with connect(address) as marker:
+        while found is None and time.monotonic() - t0 < WAIT and receiver.error is None:
+            send(marker, msg(prefix + b"%d" % n, b"end"))
+            sync(marker)
+            until = time.monotonic() + 5
+            while found is None and time.monotonic() < until:
+                new = receiver.got[seen:]
+                seen += len(new)
+                if n in new:
+                    found = time.monotonic() - t0
+                time.sleep(0.05)
+    receiver.stopping = True
+    receiver.join(5)
+    return found
 
 
 def table(kind: str, result: dict, record: list) -> str:
@@ -490,7 +513,7 @@ def main(argv=None) -> int:
     started_procs: dict = {}
     error = None
     try:
-        result, record, notes = run(args, tmp, started_procs)
+        result, record, notes, anomalies = run(args, tmp, started_procs)
     except (BenchError, AssertionError, RuntimeError, OSError) as e:
         error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     except KeyboardInterrupt:
@@ -514,11 +537,11 @@ def main(argv=None) -> int:
           f"(seconds listed per takeover, in order).\n")
     print(table(args.kind, result, record))
     bad = failures(result, record, args.bound)
-    if notes or bad:
+    if notes or bad or anomalies:
         print()
-    for line in notes + [f"not met: {x}" for x in bad]:
+    for line in notes + [f"odd: {x}" for x in anomalies] + [f"not met: {x}" for x in bad]:
         print(f"* {line}")
-    if bad or args.keep_logs:
+    if bad or anomalies or args.keep_logs:
         print(f"\nlogs: {keep_logs(args.kind, tmp, rig)}", file=sys.stderr)
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
