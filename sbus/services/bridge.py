@@ -417,6 +417,9 @@ class BridgeService(service.Service):
                 def outboxDrained(self):
                     bridge.outboxDrained(self)
 
+                def readBatchDone(self):
+                    bridge.handedOn(side)
+
             return BridgeProtocol
 
         class Client(ReconnectingClient):
@@ -685,8 +688,23 @@ class BridgeService(service.Service):
 
     def outboxDrained(self, dest) -> None:
         """`dest` sent all it held: read again from the side we stopped for it (`_forward`)."""
-        if dest.pauser is not None and self._paused[dest.pauser.source]:
-            dest.pauser.resumeProducing()
+        if dest.pauser is not None:
+            if self._paused[dest.pauser.source]:
+                dest.pauser.resumeProducing()
+            self.handedOn(dest.pauser.source)
+
+    def handedOn(self, side: str) -> None:
+        """Tell `side`'s server that all we read from it has left this process (forwarded into
+        the other server's socket, or dropped and counted here), so a kill -9 from now on is
+        counted by its session, our kernel buffer's share too (`server/session-ack`). While
+        some waits in our queue toward the other side, we tell it when that queue drains."""
+        proto = self.clients[side].protocol
+        if proto is None or proto.claim is None:
+            return
+        dest = self.clients[OTHER[side]].protocol
+        if dest is not None and dest.connected and dest.transport.queued():
+            return
+        proto.claim.acknowledge()
 
     # -- standing by and taking over
 

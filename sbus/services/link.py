@@ -538,6 +538,9 @@ class LocalProtocol(SbusProtocol):
     def outboxDrained(self) -> None:
         self.link.handedOn(self)
 
+    def readBatchDone(self) -> None:
+        self.link.localBatchDone(self)
+
     def packetReceived(self, packet: bytes) -> None:
         if packet[:4] == b"MSG ":
             end = packet.find(b"\0", 4)
@@ -797,6 +800,9 @@ class Link(service.MultiService):
         self.drops = Counter()
         #: Messages not carried while this link stands by (another path carries them), by direction.
         self.standby = Counter()
+        #: (messages sent to the peer, bus packets read) at the end of each bus read batch whose
+        #: messages the peer has not all acknowledged: what `server/session-ack` may say next.
+        self._bus_marks: deque = deque()
         #: Our receiving direction (peer's bus -> ours) while this link does not carry it: what
         #: the peer saw on its bus (its stream: MSG, or link/seen while it stands by) that has
         #: not arrived on our bus by another path (sbus.core.standby, sides PEER and BUS);
@@ -962,6 +968,7 @@ class Link(service.MultiService):
             return
         self.bus_connects += 1
         self.local = proto
+        self._bus_marks.clear()
         changed = whoami != self.whoami
         self.whoami = whoami
         self._own_secret = whoami + b"/"
@@ -1053,6 +1060,7 @@ class Link(service.MultiService):
 
     def busDown(self, reason):
         self.local = None
+        self._bus_marks.clear()
         self._bus_ready = False
         if self.peer is not None:   # what waited in the lost connection's queue: as before, ours
             self.acknowledge(self.peer)
@@ -1285,6 +1293,9 @@ class Link(service.MultiService):
             in_flight = peer.msgs_sent - peer.acked if peer.acks else 0
             if in_flight > 0:
                 self.drops["in_flight"] += in_flight
+            self._bus_marks.clear()   # counted here: handed on, for our session on the bus
+            if self.local is not None:
+                self.bus.acknowledgeSession()
             self.tree.port_down(PEER_PORT)
             if self._local_paused:
                 self._local_holds.clear()
@@ -1302,6 +1313,7 @@ class Link(service.MultiService):
         if old is not None:
             log.warn("sbus-link: {new} replaces the link to {old}", new=peer.name, old=old.name)
             self.peer = None
+            self._bus_marks.clear()   # (counts of the old peer's messages)
             old.transport.abortConnection()
         if old is not None:
             self.tree.port_down(PEER_PORT)
@@ -1462,6 +1474,24 @@ class Link(service.MultiService):
         if n is not None:
             self._sendAck(peer, n)
 
+    def localBatchDone(self, local: LocalProtocol) -> None:
+        """A read batch from our bus is handled: once the peer has acknowledged every message of
+        it we carried (at once, if we carried none), tell the bus it is handed on
+        (`server/session-ack`), so a kill -9 of ours from then on is counted by our session,
+        what the bus's kernel held for us and our unacknowledged window too."""
+        if local is not self.local:
+            return
+        peer, read = self.peer, local.transport.packets_in
+        if peer is None or peer.msgs_sent == peer.acked:
+            self._bus_marks.clear()
+            self.bus.acknowledgeSession(read)
+        elif peer.acks:
+            marks = self._bus_marks
+            if marks and marks[-1][0] == peer.msgs_sent:
+                marks[-1] = (peer.msgs_sent, read)
+            else:
+                marks.append((peer.msgs_sent, read))
+
     def _sendAck(self, peer: PeerProtocol, n: int) -> None:
         if n > peer.ack_sent:
             peer.ack_sent = n
@@ -1475,6 +1505,11 @@ class Link(service.MultiService):
         if not peer.acked <= n <= peer.msgs_sent:
             return self._peerError(peer, f"link/ack of {n}: sent {peer.msgs_sent}, acknowledged {peer.acked}")
         peer.acked = n
+        if peer is self.peer and self._bus_marks and self._bus_marks[0][0] <= n:
+            read = None
+            while self._bus_marks and self._bus_marks[0][0] <= n:
+                read = self._bus_marks.popleft()[1]
+            self.bus.acknowledgeSession(read)
         marks = peer.marks
         if n == peer.msgs_sent:
             marks.clear()
