@@ -60,7 +60,12 @@ PLUGINS = ["sbus-record", "sbus-link", "sbus-msgbus", "sbus-bridge", "sbus-nats"
 
 
 def start(argv, tmp_path, umask=0o022) -> LoggedProcess:
-    return LoggedProcess(argv, tmp_path / "out.log", env=child_env(), cwd=str(tmp_path), umask=umask)
+    """Stopped by SIGTERM: these tests stop a service as soon as its log file is written, which
+    twistd does before the reactor runs and installs its SIGINT handler; a SIGINT then raised
+    KeyboardInterrupt where a Deferred caught it, and the service ran on until killed (30 s)."""
+    proc = LoggedProcess(argv, tmp_path / "out.log", env=child_env(), cwd=str(tmp_path), umask=umask)
+    proc.stop_signal = signal.SIGTERM
+    return proc
 
 
 def wait_log(proc, log) -> None:
