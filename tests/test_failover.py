@@ -23,7 +23,7 @@ import uuid
 
 import pytest
 
-from helpers import SERVICE_TIMEOUT, child_env, connect, msg, send, sub, sync, wait_until
+from helpers import SERVICE_TIMEOUT, child_env, connect, msg, recv, send, sub, sync, wait_until
 from test_lossless import HARD_BLOCK, routed
 from test_server_restart_under_services import answers_on
 from test_topology_services import TWISTD, bridge, services, settled  # noqa: F401  (fixture)
@@ -388,6 +388,48 @@ def test_what_the_buss_kernel_held_for_a_killed_bridge_is_counted_by_its_success
     second.wait_log(RESUMED, count=2)
     counted = counted_by_logs(second, side="a").get("restart", 0)
     assert n <= counted <= n + 2, f"counted {counted} of the {n} the killed bridge never read"
+
+
+def test_a_bridge_never_forwards_while_another_live_one_holds_its_roles_session(start_bus, services):  # noqa: F811
+    """Issue 34, finding 1 (a restarted bridge forwarded beside the one that had taken over,
+    1.6k-8.4k duplicates a direction): the active bridge's hellos can wait behind its takeover
+    backlog, so a newcomer may hear none and think itself root. The active one holds the role's
+    session (it claims it after its takeover), so the newcomer's takeover asks first
+    (`server/session-held`) and forwards nothing while a live connection holds it. Here a client
+    of our uid holds the role's sessions and sends no hellos: the bridge forwards none of 50
+    messages; once it lets go, the bridge forwards all 50, once, in order."""
+    from test_session import claim
+
+    a, b = start_bus(), start_bus()
+    first = bridge(services, a.address, b.address, rule="'' a>b")
+    text = first.wait_log(re.compile(r"side b: holding session"))
+    text = first.wait_log(re.compile(r"side a: holding session"))
+    names = dict(re.findall(r"side ([ab]): holding session '([^']+)'", text))
+    first.stop()
+    holders = []
+    for side, address in (("a", a.address), ("b", b.address)):   # the live holder, silent
+        h = connect(address, extensions=False)
+        send(h, sub(b""))
+        assert claim(h, names[side].encode(), 60).state in ("resumed", "new")
+        holders.append(h)
+    prefix = b"live/"
+    s = far_subscriber(b.address, prefix)
+    second = bridge(services, a.address, b.address, rule="'' a>b")
+    second.wait_log("another live bridge of this role holds the session")
+    with connect(a.address) as pub:
+        send(pub, *[msg(prefix + b"%d" % i, b"x") for i in range(50)])
+        sync(pub)
+    (st,) = bridge_stats(a.address)
+    assert st["stats"]["forwarded"]["a>b"] == 0, st["stats"]["forwarded"]
+    for h in holders:
+        h.close()
+    got = []
+    while len(got) < 50:
+        p = recv(s, DONE_TIMEOUT)
+        assert p.startswith(b"MSG " + prefix), p[:60]
+        got.append(int(p[len(b"MSG " + prefix):].split(b"\0")[0]))
+    assert got == list(range(50)), got
+    s.close()
 
 
 #: The second kill's burst: more than the far side's server holds for a subscriber that does not

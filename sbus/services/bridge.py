@@ -765,6 +765,20 @@ class BridgeService(service.Service):
                     proto.forgetRequest(codec.SESSION_HELD, ask)
             if generation != self._takeovers or not self._catching_up:
                 return
+            live = sorted(side for side, state in states.items() if state == codec.HELD_LIVE
+                          and not (protos[side].claim is not None and protos[side].claim.holds))
+            if live and self.spanning_tree:
+                # Another live bridge of our role carries the flow (it claimed the session after
+                # its own takeover); its hellos have not reached us yet, e.g. queued behind its
+                # takeover's backlog. Forwarding now would deliver everything twice: we wait
+                # until it lets go (killed: closing, then free) or the tree makes us stand by.
+                if "live" not in waited:
+                    waited.add("live")
+                    log.warn("taking over: another live bridge of this role holds the session of side(s) "
+                             "{sides} (it carries the flow; its hellos have not reached us yet): not "
+                             "forwarding until it lets go", sides=",".join(live))
+                self._release = self.reactor.callLater(RELEASE_POLL, self._catchUp, generation, deadline, waited)
+                return
             closing = sorted(side for side, state in states.items() if state == codec.HELD_CLOSING)
             if closing and self.reactor.seconds() < deadline:
                 for side in set(closing) - waited:
