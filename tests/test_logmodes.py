@@ -102,7 +102,10 @@ def test_rotated_log_files_keep_the_mode(bus, tmp_path):
     try:
         wait_log(proc, log)
         proc.proc.send_signal(signal.SIGUSR1)
-        wait_until(lambda: (tmp_path / "rec.log.1").exists() and log.exists(), "the rotation")
+        # twistd's LogFile creates the new file under umask 0777 (mode 0000), then chmods it to
+        # the old file's mode: the rotation is done once that chmod is (a check in between failed)
+        wait_until(lambda: (tmp_path / "rec.log.1").exists() and log.exists() and stat.S_IMODE(log.stat().st_mode),
+                   "the rotation")
         assert_private(log)
         assert_private(tmp_path / "rec.log.1")
     finally:
