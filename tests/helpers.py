@@ -475,6 +475,31 @@ def wait_until(predicate, what: str, timeout: float = SERVICE_TIMEOUT, interval:
         time.sleep(interval)
 
 
+def service_answer(address: str, service: str, wait: float = 1.0) -> dict | None:
+    """`service`'s answer on the bus at `address` to `sbus/services/stats` (what `sbus stats
+    --services` prints for it), or None: none within `wait` s, or no bus there. In process and
+    back as soon as it answered, where the command starts Python and waits out its window."""
+    from sbus.client import Client
+    from sbus.services.svcstats import STATS_REQUEST
+
+    try:
+        with Client(address) as c:
+            reply = c.whoami(SERVICE_TIMEOUT) + b"/sbus-stats/" + uuid.uuid4().hex.encode()
+            c.subscribe(reply)
+            c.sync(SERVICE_TIMEOUT)
+            c.publish(STATS_REQUEST, reply)
+            deadline = time.monotonic() + wait
+            while (left := deadline - time.monotonic()) > 0:
+                m = c.receive(timeout=left)
+                if getattr(m, "key", None) == reply:
+                    body = json.loads(m.payload)
+                    if body.get("service") == service:
+                        return body
+    except OSError:  # no bus (yet), it closed, or nothing within `wait` (TimeoutError)
+        return None
+    return None
+
+
 def child_env() -> dict:
     """The environment for service processes: the work tree first on PYTHONPATH."""
     env = dict(os.environ)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SERVICE_TIMEOUT, LoggedProcess, child_env, wait_until
+from helpers import SERVICE_TIMEOUT, LoggedProcess, child_env, service_answer, wait_until
 
 TWISTD = [sys.executable, "-c", "import sys; from twisted.scripts.twistd import run; sys.argv[0] = 'twistd'; run()",
           "-n", "--pidfile="]
@@ -23,7 +23,7 @@ UNKNOWN = "the bus did not know it (restarted, or it lingered out)"
 SESSIONLESS = "holding no session there"
 
 def _answers(service):
-    return lambda proc, address, n: service in services_on(address)
+    return lambda proc, address, n: service_answer(address, service) is not None
 
 
 def _logged(line):
@@ -59,11 +59,6 @@ def answers_on(address: str) -> list[dict]:
     return json.loads(res.stdout) if res.returncode == 0 else []
 
 
-def services_on(address: str) -> set[str]:
-    """The services that answer `sbus stats --services` on the bus at `address`."""
-    return {a.get("service") for a in answers_on(address)}
-
-
 @pytest.mark.parametrize("name", sorted(SERVICES))
 def test_a_service_serves_again_when_its_server_restarts(name, tmp_path: Path, start_bus):
     args, serving, uncounted = SERVICES[name]
@@ -86,11 +81,12 @@ def test_a_service_serves_again_when_its_server_restarts(name, tmp_path: Path, s
             where = str(tmp_path / GAPS_IN_STATS[name]) if GAPS_IN_STATS[name] else again.address
 
             def gaps():
-                mine = [a for a in answers_on(where) if a.get("service") == name]
-                return mine and mine[0]["stats"]["unknown_gaps"]
+                mine = service_answer(where, name)
+                return mine and mine["stats"]["unknown_gaps"]
 
-            wait_until(lambda: gaps() and gaps()["count"] == 1, f"{name}'s stats count the gap", SERVICE_TIMEOUT)
-            assert gaps()["seconds"] > 0, gaps()
+            counted = wait_until(lambda: (g := gaps()) and g["count"] == 1 and g, f"{name}'s stats count the gap",
+                                 SERVICE_TIMEOUT)
+            assert counted["seconds"] > 0, counted
     finally:
         proc.stop(signal.SIGTERM)
     log = proc.log()
