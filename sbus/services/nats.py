@@ -445,6 +445,9 @@ class NatsService(service.Service):
             def messageReceived(self, key, payload, packet):
                 svc._from_bus(self, key, payload)
 
+            def readBatchDone(self):
+                svc._handedOn(self)
+
             def unsolicitedControl(self, key, payload):
                 if key == codec.INTEREST and self is svc.client.protocol:
                     svc._interest_notice(payload or b"")
@@ -618,6 +621,15 @@ class NatsService(service.Service):
                      "published while this sbus-nats is not running is not counted",
                      name=self.session["name"], state=state)
             self._release_held()
+
+    def _handedOn(self, proto) -> None:
+        """A read batch from the bus is exported (into nats-py's buffer, at most `max_pending`
+        bytes before we stop reading): tell the bus (`server/session-ack`), so that a kill -9
+        from now on is counted by our session, what the bus's kernel held for us included.
+        Not while messages wait for the claim's answer (`_held`)."""
+        if (self._held is None and proto is self.client.protocol
+                and self.session.get("state") in ("new", "resumed")):
+            proto.acknowledgeSession(self.session_name)
 
     def _release_held(self) -> None:
         held, self._held = self._held, None
