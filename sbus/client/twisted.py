@@ -262,9 +262,11 @@ class SbusProtocol(Protocol):
         """Tell the server the first `count` packets this connection read (default: all so far)
         are handed on: if it closes holding session `name`, what was sent past them (unread in
         the kernel, or held here) is counted as missed too (docs/protocol.md "Acknowledging
-        what was read"). Sent only when it says more than the last one."""
+        what was read"). Sent only when it says more than the last one, and not while packets
+        wait in our queue to the server (it would not be read sooner than a later one, and a
+        server that holds us would see our queue fill with them)."""
         n = self.transport.packets_in if count is None else count
-        if n > self._acknowledged and self.connected:
+        if n > self._acknowledged and self.connected and not self.transport.queued():
             self._acknowledged = n
             self.sendPacket(codec.session_ack(name, n))
 
