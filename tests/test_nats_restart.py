@@ -34,6 +34,7 @@ from test_nats import UNAUTH, NatsNode, Twistd, free_ports, nats
 RATE = 2000
 KILL_AT = 2000          # the far subscriber has message KILL_AT: kill
 AFTER = 14000           # messages after that (7 s: longer than a restart on a loaded machine)
+TAIL = 2000             # and at least this many after the last restart brought the flow back
 DONE = 120.0
 READY = r"NATS: connected to .*; ready"
 #: The lines that say a count was added to lost (a dead instance's count is in its log only).
@@ -154,19 +155,47 @@ def pair(tmp_path):
         p.close()
 
 
+class OpenPublisher(SteadyPublisher):
+    """A SteadyPublisher that publishes on until `finish(n)`: its flow outlasts the kills and
+    restarts however long a loaded machine takes over them (a fixed count once ran out during
+    a third restart, and the flow it waited to see resume never could)."""
+
+    def __init__(self, address, prefix: bytes, rate: float):
+        super().__init__(address, prefix, 0, rate)
+        self.n = None
+
+    def finish(self, n: int) -> int:
+        """End at `n` messages, or the TAIL beyond those sent by now if that is more: the count."""
+        self.n = max(n, self.sent + TAIL)
+        return self.n
+
+    def run(self):
+        start = time.monotonic()
+        try:
+            while self.n is None or self.sent < self.n:
+                ahead = start + self.sent / self.rate - time.monotonic()
+                if ahead > 0:
+                    time.sleep(ahead)
+                self.client.publish(self.prefix + b"%d" % self.sent, b"%d" % self.sent)
+                self.sent += 1
+        except Exception as e:  # noqa: BLE001
+            self.error = e
+
+
 def flow(pair, during, n=KILL_AT + AFTER):
-    """Publish n numbered messages on bus A at RATE; once B's subscriber has message KILL_AT,
-    call `during()` (kills and restarts); then wait for the last message and return
-    (sent, the numbers received)."""
+    """Publish numbered messages on bus A at RATE; once B's subscriber has message KILL_AT,
+    call `during()` (kills and restarts); then publish up to n in all (TAIL more if the restarts
+    took longer), wait for the last message and return (sent, the numbers received)."""
     prefix = f"r/{uuid.uuid4().hex[:6]}/".encode()
     s = far_subscriber(pair.buses["b"].address, prefix)
     routed(pair.buses["a"].address, s, prefix, timeout=30)
     r = Receiver(s, prefix)
     r.start()
-    pub = SteadyPublisher(pair.buses["a"].address, prefix, n, RATE)
+    pub = OpenPublisher(pair.buses["a"].address, prefix, RATE)
     pub.start()
     wait_until(lambda: r.has(KILL_AT), f"message {KILL_AT} across", DONE)
     during(r)
+    n = pub.finish(n)
     wait_until(lambda: r.has(n - 1) or (pub.error and pytest.fail(str(pub.error))),
                f"the last message ({len(r.got)} received)", DONE)
     pub.join(DONE)
