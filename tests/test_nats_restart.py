@@ -25,10 +25,11 @@ import uuid
 
 import pytest
 
-from helpers import SbusdProcess, child_env, connect, msg, recv, send, sync, wait_stats, wait_until
+from helpers import SERVICE_TIMEOUT, SbusdProcess, child_env, connect, msg, recv, send, sync, wait_stats, wait_until
 from sbus.core import codec
-from test_failover import Receiver, SteadyPublisher, far_subscriber, service_stats
+from test_failover import Receiver, SteadyPublisher, far_subscriber
 from test_lossless import routed
+from test_server_restart_under_services import answers_on
 from test_nats import UNAUTH, NatsNode, Twistd, free_ports, nats
 
 RATE = 2000
@@ -99,7 +100,13 @@ class Pair:
         return self.start(side)
 
     def stats(self, side) -> dict:
-        (st,) = service_stats(self.buses[side].address, "sbus-nats")
+        """The live sbus-nats's stats on that side's bus (`sbus stats --services`), asked again
+        while it gives no answer within the command's 1 s (one just restarted, catching up on a
+        loaded machine, once did not)."""
+        def mine():
+            return [a for a in answers_on(self.buses[side].address) if a.get("service") == "sbus-nats"]
+
+        (st,) = wait_until(mine, f"sbus-nats's stats on bus {side}", SERVICE_TIMEOUT)
         return st["stats"]
 
     def lost(self) -> dict:
