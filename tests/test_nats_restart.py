@@ -383,6 +383,9 @@ def test_the_counting_peer_restarts_too(pair):
         resumed_through(r)
         pair.live("a").wait_re(r"importer .* restarted: \d+ message\(s\)")
         for side in ("a", "b"):
+            if side == "b":  # the new exporter knows B's instance from its acknowledgements: one first
+                wait_until(lambda: pair.stats("a")["restarts"]["acks"]["received"] > 0,
+                           "the new exporter's first acknowledgement from B", DONE)
             pair.restart(side).wait_re(READY)
             resumed_through(r)
 
