@@ -901,6 +901,7 @@ class Link(service.MultiService):
         self.logStats()
         ds = [defer.maybeDeferred(super().stopService), self.bus.stop()]
         for conn in list(self.conns):
+            conn.transport.unregisterProducer()  # a TLS transport closes only once no producer is registered
             conn.transport.loseConnection()
         return defer.DeferredList(ds)
 
