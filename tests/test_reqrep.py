@@ -145,6 +145,41 @@ def test_a_blocking_responder_survives_its_handler(bus, caplog):
     s.close()
 
 
+def test_a_blocking_responder_whose_bus_goes_as_it_answers_returns(bus):
+    """`serve` returns when the connection ends, also when that is found sending a reply (it
+    raised `ConnectionClosed` then, killing a serving thread: a warning at test_reply_auth's
+    teardown). The handler here kills the bus and waits until its socket is gone."""
+    import signal
+
+    result = {}
+
+    def handler(key, body):
+        bus.stop(signal.SIGKILL)
+        wait_until(lambda: conn_closed(), "the bus gone")
+        return b"late"
+
+    conn = Client(bus.address)
+
+    def conn_closed():
+        try:
+            socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET).connect(bus.address)
+        except OSError:
+            return True
+        return False
+
+    ready = threading.Event()
+    t = threading.Thread(target=lambda: result.update(n=conn.serve(b"svc/", handler, ready=ready.set)),
+                         daemon=True)
+    t.start()
+    assert ready.wait(10)
+    with Client(bus.address) as c:
+        with pytest.raises(Exception):
+            c.request("svc/x", b"1", timeout=30, responder_uid="any")
+    t.join(30)
+    assert not t.is_alive() and result == {"n": 1}, result
+    conn.close()
+
+
 def test_several_responders_first_reply_wins(bus):
     # Both serve in this process: they share its secret prefix, so the requester's one token
     # reaches both, and each runs each of the two requests (count=2).

@@ -694,7 +694,10 @@ class Client:
             else:
                 continue
             if reply is not None:
-                self.send_packet(reply)
+                try:
+                    self.send_packet(reply)
+                except ConnectionClosed:
+                    break   # the connection ended as we answered: as a read would have said
         return handled
 
     # -- shared work queues (docs/queues.md; the core: sbus.core.workqueue)
