@@ -446,7 +446,7 @@ class NatsService(service.Service):
                 svc._from_bus(self, key, payload)
 
             def readBatchDone(self):
-                svc._handedOn(self)
+                svc.handedOn(self)
 
             def unsolicitedControl(self, key, payload):
                 if key == codec.INTEREST and self is svc.client.protocol:
@@ -622,7 +622,7 @@ class NatsService(service.Service):
                      name=self.session["name"], state=state)
             self._release_held()
 
-    def _handedOn(self, proto) -> None:
+    def handedOn(self, proto) -> None:
         """A read batch from the bus is exported (into nats-py's buffer, at most `max_pending`
         bytes before we stop reading): tell the bus (`server/session-ack`), so that a kill -9
         from now on is counted by our session, what the bus's kernel held for us included.
