@@ -7,12 +7,13 @@ Needs the pytest-twisted plugin active (``-p pytest_twisted`` or
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import textwrap
 
 import pytest
 import pytest_twisted
-from twisted.internet import defer, protocol
+from twisted.internet import defer, threads
 
 from sbus.client import ConnectionClosed
 from sbus.client.twisted import ReconnectingClient, SbusProtocol, connect, parse_whoami
@@ -153,26 +154,6 @@ async def test_message_received_hook(clients):
     assert await within(seen.get()) == (b"a/b", b"\0raw", b"MSG a/b\0\0raw")
 
 
-class Child(protocol.ProcessProtocol):
-    def __init__(self):
-        self.lines = defer.DeferredQueue()
-        self.ended = defer.Deferred()
-        self._buf = b""
-        self.err = b""
-
-    def outReceived(self, data):
-        self._buf += data
-        while b"\n" in self._buf:
-            line, self._buf = self._buf.split(b"\n", 1)
-            self.lines.put(line)
-
-    def errReceived(self, data):
-        self.err += data
-
-    def processEnded(self, reason):
-        self.ended.callback(reason.value.exitCode)
-
-
 CHILD = textwrap.dedent(r"""
     import sys
     import sbus.client
@@ -183,6 +164,7 @@ CHILD = textwrap.dedent(r"""
         secret = bus.receive(timeout=10)
         bus.publish(peer + b"/reply", secret.payload[::-1])
         bus.sync(10)
+    print("done", flush=True)
 """)
 
 
@@ -196,14 +178,21 @@ async def test_secret_key_between_processes(bus, clients):
     spy.subscribe("!/", lambda k, p: leaked.append(k))
     await within(me.sync())
     await within(spy.sync())
-    child = Child()
-    reactor().spawnProcess(child, sys.executable, [sys.executable, "-c", CHILD, bus.address, me.credentials.decode()],
-                           env=dict(os.environ))
-    theirs = await within(child.lines.get())
-    assert theirs.startswith(b"!/cred/") and theirs != me.credentials
-    me.publish(theirs + b"/inbox/x", b"secret")
-    assert await within(replies.get()) == (me.credentials + b"/reply", b"terces")
-    assert await within(child.ended) == 0, child.err
+    # A plain subprocess read and reaped from threads: Twisted's spawnProcess learns of the exit
+    # from SIGCHLD, which a loaded CI run once missed (the test waited 30 s for a child that ended).
+    child = subprocess.Popen([sys.executable, "-c", CHILD, bus.address, me.credentials.decode()],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        theirs = (await within(threads.deferToThread(child.stdout.readline))).strip()
+        assert theirs.startswith(b"!/cred/") and theirs != me.credentials, theirs
+        me.publish(theirs + b"/inbox/x", b"secret")
+        assert await within(replies.get()) == (me.credentials + b"/reply", b"terces")
+        assert (await within(threads.deferToThread(child.stdout.readline))).strip() == b"done"
+        assert await within(threads.deferToThread(child.wait)) == 0
+    finally:
+        child.kill()
+        _, err = child.communicate()
+        assert not err, err.decode()[-500:]
     await within(spy.sync())
     assert not [k for k in leaked if k.startswith(theirs)]
 

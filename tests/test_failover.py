@@ -66,6 +66,7 @@ class Receiver(threading.Thread):
         super().__init__(daemon=True)
         self.sock, self.prefix = sock, prefix
         self.got: list[int] = []
+        self.highest = -1   # duplicates may come after the last one (has)
         self.error = None
         self.stopping = False
 
@@ -84,11 +85,13 @@ class Receiver(threading.Thread):
                 self.error = "disconnected"
                 return
             if p.startswith(head) and not p.startswith(head + b"probe"):
-                self.got.append(int(p[len(head):p.index(b"\0")]))
+                i = int(p[len(head):p.index(b"\0")])
+                self.got.append(i)
+                self.highest = max(self.highest, i)
 
     def has(self, i: int) -> bool:
         assert self.error is None, self.error
-        return bool(self.got) and self.got[-1] >= i
+        return self.highest >= i   # not got[-1]: a duplicate may arrive after it
 
 
 def far_subscriber(address, prefix: bytes):
