@@ -725,4 +725,9 @@ def test_a_takeover_waits_at_most_takeover_wait_and_says_duplicates_may_come(sta
     missing = set(range(HELD_BURST)) - set(got)
     print(f"--takeover-wait 1: {len(got) - HELD_BURST} duplicated, {len(missing)} missing")
     assert not missing, f"{len(missing)} lost (first {sorted(missing)[:5]})"
+    # The duplicates are the dead bridge's writes b read late: copies of messages from a, routed
+    # to the standby on b too. It forwarded them back to a (1,021 in one run); now it knows them.
+    (st,) = [x["stats"] for x in bridge_stats(a.address) if x["pid"] == standby.proc.pid]
+    assert st["forwarded"]["b>a"] == 0, st["standby"]
+    assert st["standby"]["old_path_copies"]["a>b"] == len(got) - HELD_BURST, st["standby"]
 

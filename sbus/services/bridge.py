@@ -348,6 +348,7 @@ class BridgeService(service.Service):
         self.dropped = {"a": 0, "b": 0}          # by source side
         self.secret_filtered = 0
         self.echoes_suppressed = 0
+        self.old_path_copies = {side: 0 for side in SIDES}
         self.connects = {"a": 0, "b": 0}
         self._paused = {"a": False, "b": False}
         self._pausedCount = {"a": 0, "b": 0}
@@ -406,6 +407,7 @@ class BridgeService(service.Service):
         def protocol_factory(side):
             class BridgeProtocol(SbusProtocol):
                 echo_filter: RecentPackets | None = None
+                held_copies: RecentPackets | None = None
                 claim: SessionClaim | None = None
                 probe_key: bytes | None = None
                 probe_seen = False
@@ -622,6 +624,9 @@ class BridgeService(service.Service):
         if proto.echo_filter is not None and proto.echo_filter.take(packet):
             self.echoes_suppressed += 1
             return
+        if proto.held_copies is not None and proto.held_copies.take(packet):
+            self.old_path_copies[OTHER[side]] += 1   # its original came from there: never back
+            return
         targets, filtered = self._targets(side, proto, key)
         if not targets:
             if filtered:
@@ -795,7 +800,7 @@ class BridgeService(service.Service):
             self._catching_up = False
             if not self.tree.forwarding:
                 return
-            self._replay()
+            self._replay(closing)
 
         def failed(f):
             if generation == self._takeovers:
@@ -804,10 +809,21 @@ class BridgeService(service.Service):
 
         defer.gatherResults(ds, consumeErrors=True).addCallbacks(answered, failed)
 
-    def _replay(self) -> None:
+    def _replay(self, closing=()) -> None:
+        """Forward the window. Into a `closing` side (its server still holds the dead active's
+        writes unread: `--takeover-wait` ran out) copies of what we forward may come later, routed
+        to us too: those we recognise (`held_copies`, for the session's linger) and never send
+        back to the side they came from; its subscribers may get them twice, as the warning says."""
         out = self.window.drain()
+        copies = {}
+        for side in closing:
+            proto = self.clients[side].protocol
+            if proto is not None and proto.connected:
+                copies[OTHER[side]] = proto.held_copies = RecentPackets(
+                    max_items=max(1, len(out)), max_age=max(self.session_linger, self.takeover_wait))
         for src, target, payload in out:
-            self._forward(src, target, target, payload, None)
+            if self._forward(src, target, target, payload, None) and src in copies:
+                copies[src].add(codec.encode_msg(target, payload, self.max_packet))
         gap = self.window.last_gap
         log.info("taking over: forwarded {n} message(s) the old path had not delivered "
                  "(a>b={ab} b>a={ba}); failover gap a>b={gab} b>a={gba}",
@@ -952,6 +968,7 @@ class BridgeService(service.Service):
                 "replayed_at_takeover": self._byDirection(self.window.replayed),
                 "skipped_by_active": self._byDirection(self.window.skipped),
                 "unwatched": self._byDirection(self.unwatched),
+                "old_path_copies": self._byDirection(self.old_path_copies),
                 "window": self.window.stats(),
             },
             "failover_gap": self._byDirection(self.window.gap),
