@@ -775,6 +775,7 @@ class SeqPacketPort:
         }
         #: Seconds the reactor may poll before sleeping (`sbus.reactor`); the factory's config's.
         self._busyPoll = busy_poll if busy_poll is not None else getattr(cfg, "busy_poll", 0.0)
+        self._held = False
 
     def startListening(self):
         sock = self.socket
@@ -786,7 +787,20 @@ class SeqPacketPort:
                                self._busyPoll)
         self.factory.doStart()
         self.connected = True
-        self.reactor.addReader(self)
+        if not self._held:
+            self.reactor.addReader(self)
+
+    def pauseProducing(self):
+        """Stop accepting: connections wait in the kernel's backlog, as connected as before (a
+        service that does not know yet whom it admits holds them rather than refusing them)."""
+        self._held = True
+        if self.connected:
+            self.reactor.removeReader(self)
+
+    def resumeProducing(self):
+        self._held = False
+        if self.connected and self._backoff is None:
+            self.reactor.addReader(self)
 
     def stopListening(self):
         from twisted.internet import defer
@@ -873,7 +887,7 @@ class SeqPacketPort:
 
         def resume():
             self._backoff = None
-            if self.connected:
+            if self.connected and not self._held:
                 self.reactor.addReader(self)
 
         self._backoff = self.reactor.callLater(0.5, resume)

@@ -8,16 +8,19 @@ before its fix (docs/security.md, "Attacks on the services").
 from __future__ import annotations
 
 import encodings.idna  # noqa: F401  (uid 65534 cannot import it from the venv after the fork)
+import json
 import os
 import re
 import shutil
 import socket
 import struct
 import tempfile
+import threading
 
 import pytest
 
-from helpers import TwistdBus, connect, msg, recv, run_as, send, sub, sync, wait_until
+from helpers import (STATS, STATS_REPLY, WHOAMI, WHOAMI_REPLY, TwistdBus, connect, msg, recv, run_as, send, sub,
+                     sync, wait_until)
 from test_bridge import TIMEOUT, TwistdProcess
 from test_msgbus import MsgbusClient, gateway  # noqa: F401  (fixture)
 from pipeline_conftest import start_recorder  # noqa: F401  (fixture)
@@ -400,6 +403,68 @@ def test_another_uid_in_block_mode_that_does_not_read_never_holds_the_relays_int
     finally:
         relay.stop()
         master.stop()
+
+
+class SlowMaster(threading.Thread):
+    """A master that answers whoami at once but holds its ``server/stats`` answer (and, in
+    order, everything after it) until `release` is set: a loaded bus that has not yet told the
+    relay whom it admits. It admits everyone (no -u list, an open socket)."""
+
+    def __init__(self, path: str):
+        super().__init__(daemon=True)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(path)
+        os.chmod(path, 0o777)
+        self.listener.listen(8)
+        self.asked, self.release = threading.Event(), threading.Event()
+
+    def run(self):
+        conn, _ = self.listener.accept()
+        with conn:
+            while True:
+                p = conn.recv(1 << 20)
+                if not p:
+                    return
+                if p == WHOAMI:
+                    conn.send(WHOAMI_REPLY + b"!/cred/0/0/%d" % os.getpid())
+                elif p == STATS:
+                    self.asked.set()
+                    self.release.wait(60)
+                    conn.send(STATS_REPLY + json.dumps({"allowed_uids": None}).encode())
+
+
+def test_a_relay_holds_another_uid_until_its_master_said_whom_it_admits(open_dir, tmp_path):
+    """A relay serves as soon as its master answered whoami, but learns the master's -u list
+    only from its ``server/stats`` answer: a client of another uid that came in between was
+    refused ("its -u list is not known to us"; 2 of 3 loaded runs of the test above). Now the
+    relay accepts nobody until that answer's round trip is back: the client waits in the
+    backlog, then is served."""
+    from test_relay import Relay
+
+    master = SlowMaster(os.path.join(open_dir, "master.socket"))
+    master.start()
+    relay = Relay(os.path.join(open_dir, "master.socket"), os.path.join(open_dir, "relay.socket"), tmp_path,
+                  "--mode", "0777", wait=False)
+    try:
+        assert master.asked.wait(TIMEOUT), relay.log()
+        relay.wait_log("serving on")
+        os.setegid(65534)
+        os.seteuid(65534)
+        try:
+            other = connect(relay.address)   # connected: it waits in the backlog
+        finally:
+            os.seteuid(0)
+            os.setegid(0)
+        send(other, WHOAMI)
+        master.release.set()
+        reply = recv(other, TIMEOUT)
+        assert reply.startswith(WHOAMI_REPLY), (reply, relay.log()[-600:])
+        assert "refused" not in relay.log()
+        other.close()
+    finally:
+        master.release.set()
+        relay.stop()
+        master.listener.close()
 
 
 def test_another_uid_on_a_relay_cannot_get_the_relay_cut_off(open_dir, tmp_path):

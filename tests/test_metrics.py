@@ -242,6 +242,8 @@ def test_each_service_serves_its_own_counters(stack, tmp_path, kind):
         assert (("sbus_clients", ()) in samples) == (kind == "relay")
         if kind == "relay":
             proc.wait_log("listening on")
+            # it listens before it has reached its master: what comes before is dropped, not sent up
+            scrape_until(url, lambda x: value(x, "sbus_relay_connected") == 1, "the relay connected up")
             pub = connect(str(tmp_path / "relay.socket"))
             send(pub, msg("metrics/up", b"x"))
             sync(pub)

@@ -63,6 +63,24 @@ class Admission:
         self.known = False
         self.server_users: frozenset[int] | None = None
         self.refused = 0
+        #: Has the bus had its chance to say (`settle`)? Until then a service holds new peers.
+        self.settled = False
+        self._waiting: list = []
+
+    def whenSettled(self, call) -> None:
+        """Call `call()` once the bus has answered ``server/stats`` or shown it will not (`settle`)."""
+        if self.settled:
+            call()
+        else:
+            self._waiting.append(call)
+
+    def settle(self) -> None:
+        """The round trip after the ``server/stats`` request came back: what the bus tells, it
+        told (`learn`); from now on `refusal` is final. Runs the `whenSettled` calls."""
+        self.settled = True
+        waiting, self._waiting = self._waiting, []
+        for call in waiting:
+            call()
 
     def learn(self, stats) -> None:
         """Take the ``-u`` list from the bus's ``server/stats`` (a dict, or its JSON payload).

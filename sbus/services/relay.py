@@ -588,6 +588,11 @@ class Relay(service.Service):
         self.factory = bus.factory
         self.factory.upstream = self
         bus.port.factory = AdmittingFactory(bus.factory, self.admission)  # before any accept
+        if not self.admission.settled:
+            # Peers of another uid would be refused until the master has said whom it admits:
+            # they wait in the backlog for its answer instead (a round trip, masterUp).
+            bus.port.pauseProducing()
+            self.admission.whenSettled(bus.port.resumeProducing)
         log.info("sbus-relay: serving on {where} with credential prefix {prefix}",
                  where=bus.printed_address or self.address, prefix=_show(prefix))
         return True
@@ -627,6 +632,8 @@ class Relay(service.Service):
         self._up_since = self.reactor.seconds()
         self.disconnect_reason = None
         proto.stats().addCallbacks(self._masterStats, lambda f: None)
+        if not self.admission.settled:
+            proto.sync().addBoth(lambda _: self.admission.settle())
         if self.session_linger > 0:
             proto.claim = SessionClaim(proto, self.session_name, self.session_linger)
             if self.connects == 1:  # our first: let our clients subscribe again first
