@@ -467,6 +467,28 @@ def test_a_relay_holds_another_uid_until_its_master_said_whom_it_admits(open_dir
         master.listener.close()
 
 
+def test_a_link_listens_on_unix_only_once_its_bus_said_whom_it_admits(open_dir, tmp_path):
+    """The same race at an ``sbus-link --listen unix:``: it listened as soon as its bus answered
+    whoami, and asked for the -u list after; a unix peer of another uid in between was refused.
+    Now the socket appears only once the ``server/stats`` round trip is back."""
+    master = SlowMaster(os.path.join(open_dir, "bus.socket"))
+    master.start()
+    path = os.path.join(open_dir, "link.socket")
+    p = TwistdProcess(["sbus-link", "--bus", os.path.join(open_dir, "bus.socket"), "--listen", f"unix:{path}",
+                       "--allow-plain"], tmp_path)
+    try:
+        assert master.asked.wait(TIMEOUT), p.log()
+        p.wait_log("connected to bus")
+        assert not os.path.exists(path), "listening before the bus said whom it admits"
+        master.release.set()
+        p.wait_log("listening on")
+        assert os.path.exists(path)
+    finally:
+        master.release.set()
+        p.stop()
+        master.listener.close()
+
+
 def test_another_uid_on_a_relay_cannot_get_the_relay_cut_off(open_dir, tmp_path):
     from test_relay import Relay
 
