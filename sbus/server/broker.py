@@ -17,6 +17,7 @@ import os
 import select
 import time
 from collections import Counter, deque
+from functools import lru_cache
 
 from twisted.internet import protocol
 from twisted.logger import Logger
@@ -92,6 +93,12 @@ def _overflow_ids() -> tuple[int, int] | None:
 
 
 @implementer(IQueueingProtocol)
+@lru_cache(maxsize=16)
+def secret_root_of(prefix: bytes) -> bytes:
+    """``prefix + SECRET_ROOT``: one object for every client under `prefix`, not 50 B each."""
+    return prefix + SECRET_ROOT
+
+
 class BrokerProtocol(protocol.Protocol):
     """One connected client: its credentials, subscriptions, echo and flood settings."""
 
@@ -138,7 +145,7 @@ class BrokerProtocol(protocol.Protocol):
         #: Routing work done for it in this read batch (`spent`: past `WORK_SLICE`, it yields).
         self._sliceWork = 0.0
         self._prefix = factory.config.cred_prefix
-        self._secret_root = self._prefix + SECRET_ROOT
+        self._secret_root = secret_root_of(self._prefix)
         #: Drops not yet told to the client (`server/dropped`, only to a client that asked for
         #: extensions), and the keys that began and ended them.
         self.dropped = 0
@@ -197,7 +204,7 @@ class BrokerProtocol(protocol.Protocol):
         """This bus's credential prefix changed (a relay renamed on its master): whoami answers
         and secret keys follow it."""
         self._prefix = prefix
-        self._secret_root = prefix + SECRET_ROOT
+        self._secret_root = secret_root_of(prefix)
 
     # -- connection life
 
@@ -336,7 +343,7 @@ class BrokerProtocol(protocol.Protocol):
         charge = self.charge
         if charge is None:
             return
-        alone = len(factory.uid_clients) < 2
+        alone = len(factory.uid_connected) < 2
         wait = charge.work.spend(seconds, factory.reactor.seconds(), alone)
         self._sliceWork += seconds
         if self._workWait is not None or self.transport.disconnecting:
@@ -356,7 +363,7 @@ class BrokerProtocol(protocol.Protocol):
         factory = self.factory
         if self._workWait is not None:
             return True
-        if len(factory.uid_clients) < 2 or self.charge is None or self.transport.disconnecting:
+        if len(factory.uid_connected) < 2 or self.charge is None or self.transport.disconnecting:
             return False
         wait = self.charge.work.owed(factory.reactor.seconds())
         if wait <= 0:
@@ -1158,8 +1165,9 @@ class BrokerFactory(protocol.Factory):
         self.overflow_ids = _overflow_ids()
         #: Connections that get no secret key, and why (their owner could not be proven alive).
         self.noSecrets: dict[BrokerProtocol, str] = {}
-        # Per uid: live clients, and the totals of its clients that have gone.
-        self.uid_clients: dict[int, set] = {}
+        # Per uid: how many clients are connected (not a set of them: 33 B per connection), and the
+        # totals of its clients that have gone.
+        self.uid_connected: Counter[int] = Counter()
         self.uid_gone: dict[int, Counter] = {}
         self.uid_drops: dict[int, Counter] = {}
         self.uid_disconnects: dict[int, Counter] = {}
@@ -1260,7 +1268,7 @@ class BrokerFactory(protocol.Factory):
     def clientConnected(self, client: BrokerProtocol):
         uid = client.cred.uid
         self.clients.add(client)
-        self.uid_clients.setdefault(uid, set()).add(client)
+        self.uid_connected[uid] += 1
         self.had_client = True
         user = self.users.get(uid)
         if user is None:
@@ -1370,13 +1378,14 @@ class BrokerFactory(protocol.Factory):
         if released and self.upstream is not None:
             for pattern in released:
                 self.upstream.patternReleased(pattern)
-        self.clients.discard(client)
+        if client in self.clients:
+            self.clients.remove(client)
+            left = self.uid_connected[uid] - 1
+            if left > 0:
+                self.uid_connected[uid] = left
+            else:
+                del self.uid_connected[uid]
         self.noSecrets.pop(client, None)
-        mine = self.uid_clients.get(uid)
-        if mine is not None:
-            mine.discard(client)
-            if not mine:
-                del self.uid_clients[uid]
         user = client.charge
         if user is not None:
             # what `reserveSendBuffer` reserved (the socket is closed, whatever stands in; no slot
@@ -1696,9 +1705,9 @@ class BrokerFactory(protocol.Factory):
         private = not self.privileged(viewer_uid)
         if private:
             uids = [viewer_uid]
-            clients = list(self.uid_clients.get(viewer_uid, ()))
+            clients = [c for c in self.clients if c.cred.uid == viewer_uid]
         else:
-            uids = set(self.uid_gone) | set(self.uid_clients) | set(self.uid_drops) | set(self.uid_disconnects)
+            uids = set(self.uid_gone) | set(self.uid_connected) | set(self.uid_drops) | set(self.uid_disconnects)
             clients = list(self.clients)
         totals = Counter()
         drops = Counter()
