@@ -25,6 +25,12 @@ endif
 # LISTEN_FDS from the environment before `twistd sbus-relay --socket systemd` can.
 PLUGIN_CACHE = $(BIN)/python -c 'from twisted.plugin import IPlugin, getPlugins; list(getPlugins(IPlugin))'
 
+# Bytecode for the tree, as pip writes it for what it installs (an editable install has none):
+# where PYTHONDONTWRITEBYTECODE is set, every server, service and command the tests start
+# compiled its modules again (about 0.1 s each here) and the freed compile memory skewed the server's
+# RSS per connection (docs/performance.md). A module edited later is compiled as before.
+COMPILE = $(BIN)/python -m compileall -q sbus
+
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
@@ -35,12 +41,14 @@ $(VENV)/.installed: setup.py pyproject.toml | $(BIN)/python
 	@echo "make: installing sbus into $(VENV) (the first time: a minute or so)"
 	$(BIN)/pip install -e .
 	$(PLUGIN_CACHE)
+	$(COMPILE)
 	touch $@
 
 $(VENV)/.test-installed: setup.py pyproject.toml | $(BIN)/python
 	@echo "make: installing sbus and the test dependencies into $(VENV) (the first time: about 900 MB, a few minutes)"
 	$(BIN)/pip install -e '.[test]'
 	$(PLUGIN_CACHE)
+	$(COMPILE)
 	touch $@
 
 # No pid file (--pidfile=): nothing left in the clone, and a second `make run` is refused only

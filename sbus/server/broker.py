@@ -92,13 +92,13 @@ def _overflow_ids() -> tuple[int, int] | None:
         return 65534, 65534
 
 
-@implementer(IQueueingProtocol)
 @lru_cache(maxsize=16)
 def secret_root_of(prefix: bytes) -> bytes:
     """``prefix + SECRET_ROOT``: one object for every client under `prefix`, not 50 B each."""
     return prefix + SECRET_ROOT
 
 
+@implementer(IQueueingProtocol)
 class BrokerProtocol(protocol.Protocol):
     """One connected client: its credentials, subscriptions, echo and flood settings."""
 
