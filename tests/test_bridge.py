@@ -276,3 +276,18 @@ def test_root_bridge_never_follows_a_users_symlink_into_another_bus(start_bus, t
             assert recv_until(sb, msg(b"x/1", b"across")) == [msg(b"x/1", b"across")]
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_recent_packets_forget_what_is_older_than_max_age():
+    """A bridge's filter of late copies after a takeover (`held_copies`) must end: a copy that
+    never came would otherwise take an identical message a client publishes much later."""
+    from sbus.services.bridge import RecentPackets
+
+    now = [0.0]
+    recent = RecentPackets(max_items=10, max_age=30.0, clock=lambda: now[0])
+    recent.add(b"MSG status\0ok")
+    recent.add(b"MSG status\0ok")
+    assert recent.take(b"MSG status\0ok")
+    now[0] = 31.0
+    assert not recent.take(b"MSG status\0ok")
+    assert not recent

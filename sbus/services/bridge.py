@@ -172,6 +172,9 @@ MAX_UNSENT = 64
 #: saying duplicates may come.
 RELEASE_POLL = 0.1
 RELEASE_WAIT = 35.0
+#: Seconds at least that a bridge knows the late copies of a takeover window it forwarded into a
+#: side still holding the old path's writes (`_replay`): the server's default stall timeout.
+HELD_COPIES_AGE = 30.0
 #: Why a session's gap was lost: this process's first connection to a side (a restart), or a
 #: later one (our connection to that side broke while its server stayed up).
 GAP_REASONS = ("restart", "reconnect")
@@ -263,7 +266,9 @@ class RecentPackets:
         self._counts[packet] = self._counts.get(packet, 0) + 1
 
     def take(self, packet: bytes) -> bool:
-        """True (and forget one copy) if `packet` was published lately."""
+        """True (and forget one copy) if `packet` was published lately (within `max_age`)."""
+        if self._order and self.clock() - self._order[0][0] > self.max_age:
+            self._expire(self.clock())
         n = self._counts.get(packet)
         if not n:
             return False
@@ -624,9 +629,13 @@ class BridgeService(service.Service):
         if proto.echo_filter is not None and proto.echo_filter.take(packet):
             self.echoes_suppressed += 1
             return
-        if proto.held_copies is not None and proto.held_copies.take(packet):
-            self.old_path_copies[OTHER[side]] += 1   # its original came from there: never back
-            return
+        held = proto.held_copies
+        if held is not None:
+            if held.take(packet):
+                self.old_path_copies[OTHER[side]] += 1   # its original came from there: never back
+                return
+            if not held:
+                proto.held_copies = None   # expired: a packet like one of them is its own again
         targets, filtered = self._targets(side, proto, key)
         if not targets:
             if filtered:
@@ -819,8 +828,11 @@ class BridgeService(service.Service):
         for side in closing:
             proto = self.clients[side].protocol
             if proto is not None and proto.connected:
+                # for as long as a server may still hold them: its stall timeout (30 s by default,
+                # which --takeover-wait's default exceeds); a packet like one of them that a
+                # client of that side publishes meanwhile would be taken for a copy
                 copies[OTHER[side]] = proto.held_copies = RecentPackets(
-                    max_items=max(1, len(out)), max_age=max(self.session_linger, self.takeover_wait))
+                    max_items=max(1, len(out)), max_age=max(self.takeover_wait, HELD_COPIES_AGE))
         for src, target, payload in out:
             if self._forward(src, target, target, payload, None) and src in copies:
                 copies[src].add(codec.encode_msg(target, payload, self.max_packet))
