@@ -74,6 +74,18 @@ class Admission:
         else:
             self._waiting.append(call)
 
+    def ask(self, proto) -> None:
+        """Ask the bus `proto` has just connected to whom it admits (`learn`), then `settleAfter`."""
+        proto.server_request(b"server/stats").addCallbacks(self.learn, lambda f: None)
+        self.settleAfter(proto)
+
+    def settleAfter(self, proto) -> None:
+        """`settle` once a round trip sent now comes back: a bus answers in order, so by then it
+        has answered a ``server/stats`` request sent before, or never will (a reference server).
+        A connection lost first settles nothing: the next one asks again."""
+        if not self.settled:
+            proto.sync().addCallbacks(lambda _: self.settle(), lambda f: None)
+
     def settle(self) -> None:
         """The round trip after the ``server/stats`` request came back: what the bus tells, it
         told (`learn`); from now on `refusal` is final. Runs the `whenSettled` calls."""

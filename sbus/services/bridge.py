@@ -821,8 +821,9 @@ class BridgeService(service.Service):
     def _replay(self, closing=()) -> None:
         """Forward the window. Into a `closing` side (its server still holds the dead active's
         writes unread: `--takeover-wait` ran out) copies of what we forward may come later, routed
-        to us too: those we recognise (`held_copies`, for the session's linger) and never send
-        back to the side they came from; its subscribers may get them twice, as the warning says."""
+        to us too: those we recognise (`held_copies`, `HELD_COPIES_AGE` or `--takeover-wait`) and
+        never send back to the side they came from; its subscribers may get them twice, as the
+        warning says."""
         out = self.window.drain()
         copies = {}
         for side in closing:

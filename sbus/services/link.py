@@ -980,12 +980,11 @@ class Link(service.MultiService):
             proto.transport.pauseProducing()
         log.info("sbus-link: connected to bus {bus} as {who}", bus=self.bus_address, who=_show(whoami))
         # the server's -u list, if its statistics name it (a unix peer is judged by modes and it)
-        proto.server_request(b"server/stats").addCallbacks(self.admission.learn, lambda f: None)
+        self.admission.ask(proto)
         if self.listen and self.server.parent is None:
-            # Once that answer's round trip is back: a unix peer of another uid that came before
-            # it would be refused ("its -u list is not known to us"), as at a relay's start.
-            proto.sync().addCallbacks(lambda _: self._listenNow() if self.server.parent is None else None,
-                                      lambda f: None)
+            # Once it has answered: a unix peer of another uid that came before would be refused
+            # ("its -u list is not known to us"), as at a relay's start.
+            self.admission.whenSettled(lambda: self._listenNow() if self.server.parent is None else None)
         self.tree.port_up(BUS_PORT, whoami)
         self._bus_ready = False
         proto.sync().addCallbacks(lambda _: self._busReady(proto), lambda f: None)

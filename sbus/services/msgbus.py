@@ -726,8 +726,7 @@ class MsgbusService(Chassis):
             subscribe=[KEY_PREFIX], misses=True, stats=True, maxDelay=self.max_delay,
             max_packet=gateway.max_packet, message=lambda key, payload, proto: gateway.busMessage(key, payload),
             # the bus's -u list (admission): until it is known, only root and our uid are served
-            made=lambda proto: proto.server_request(b"server/stats").addCallbacks(gateway.admission.learn,
-                                                                                  lambda f: None),
+            made=gateway.admission.ask,
             ready=lambda proto: log.info(
                 "connected to the bus {bus} as {who}; subscribed to msgbus/, echo off{again}",
                 bus=self.bus or "(default address)", who=self.who(proto),

@@ -631,9 +631,8 @@ class Relay(service.Service):
         self.up = proto
         self._up_since = self.reactor.seconds()
         self.disconnect_reason = None
-        proto.stats().addCallbacks(self._masterStats, lambda f: None)
-        if not self.admission.settled:
-            proto.sync().addBoth(lambda _: self.admission.settle())
+        proto.stats().addCallbacks(self._masterStats, lambda f: None)   # its limits too: not `ask`
+        self.admission.settleAfter(proto)
         if self.session_linger > 0:
             proto.claim = SessionClaim(proto, self.session_name, self.session_linger)
             if self.connects == 1:  # our first: let our clients subscribe again first
