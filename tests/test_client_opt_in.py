@@ -8,6 +8,7 @@ the test's own and checks the first packet that process sends.
 
 from __future__ import annotations
 
+import signal
 import socket
 import sys
 
@@ -68,4 +69,8 @@ def test_first_packet_is_the_opt_in(tmp_path, name):
         # the fake bus goes first: a process whose next connection waits in its backlog, never
         # answered (sbus-record's stats connection), is not kept from stopping by that
         server.close()
-        proc.stop()
+        status = proc.stop()
+    # the SIGINT lands while a service starts (it connects from startService, before its reactor
+    # runs): Python's KeyboardInterrupt was swallowed by a Deferred, and sbus-relay ran on until
+    # it was killed 30 s later
+    assert status != -signal.SIGKILL, f"{name} did not stop on SIGINT:\n{proc.log()[-1500:]}"
