@@ -1110,7 +1110,8 @@ def _differ(a: Simulation, b: Simulation) -> str | None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m sbus.simulator", description=__doc__.split("\n\n")[0])
-    p.add_argument("--seed", type=int, help="one seed (with --trace: print its steps)")
+    p.add_argument("--seed", type=int, action="append",
+                   help="a seed to run (again for more; with --trace, one: print its steps)")
     p.add_argument("--seeds", default="0:200", help="a range START:END of seeds (default 0:200)")
     p.add_argument("--random-start", action="store_true", help="start the range at a random seed (printed)")
     p.add_argument("--path", choices=["pure", "batch", "both"], default="both")
@@ -1123,8 +1124,10 @@ def main(argv=None) -> int:
         # replay in another process.
         os.execve(sys.executable, [sys.executable, "-m", "sbus.simulator"] + list(sys.argv[1:] if argv is None else argv),
                   dict(os.environ, PYTHONHASHSEED="0"))
+    if args.trace and args.seed is not None and len(args.seed) > 1:
+        p.error("--trace prints the steps of one --seed")
     if args.seed is not None:
-        seeds = [args.seed]
+        seeds = args.seed
     else:
         try:
             a, b = (int(x) for x in args.seeds.split(":"))
@@ -1136,12 +1139,12 @@ def main(argv=None) -> int:
     paths = ["pure", "batch"] if args.path == "both" else [args.path]
     failed = False
     if args.trace and args.seed is not None:
-        sims = []
+        sims, (seed,) = [], args.seed
         for path in paths:
-            sim = Simulation(args.seed, path, args.steps, trace=True)
+            sim = Simulation(seed, path, args.steps, trace=True)
             try:
                 sim.run()
-                print(f"seed {args.seed} ({path}): no invariant broke")
+                print(f"seed {seed} ({path}): no invariant broke")
             except Violation as e:
                 print(f"FAIL {e}")
                 failed = True
@@ -1158,7 +1161,8 @@ def main(argv=None) -> int:
     elapsed = time.monotonic() - t0
     for path in paths:
         n, steps = counts[path]
-        print(f"simulator ({path} path): {n} scenarios, {steps} steps, seeds {first}..{first + n - 1}, "
+        which = (", ".join(map(str, seeds[:n])) if args.seed is not None else f"{first}..{first + n - 1}")
+        print(f"simulator ({path} path): {n} scenarios, {steps} steps, seeds {which}, "
               f"{sum(1 for f in failures if f'{path} path' in f[1] or 'invariant 9' in f[1])} failed, "
               f"{elapsed:.1f} s for {' and '.join(paths)}")
     if len(paths) == 2:
