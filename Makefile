@@ -58,11 +58,12 @@ run: $(VENV)/.installed
 	$(BIN)/twistd -n --pidfile= sbus --socket $(SOCKET)
 
 # pytest-xdist: three worker processes, each taking whole test modules (a module's fixtures,
-# a Spark session among them, stay in one process). Most tests wait on real server processes,
+# a Spark session among them, stay in one process), the longest first (tests/conftest.py's
+# LONG_MODULES). Most tests wait on real server processes,
 # so three workers fit two cores. `make test PYTEST_WORKERS=` runs in one process.
 # pytest prints an assertion's diff whole when CI or BUILD_NUMBER is set; without them it is cut at
 # pytest.ini's truncation limits, so a CI log stays short enough to read (-vv shows all).
-PYTEST_WORKERS ?= -n 3 --dist loadfile
+PYTEST_WORKERS ?= -n 3 --dist loadfile --no-loadscope-reorder
 test: $(VENV)/.test-installed
 	env -u CI -u BUILD_NUMBER $(BIN)/pytest $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
