@@ -267,8 +267,7 @@ class RecentPackets:
 
     def take(self, packet: bytes) -> bool:
         """True (and forget one copy) if `packet` was published lately (within `max_age`)."""
-        if self._order and self.clock() - self._order[0][0] > self.max_age:
-            self._expire(self.clock())
+        self._expire(self.clock())
         n = self._counts.get(packet)
         if not n:
             return False

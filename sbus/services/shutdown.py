@@ -48,8 +48,8 @@ def exit_zero_on_sigterm(reactor) -> None:
             signal.signal(signal.SIGTERM, handler)
         elif current is held:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if early:
-            if early[0] == signal.SIGINT and hasattr(reactor, "sigInt"):
+        if early:   # only where `held` was installed: the reactor has sigInt
+            if early[0] == signal.SIGINT:
                 reactor.sigInt(early[0])
             else:
                 stop()
