@@ -291,3 +291,31 @@ def test_recent_packets_forget_what_is_older_than_max_age():
     now[0] = 31.0
     assert not recent.take(b"MSG status\0ok")
     assert not recent
+
+
+def test_recent_packets_a_copy_taken_does_not_shorten_a_newer_identical_copys_life():
+    """A copy taken is gone: when its time runs out later, a newer identical copy (added after
+    the take) keeps its own full `max_age`, and the oldest entry to fall out at `max_items`
+    likewise costs no live copy. (The filter forgot the newer copy early: its echo then crossed
+    back as a new message.)"""
+    from sbus.services.bridge import RecentPackets
+
+    now = [0.0]
+    p = b"MSG status\0ok"
+    recent = RecentPackets(max_items=10, max_age=30.0, clock=lambda: now[0])
+    recent.add(p)
+    now[0] = 1.0
+    assert recent.take(p)           # the copy of t=0 came back
+    now[0] = 2.0
+    recent.add(p)                   # a new identical copy at t=2, live until t=32
+    now[0] = 31.0                   # the t=0 entry's age runs out
+    assert recent.take(p)           # the t=2 copy is still known
+    assert not recent.take(p)
+
+    recent = RecentPackets(max_items=2, max_age=30.0, clock=lambda: now[0])
+    recent.add(p)
+    assert recent.take(p)
+    recent.add(p)
+    recent.add(b"MSG other\0x")    # at max_items: the taken entry falls out, not the live copy
+    assert recent.take(p)
+    assert not recent.take(p)

@@ -245,13 +245,18 @@ class Route:
 
 
 class RecentPackets:
-    """A bounded multiset of packets published lately (only for servers that ignore echo/off)."""
+    """A bounded multiset of packets published lately (only for servers that ignore echo/off).
+
+    `take` consumes a packet's oldest copy, which stays in the age order until its time runs
+    out: `_taken` counts, per packet, such consumed entries at the front of its copies, so that
+    their expiry (or eviction at `max_items`) costs no newer identical copy its place."""
 
     def __init__(self, max_items: int = 8192, max_age: float = 10.0, clock=time.monotonic):
         self.max_items = max_items
         self.max_age = max_age
         self.clock = clock
         self._counts: dict[bytes, int] = {}
+        self._taken: dict[bytes, int] = {}
         self._order: deque = deque()
 
     def __len__(self):
@@ -261,32 +266,37 @@ class RecentPackets:
         now = self.clock()
         self._expire(now)
         if len(self._order) >= self.max_items:
-            self._forget(self._order.popleft()[1])
+            self._drop(self._order.popleft()[1])
         self._order.append((now, packet))
         self._counts[packet] = self._counts.get(packet, 0) + 1
 
     def take(self, packet: bytes) -> bool:
-        """True (and forget one copy) if `packet` was published lately (within `max_age`)."""
+        """True (and forget one copy, the oldest) if `packet` was published lately (within
+        `max_age`)."""
         self._expire(self.clock())
         n = self._counts.get(packet)
         if not n:
             return False
-        self._forget(packet)
+        _decrement(self._counts, packet)
+        self._taken[packet] = self._taken.get(packet, 0) + 1
         return True
 
-    def _forget(self, packet: bytes) -> None:
-        n = self._counts.get(packet, 0)
-        if n <= 1:
-            self._counts.pop(packet, None)
-        else:
-            self._counts[packet] = n - 1
+    def _drop(self, packet: bytes) -> None:
+        """The oldest entry of `packet` leaves the age order: a copy taken already, or a live one."""
+        _decrement(self._taken if self._taken.get(packet) else self._counts, packet)
 
     def _expire(self, now: float) -> None:
         order = self._order
         while order and now - order[0][0] > self.max_age:
-            _, packet = order.popleft()
-            if self._counts.get(packet):
-                self._forget(packet)
+            self._drop(order.popleft()[1])
+
+
+def _decrement(counts: dict, key) -> None:
+    n = counts.get(key, 0)
+    if n <= 1:
+        counts.pop(key, None)
+    else:
+        counts[key] = n - 1
 
 
 class _Pauser:
