@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -98,26 +99,56 @@ def start_bridge(tmp, bus, servers, *args):
 
 
 class Watcher:
-    """A raw nats-py subscriber on `subject` in a thread of its own."""
+    """A raw nats-py subscriber on `subject` in a thread of its own.
 
-    def __init__(self, url, subject=">"):
+    `cluster`: every node's URL. A NATS cluster tells its other nodes of a new subscription
+    asynchronously (`flush` answers once `url`'s node has it), and a node that has not heard of
+    it yet drops what is published there: the bridges pick their node at random, so the watcher
+    is ready only once a probe published on each node has reached it (CI, loaded: a marker a
+    bridge published on another node 0.1 s after the watcher subscribed never arrived)."""
+
+    PROBE = "_watcher.probe."
+
+    def __init__(self, url, subject=">", cluster=()):
         self.msgs: list = []
         self.loop = asyncio.new_event_loop()
         ready = threading.Event()
+        probes: set = set()
+        arrived = asyncio.Event()
 
         async def main():
             self.nc = await nats.connect(url)
 
             async def cb(m):
+                if m.subject.startswith(self.PROBE):
+                    probes.add(m.subject)
+                    arrived.set()
+                    return
                 self.msgs.append((m.subject, m.data, dict(m.headers or {})))
 
             await self.nc.subscribe(subject, cb=cb)
             await self.nc.flush()
+            for other in cluster:
+                if other == url:
+                    continue
+                probe = f"{self.PROBE}{uuid.uuid4().hex}"
+                nc = await nats.connect(other)
+                deadline = self.loop.time() + TIMEOUT
+                while probe not in probes:  # publish again until one arrives (an event, with a deadline)
+                    assert self.loop.time() < deadline, f"the watcher's subscription never reached {other}"
+                    arrived.clear()
+                    await nc.publish(probe, b"")
+                    await nc.flush()
+                    try:
+                        await asyncio.wait_for(arrived.wait(), 0.2)
+                    except asyncio.TimeoutError:
+                        pass
+                await nc.close()
             ready.set()
 
         self.thread = threading.Thread(target=lambda: self.loop.run_forever(), daemon=True)
         self.thread.start()
-        asyncio.run_coroutine_threadsafe(main(), self.loop).result(TIMEOUT)
+        asyncio.run_coroutine_threadsafe(main(), self.loop).result(TIMEOUT * (1 + len(cluster)))
         assert ready.wait(TIMEOUT)
 
     def close(self):
@@ -282,7 +313,7 @@ def warm_up_pair(p, s, tag, key=None):
 
 def test_secret_keys_stay_home_unless_exported(mesh):
     tmp, buses, urls = mesh["tmp"], mesh["buses"], mesh["urls"]
-    watcher = Watcher(urls[1])
+    watcher = Watcher(urls[1], cluster=urls)
     # a second bridge on bus 0 that exports only its own secret inbox
     secret_bridge = start_bridge(tmp, buses[0].address, [urls[0]], "--allow-unauthenticated",
                                  "--export", "!/cred////inbox/")
@@ -360,7 +391,7 @@ def test_own_origin_and_reserved_keys_do_not_cross(mesh):
     assert re.fullmatch(r"[0-9a-f]{32}", id0)
     s0 = subscriber(buses[0], b"")
     s1 = subscriber(buses[1], b"t/")
-    watcher = Watcher(urls[0])
+    watcher = Watcher(urls[0], cluster=urls)
     try:
         p0 = connect(buses[0].address)
         send(p0, msg(b"sbus/topology/hello", b"x"), msg(b"sbus/services/ping", b"x"), msg(b"t/reserved-end"))
