@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import operator
 import re
 import signal
 import socket
@@ -709,3 +710,105 @@ def test_two_links_given_one_session_name_the_second_says_so_and_carries(start_b
     busy = [ln for ln in second.listen.log().splitlines() if "holds session same" in ln]
     assert len(busy) == 1 and "--session" in busy[0], busy  # one line, naming the fix
     assert "holds session same" not in first.listen.log(), "the first one lost its session"
+
+
+
+#: Messages of the held-back cases below: more than bus b's server queues for a subscriber that
+#: does not read (16,384) and its socket, so the active link's writes to b wait unread in b.
+HELD_BACK_BURST = 40000
+LINK_WAITED_OR_TOOK_OVER = re.compile(r"taking over: (published \d+|our bus's server has not yet read)")
+LINK_WAITED = "our bus's server has not yet read what a dead link half wrote to it"
+
+
+def held_link_half_killed(start_bus, services, tmp_path, *options):
+    """The bridges' held-back case (test_failover's `held_active_killed`) for links: two parallel
+    links (with `options`) between buses a and b; a subscriber on b in hard/block that does not
+    read; a publisher on a as fast as it goes, until b holds the forwarding link's half on b with
+    what it wrote unread in b's socket; then that half is killed (-9). Returns (b, the standby
+    link, the blocker's Receiver, not started, the publisher)."""
+    from test_failover import SteadyPublisher, most_queued
+    from test_lossless import routed
+
+    a, b = start_bus(), start_bus()
+    links = [TransportLink(services, tmp_path, "key", a.address, b.address, None, *options) for _ in range(2)]
+    settled([h for link in links for h in link.halves], forwarding=3)
+    for h in links[0].halves + links[1].halves:
+        h.wait_log(WATCHING)
+    active = next(link for link in links if link.forwarding())
+    standby = next(link for link in links if link is not active)
+    active.connect.wait_log("holding session")
+    prefix = f"f/{uuid.uuid4().hex[:6]}/".encode()
+    blocker = connect(b.address)
+    send(blocker, HARD_BLOCK, sub(prefix))
+    sync(blocker)
+    routed(a.address, blocker, prefix)
+    pub = SteadyPublisher(a.address, prefix, HELD_BACK_BURST, rate=1e9)
+    pub.start()
+    # Once the blocker's queue is full, b holds the active link's half on b (hard/block): its
+    # writes wait unread in b's socket, and its peer stops reading a at link.MAX_UNACKED
+    # unacknowledged. A queue on a from then on (the standby's half on a reads all) means b's
+    # socket holds writes of the active's half unread.
+    wait_until(lambda: operator.ge(*most_queued(b.address)), "the blocker's queue full", DONE_TIMEOUT)
+    wait_until(lambda: most_queued(a.address)[0] >= 1000, "the active link held by b", DONE_TIMEOUT)
+    active.connect.proc.kill()
+    return a, b, standby, Receiver(blocker, prefix), pub
+
+
+def standby_half_on_b(b, standby) -> dict:
+    """The stats of the standby link's half on b; asked on b after the marker: it has read all
+    b routed to it before."""
+    (st,) = [s["stats"] for s in service_stats(b.address, "sbus-link") if s["pid"] == standby.connect.proc.pid]
+    return st
+
+
+def test_parallel_links_takeover_waits_until_the_dead_halfs_unread_writes_are_routed(start_bus, services,
+                                                                                      tmp_path):  # noqa: F811
+    """The forwarding link's half on b is killed (-9) while b holds its connection paused, what it
+    wrote unread in b's socket. The standby link's half on b published its window after its round
+    trips, before b had read those writes: b routed them twice once the subscriber read (567, 673
+    and 1,171 of 40,000 in three runs), and the copies b read late were routed to the standby's half
+    too, which sent them back to a, where they came from (673 and 1,171 in the last two). Now it waits (at
+    most --takeover-wait) until the dead half's session on b is no longer ``closing``
+    (server/session-held; each half tells the others on its bus its session's name), and what
+    b routes to it meanwhile that pairs with the peer's stream never goes back: every message
+    arrives once, in order, and nothing returns to a."""
+    from test_failover import check_once_in_order
+
+    a, b, standby, receiver, pub = held_link_half_killed(start_bus, services, tmp_path)
+    standby.connect.wait_log(LINK_WAITED_OR_TOOK_OVER, timeout=DONE_TIMEOUT)
+    receiver.start()
+    pub.join(DONE_TIMEOUT)
+    assert pub.error is None and pub.sent == HELD_BACK_BURST, (pub.error, pub.sent)
+    got = marker_across(a.address, pub.prefix, HELD_BACK_BURST, receiver)
+    st = standby_half_on_b(b, standby)
+    print(f"received {len(got)} of {HELD_BACK_BURST} ({len(got) - len(set(got))} duplicated); sent to a by "
+          f"the standby's half on b: {st['to_remote']}; old path's copies: {st['standby'].get('old_path_copies')}")
+    check_once_in_order("b", got, HELD_BACK_BURST)
+    assert st["to_remote"] == 0, f"{st['to_remote']} message(s) from a sent back to a"
+    takeovers = [[int(x) for x in found] for found in LINK_TAKEOVER.findall(standby.connect.log())]
+    assert takeovers and all(gap == 0 for _, gap in takeovers), takeovers
+    assert LINK_WAITED in standby.connect.log()
+
+
+def test_a_link_takeover_waits_at_most_takeover_wait_and_sends_nothing_back(start_bus, services,
+                                                                             tmp_path):  # noqa: F811
+    """The same with ``--takeover-wait 1``, the subscriber reading only after it: the standby's
+    half on b waits 1 s, then publishes its window with one warning line. Nothing is lost; what b
+    held of the dead half may arrive twice, as the line says, but its late copies, routed to the
+    standby's half too, are recognised (``standby.old_path_copies``) and never sent back to a."""
+    a, b, standby, receiver, pub = held_link_half_killed(start_bus, services, tmp_path, "--takeover-wait", "1")
+    standby.connect.wait_log(LINK_WAITED, timeout=DONE_TIMEOUT)
+    warned = standby.connect.wait_log(re.compile(r"after 1 s \(session .* closing\); publishing the window now: "
+                                                 r"messages it wrote there may arrive twice"), timeout=DONE_TIMEOUT)
+    assert warned.count("may arrive twice") == 1
+    receiver.start()
+    pub.join(DONE_TIMEOUT)
+    assert pub.error is None and pub.sent == HELD_BACK_BURST, (pub.error, pub.sent)
+    got = marker_across(a.address, pub.prefix, HELD_BACK_BURST, receiver)
+    missing = set(range(HELD_BACK_BURST)) - set(got)
+    st = standby_half_on_b(b, standby)
+    print(f"--takeover-wait 1: {len(got) - HELD_BACK_BURST} duplicated, {len(missing)} missing; sent to a: "
+          f"{st['to_remote']}; old path's copies: {st['standby']['old_path_copies']}")
+    assert not missing, f"{len(missing)} lost (first {sorted(missing)[:5]})"
+    assert st["to_remote"] == 0, f"{st['to_remote']} message(s) from a sent back to a"
+    assert st["standby"]["old_path_copies"]["from_remote"] == len(got) - HELD_BACK_BURST, st["standby"]

@@ -105,7 +105,14 @@ answered a round trip since it connected, the peer is a current one and
 our ``--pattern`` set covers the peer's (we must see another path's copies).
 What the peer streams before it answers the ``link/sync`` sent when the window
 began to watch waits apart (`Link.watchFrom`): at a takeover, only what follows
-the last of it another path was seen delivering is published.
+the last of it another path was seen delivering is published. Before its round trips a takeover
+waits (``--takeover-wait``, 35 s at most) until no other link half's session on our bus is
+``closing`` (``server/session-held``: a dead half's writes unread, e.g. held by a hard/block
+subscriber; each half tells the others on its bus its session's name, ``MSG
+sbus-link/session\0WHOAMI\0NAME``, never carried across): published before our bus routes
+them, they arrived twice. What our bus routes to us while we catch up that pairs with the
+peer's stream, and after a wait that ran out the late copies of what we published, are
+another path's copies of the peer's messages: never sent back (``standby.old_path_copies``).
 
 **Restarts** (issue 23). What a half's bus published while that half was dead, only the bus
 saw: each half holds a session on its bus (``CMSG server/session\0NAME\0LINGER`` after its
@@ -153,6 +160,7 @@ from sbus.core.patterns import matches
 from sbus.core.standby import MAX_MESSAGES, Window, parse_size
 from sbus.services import access as bus_access
 from sbus.services.admission import Admission
+from sbus.services.bridge import HELD_COPIES_AGE, RELEASE_POLL, RELEASE_WAIT, RecentPackets
 from sbus.services.linkauth import AUTH, PROOF, AuthError, Handshake, load_key
 from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
 from sbus.services.session import carried_note
@@ -216,6 +224,13 @@ BUS, PEER = "bus", "peer"
 FROM_REMOTE = "from_remote"
 STANDBY, CATCHING_UP, CARRYING = "standby", "catching up", "carrying"
 BUS_PORT, PEER_PORT = 1, 2
+#: ``MSG sbus-link/session\0<whoami>\0<session name>``: a half tells the other links' halves on
+#: its bus the name of its session there, once its bus answered and again to each newcomer it hears
+#: (they learn each other whichever came first); never carried across. A half taking over asks
+#: whether one of them is still ``closing`` (`Link._awaitRelease`): a dead half's writes unread.
+SESSION_ANNOUNCE = b"sbus-link/session"
+#: Session names of other halves on our bus remembered (the newest, by whoami).
+MAX_BUS_SESSIONS = 64
 #: The key clients publish their whoami on to learn their identity across the link.
 WHOAMI_REQUEST = b"sbus-link/whoami"
 _WHOAMI_REPLY_SUFFIX = b"/" + WHOAMI_REQUEST
@@ -469,6 +484,9 @@ class Options(RespelledOptions):
                                 "its bus published while it was dead (lost.restart)."],
         ["session-linger", None, str(SESSION_LINGER), "Seconds the bus keeps counting for a dead "
                                                       "process's successor (0: nothing is counted)."],
+        ["takeover-wait", None, f"{RELEASE_WAIT:g}", "Taking over, wait at most this many seconds for the bus "
+                                                     "to read what a dead half of another link wrote to "
+                                                     "it (0: never wait; see docs/deploy.md)."],
         ["standby-window", None, str(MAX_MESSAGES), "Standing by, remember at most this many messages "
                                                     "the active path has not yet delivered (forwarded "
                                                     "if we take over; see docs/deploy.md)."],
@@ -520,6 +538,9 @@ class Options(RespelledOptions):
             self[name] = positive_float(name, self[name], zero_ok=True)
         if not math.isfinite(self["session-linger"]):
             raise usage.UsageError(f"--session-linger: not a finite number: {self['session-linger']}")
+        self["takeover-wait"] = positive_float("takeover-wait", self["takeover-wait"], zero_ok=True)
+        if not math.isfinite(self["takeover-wait"]):
+            raise usage.UsageError(f"--takeover-wait: not a finite number: {self['takeover-wait']}")
         self["session"] = session_name_option(self["session"])
         try:
             self["standby-window"] = parse_size(self["standby-window"])
@@ -760,7 +781,7 @@ class Link(service.MultiService):
                  maxDelay: float = 30.0, keepalive: float = 30.0, statsInterval: float = 60.0,
                  reactor=None, key_file: str | None = None, spanning_tree: bool = True,
                  trusted_uids=(), standby_window: int = MAX_MESSAGES, session: bytes | None = None,
-                 session_linger: float = SESSION_LINGER):
+                 session_linger: float = SESSION_LINGER, takeover_wait: float = RELEASE_WAIT):
         super().__init__()
         #: Who may reach the bus: a unix peer must be one of them (`sbus.services.admission`).
         self.admission = Admission(bus, "sbus-link")
@@ -826,6 +847,17 @@ class Link(service.MultiService):
         self.unsettled_replayed = 0
         #: What a takeover could not forward (the peer or bus went away during its round trip).
         self.takeover_lost = 0
+        #: Seconds a takeover waits for our bus to read what a dead half of another link wrote to
+        #: it (its session ``closing``: `_awaitRelease`), and the poll waiting for the next round.
+        self.takeover_wait = takeover_wait
+        self._release = None
+        #: Other links' halves on our bus: whoami -> session name (``sbus-link/session``).
+        self.bus_sessions: dict[bytes, bytes] = {}
+        #: After a takeover that stopped waiting with a dead half's writes still unread in our
+        #: bus: what we published from the window, whose late copies (the dead half's, routed to
+        #: us too) must never go back to the peer's bus; how many were recognised.
+        self.held_copies: RecentPackets | None = None
+        self.old_path_copies = 0
         self._warned = set()
         #: Our session on the bus (``server/session``): a successor of this process claims it
         #: and counts what the bus published while we were dead (`sessionClaimed`).
@@ -863,6 +895,7 @@ class Link(service.MultiService):
         for pattern in self.patterns:
             self.bus.subscribe(pattern)
         self.bus.subscribe(WHOAMI_REQUEST)
+        self.bus.subscribe(SESSION_ANNOUNCE)
 
         factory = PeerFactory(self)
         if listen:
@@ -896,6 +929,9 @@ class Link(service.MultiService):
 
     def stopService(self):
         self.tree.stop()
+        if self._release is not None and self._release.active():
+            self._release.cancel()
+        self._release = None
         if self._stats.running:
             self._stats.stop()
         self.logStats()
@@ -928,6 +964,7 @@ class Link(service.MultiService):
                 "watching": self._watched(self.peer),
                 "receiving": self._receiving,
                 "window": self.window.stats(),
+                "old_path_copies": {FROM_REMOTE: self.old_path_copies},
             },
             "failover_gap": self._failoverGap(),
             "session": dict(self.session, restart_standing_by=self.restart_standing_by),
@@ -1050,6 +1087,7 @@ class Link(service.MultiService):
     def _busReady(self, proto) -> None:
         if proto is self.local:
             self._bus_ready = True
+            self._announceSession()
             if self.peer is not None:
                 self.watchFrom(self.peer)
             self._noteWatched()
@@ -1063,6 +1101,7 @@ class Link(service.MultiService):
 
     def busDown(self, reason):
         self.local = None
+        self.held_copies = None   # the late copies were routed to the connection that went
         self._bus_marks.clear()
         self._bus_ready = False
         if self.peer is not None:   # what waited in the lost connection's queue: as before, ours
@@ -1127,6 +1166,9 @@ class Link(service.MultiService):
         elif key == WHOAMI_REQUEST:
             self._answerWhoami(packet[end + 1:])
             return
+        elif key == SESSION_ANNOUNCE:
+            self._sessionAnnounced(packet[end + 1:])
+            return  # never carried across: each bus's halves are its own
         elif key.startswith(TOPOLOGY):
             self.tree.received(BUS_PORT, key, packet[end + 1:])
             return  # never carried across: each segment's hellos are its own
@@ -1146,14 +1188,17 @@ class Link(service.MultiService):
             self.drops["peer_down"] += 1
             return
         public = not key.startswith(SECRET_ROOT)
+        copy = False
         if public and self._receiving != CARRYING and self._watched(peer):
             # possibly another path's copy of something from the peer's bus (our window)
+            paired = self.window.delivered[PEER] + self.unsettled.delivered[PEER]
             self.window.seen_on(BUS, key, packet[end + 1:], ())
             if len(self.unsettled) or not peer.settled:
                 if self.window.delivered[PEER] > self._delivered_at_watch:
                     self._resetUnsettled()   # another path went past them (`_unsettledOut`)
                 else:
                     self.unsettled.seen_on(BUS, key, packet[end + 1:], ())
+            copy = self.window.delivered[PEER] + self.unsettled.delivered[PEER] > paired
         if not self.tree.forwarding:
             self.standby["to_remote"] += 1
             if public and peer.acks:
@@ -1162,6 +1207,19 @@ class Link(service.MultiService):
                 if len(shadow) <= peer.remote_max:
                     peer.sendString(shadow)
             return
+        if copy:
+            # we forward, our receiving direction still catching up: it paired with what the peer
+            # streamed, a copy another path (a dead half's writes our bus read late, during the
+            # takeover's wait) delivered of a message from the peer's bus: never back there
+            self.old_path_copies += 1
+            return
+        held = self.held_copies
+        if held is not None:
+            if held.take(packet):
+                self.old_path_copies += 1   # its original came from the peer's bus: never back
+                return
+            if not held:
+                self.held_copies = None   # expired: a packet like one of them is its own again
         self._toPeer(peer, packet)
 
     def _toPeer(self, peer: PeerProtocol, packet: bytes) -> None:
@@ -1198,6 +1256,30 @@ class Link(service.MultiService):
             self.drops["bad_whoami_request"] += 1
             return
         self.local.sendPacket(b"MSG " + key + b"\0" + WHOAMI_LINK + b"\0" + self.whoami)
+
+    def _announceSession(self) -> None:
+        """Tell the other links' halves on our bus our session's name (`SESSION_ANNOUNCE`)."""
+        if self.local is not None and self.whoami is not None:
+            self.local.sendPacket(b"MSG " + SESSION_ANNOUNCE + b"\0" + self.whoami + b"\0" + self.session_name)
+
+    def _sessionAnnounced(self, payload: bytes) -> None:
+        """Another half on our bus said its session's name: remember it (a takeover asks whether
+        it is closing) and, a newcomer, tell it ours. Anyone may publish this: a forged name
+        costs a takeover at most `takeover_wait` (and only a closing session of our uid)."""
+        who, nul, name = payload.partition(b"\0")
+        try:
+            codec.check_session_name(name)
+        except ValueError:
+            name = b""
+        if not nul or not name or parse_whoami(who) is None or who == self.whoami:
+            return      # malformed: ignored (not a message of anyone's, nothing lost)
+        new = who not in self.bus_sessions
+        self.bus_sessions.pop(who, None)
+        self.bus_sessions[who] = name
+        while len(self.bus_sessions) > MAX_BUS_SESSIONS:
+            del self.bus_sessions[next(iter(self.bus_sessions))]
+        if new:
+            self._announceSession()
 
     def _answerChallenge(self, request: bytes) -> None:
         """``<asker whoami>\\0<nonce>`` on our secret key: the answer carries the nonce back.
@@ -1617,24 +1699,86 @@ class Link(service.MultiService):
             return
         self._receiving = CATCHING_UP
         self._takeovers += 1
-        generation = self._takeovers
-        ds = [self.local.sync(), self._peerSync(peer)]
+        self._awaitRelease(self._takeovers, self.reactor.seconds() + self.takeover_wait, False)
+
+    def _awaitRelease(self, generation: int, deadline: float, waited: bool) -> None:
+        """One round of the takeover's wait: is the session of another link's half on our bus
+        (`bus_sessions`) still ``closing`` (`codec.SESSION_HELD`: that half is dead, but our bus
+        has not read all it wrote, e.g. held paused by a hard/block subscriber)? Its writes are
+        copies of what our window holds: published before our bus routes them, they arrive
+        twice, and once routed to us too we would send them back to the peer's bus. Ask again
+        in `RELEASE_POLL` s until none is closing or `deadline` passed, then the round trips
+        (`_catchUp`). A server that does not know the request answers the round trip first."""
+        self._release = None
+        if generation != self._takeovers or self._receiving != CATCHING_UP:
+            return
+        local = self.local
+        names = [name for name in dict.fromkeys(self.bus_sessions.values()) if name != self.session_name]
+        if local is None or not names:
+            self._catchUp(generation, ())
+            return
+        states: dict[bytes, str] = {}
+        asks = []
+        try:
+            for name in names:
+                ask = local.server_request(codec.SESSION_HELD, name)
+                asks.append(ask)
+                ask.addCallback(lambda payload: states.__setitem__(*codec.parse_session_held(payload)))
+                ask.addErrback(lambda f: None)   # malformed, or the connection went: not closing
+            done = local.sync()
+        except Exception as e:  # noqa: BLE001 - the bus went away
+            self._takeoverFailed(generation, e)
+            return
+
+        def answered(_):
+            for ask in asks:   # the round trip came back first: that server never answers
+                if not ask.called:
+                    local.forgetRequest(codec.SESSION_HELD, ask)
+            if generation != self._takeovers or self._receiving != CATCHING_UP:
+                return
+            closing = sorted(name for name, state in states.items() if state == codec.HELD_CLOSING)
+            if closing and self.reactor.seconds() < deadline:
+                if not waited:
+                    log.info("sbus-link: taking over: our bus's server has not yet read what a dead link "
+                             "half wrote to it (session {names} closing); waiting up to {s:g} s for it",
+                             names=", ".join(_show(n) for n in closing), s=self.takeover_wait)
+                self._release = self.reactor.callLater(RELEASE_POLL, self._awaitRelease, generation,
+                                                       deadline, True)
+                return
+            if closing:
+                log.warn("sbus-link: taking over: our bus still holds what a dead link half wrote to it "
+                         "unread after {s:g} s (session {names} closing); publishing the window now: "
+                         "messages it wrote there may arrive twice", s=self.takeover_wait,
+                         names=", ".join(_show(n) for n in closing))
+            self._catchUp(generation, closing)
+
+        done.addCallbacks(answered, lambda f: self._takeoverFailed(generation, f))
+
+    def _catchUp(self, generation: int, closing) -> None:
+        """A round trip through our bus and, with ``link/sync``, through the peer's: then every
+        copy another path made has met its original in the window, which goes out (`_replay`)."""
+        peer, local = self.peer, self.local
+        if peer is None or local is None:
+            self._takeoverFailed(generation, ConnectionError("the bus or the peer went away"))
+            return
 
         def caught_up(_):
             if generation == self._takeovers and self._receiving == CATCHING_UP:
                 self._receiving = CARRYING
-                self._replay()
+                self._replay(bool(closing))
 
-        def failed(f):
-            if generation != self._takeovers or self._receiving != CATCHING_UP:
-                return
-            self._receiving = STANDBY
-            out = self._unsettledOut() + self.window.drain()
-            self.takeover_lost += len(out)
-            log.warn("sbus-link: taking over failed ({why}): {n} message(s) the old path had not "
-                     "delivered are lost (failover_gap)", why=f.getErrorMessage(), n=len(out))
+        defer.gatherResults([local.sync(), self._peerSync(peer)], consumeErrors=True).addCallbacks(
+            caught_up, lambda f: self._takeoverFailed(generation, f))
 
-        defer.gatherResults(ds, consumeErrors=True).addCallbacks(caught_up, failed)
+    def _takeoverFailed(self, generation: int, why) -> None:
+        if generation != self._takeovers or self._receiving != CATCHING_UP:
+            return
+        self._receiving = STANDBY
+        out = self._unsettledOut() + self.window.drain()
+        self.takeover_lost += len(out)
+        log.warn("sbus-link: taking over failed ({why}): {n} message(s) the old path had not "
+                 "delivered are lost (failover_gap)",
+                 why=why.getErrorMessage() if hasattr(why, "getErrorMessage") else why, n=len(out))
 
     def _peerSync(self, peer: PeerProtocol) -> defer.Deferred:
         """Fires once the peer's bus answered a round trip after this request: everything the
@@ -1691,18 +1835,31 @@ class Link(service.MultiService):
         self._resetUnsettled()
         return out[len(out) - tail:]
 
-    def _replay(self) -> None:
+    def _replay(self, held: bool = False) -> None:
+        """Publish the window. `held`: our bus still holds a dead half's writes unread (the wait
+        ran out): their late copies, routed to us too, we recognise (`held_copies`, for
+        `HELD_COPIES_AGE` or `takeover_wait`, the longer) and never send back to the peer's
+        bus; our bus's subscribers may get them twice, as the warning said."""
         pending = self._unsettledOut()
         self.unsettled_replayed += len(pending)
         out = pending + self.window.drain()
         local = self.local
+        copies = None
+        if held and local is not None:
+            # a packet like one of them that a client of our bus publishes meanwhile is taken
+            # for a copy (not carried)
+            copies = self.held_copies = RecentPackets(max_items=max(1, len(out)),
+                                                      max_age=max(self.takeover_wait, HELD_COPIES_AGE))
         for _, key, payload in out:
             if local is None:
                 self.drops["bus_down"] += 1
                 continue
             # counted in standby.replayed_at_takeover (already in standby_not_forwarded), not
             # again in from_remote: the peer's to_remote = our from_remote + standby_not_forwarded
-            local.transport.write(b"MSG " + key + b"\0" + payload)
+            packet = b"MSG " + key + b"\0" + payload
+            local.transport.write(packet)
+            if copies is not None:
+                copies.add(packet)
         log.info("sbus-link: taking over: published {n} message(s) from the peer's bus that the "
                  "old path had not delivered; failover gap {gap}", n=len(out), gap=self.window.last_gap[PEER])
 
@@ -1722,6 +1879,7 @@ def makeService(options: Options) -> Link:
             spanning_tree=not options["no-spanning-tree"],
             trusted_uids=options["trust-uids"], standby_window=options["standby-window"],
             session=options["session"], session_linger=options["session-linger"],
+            takeover_wait=options["takeover-wait"],
         )
     except EndpointError as e:
         raise usage.UsageError(str(e)) from None
