@@ -660,11 +660,29 @@ def most_queued(address: str) -> tuple[int, int]:
     return max(q["queued_packets"] for q in st["queues"]), st["limits"]["queue_packets"]
 
 
+def held_by_a_blocker(a, b, burst: int, what: str):
+    """A subscriber on b in hard/block that does not read, and a publisher on a as fast as it
+    goes, until b holds the active path (`what`) with what it wrote unread in b's socket.
+    Returns (the blocker's Receiver, not started, the publisher)."""
+    prefix = f"f/{uuid.uuid4().hex[:6]}/".encode()
+    blocker = connect(b.address)
+    send(blocker, HARD_BLOCK, sub(prefix))
+    sync(blocker)
+    routed(a.address, blocker, prefix)
+    pub = SteadyPublisher(a.address, prefix, burst, rate=1e9)
+    pub.start()
+    # Once the blocker's queue is full, b holds the active path (hard/block); it stops reading a
+    # when b leaves its writes unread: a queue on a from then on (the standby reads all, the
+    # publisher subscribes to nothing) means b's socket holds writes of the active path unread.
+    wait_until(lambda: operator.ge(*most_queued(b.address)), "the blocker's queue full", DONE_TIMEOUT)
+    wait_until(lambda: most_queued(a.address)[0] >= 1000, f"the {what} held by b", DONE_TIMEOUT)
+    return Receiver(blocker, prefix), pub
+
+
 def held_active_killed(start_bus, services, *options):
-    """Two bridges (with `options`) between buses a and b; a subscriber on b in hard/block that
-    does not read; a publisher on a as fast as it goes, until b holds the active bridge with
-    what it wrote unread in b's socket; then the active is killed (-9). Returns (a, standby,
-    the blocker's Receiver, not started, publisher)."""
+    """Two bridges (with `options`) between buses a and b, b holding the active one with what it
+    wrote unread in b's socket (`held_by_a_blocker`); then the active is killed (-9). Returns
+    (a, standby, the blocker's Receiver, not started, publisher)."""
     a, b = start_bus(), start_bus()
     pair = [services("sbus-bridge", "--bus-a", a.address, "--bus-b", b.address, "--rule", "'' both",
                      "--max-delay", "0.5", "--stats-interval", "1", *options) for _ in range(2)]
@@ -673,21 +691,9 @@ def held_active_killed(start_bus, services, *options):
     active = next(x for x in pair if x.state() == "forwarding")
     standby = next(x for x in pair if x is not active)
     active.wait_log("side b: holding session")
-    prefix = f"f/{uuid.uuid4().hex[:6]}/".encode()
-    blocker = connect(b.address)
-    send(blocker, HARD_BLOCK, sub(prefix))
-    sync(blocker)
-    routed(a.address, blocker, prefix)
-    pub = SteadyPublisher(a.address, prefix, HELD_BURST, rate=1e9)
-    pub.start()
-    # Once the blocker's queue is full, b holds the active (hard/block); the active stops reading
-    # a when b leaves its writes unread (more than MAX_UNSENT wait in it): a queue on a from then
-    # on (the standby reads all, the publisher subscribes to nothing) means b's socket holds
-    # writes of the active unread.
-    wait_until(lambda: operator.ge(*most_queued(b.address)), "the blocker's queue full", DONE_TIMEOUT)
-    wait_until(lambda: most_queued(a.address)[0] >= 1000, "the active bridge held by b", DONE_TIMEOUT)
+    receiver, pub = held_by_a_blocker(a, b, HELD_BURST, "active bridge")
     active.proc.kill()
-    return a, standby, Receiver(blocker, prefix), pub
+    return a, standby, receiver, pub
 
 
 def test_takeover_waits_until_the_dead_actives_unread_writes_are_routed(start_bus, services):  # noqa: F811

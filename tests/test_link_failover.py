@@ -726,8 +726,7 @@ def held_link_half_killed(start_bus, services, tmp_path, *options):
     read; a publisher on a as fast as it goes, until b holds the forwarding link's half on b with
     what it wrote unread in b's socket; then that half is killed (-9). Returns (b, the standby
     link, the blocker's Receiver, not started, the publisher)."""
-    from test_failover import SteadyPublisher, most_queued
-    from test_lossless import routed
+    from test_failover import held_by_a_blocker
 
     a, b = start_bus(), start_bus()
     links = [TransportLink(services, tmp_path, "key", a.address, b.address, None, *options) for _ in range(2)]
@@ -737,21 +736,9 @@ def held_link_half_killed(start_bus, services, tmp_path, *options):
     active = next(link for link in links if link.forwarding())
     standby = next(link for link in links if link is not active)
     active.connect.wait_log("holding session")
-    prefix = f"f/{uuid.uuid4().hex[:6]}/".encode()
-    blocker = connect(b.address)
-    send(blocker, HARD_BLOCK, sub(prefix))
-    sync(blocker)
-    routed(a.address, blocker, prefix)
-    pub = SteadyPublisher(a.address, prefix, HELD_BACK_BURST, rate=1e9)
-    pub.start()
-    # Once the blocker's queue is full, b holds the active link's half on b (hard/block): its
-    # writes wait unread in b's socket, and its peer stops reading a at link.MAX_UNACKED
-    # unacknowledged. A queue on a from then on (the standby's half on a reads all) means b's
-    # socket holds writes of the active's half unread.
-    wait_until(lambda: operator.ge(*most_queued(b.address)), "the blocker's queue full", DONE_TIMEOUT)
-    wait_until(lambda: most_queued(a.address)[0] >= 1000, "the active link held by b", DONE_TIMEOUT)
+    receiver, pub = held_by_a_blocker(a, b, HELD_BACK_BURST, "active link")
     active.connect.proc.kill()
-    return a, b, standby, Receiver(blocker, prefix), pub
+    return a, b, standby, receiver, pub
 
 
 def standby_half_on_b(b, standby) -> dict:
