@@ -5,8 +5,10 @@ A service subclasses `Chassis` and supplies hooks only: ``kind``, ``log``, ``sta
 ``stats()``, ``publicStats`` (what other uids see, if anything); ``setUp()``, which makes its
 bus connections with `connect` and says there what it does with a message, a drop notice, the
 bus's disconnect notice or another control message, and when the connection comes (``made``,
-``ready``) or goes (``lost``) or its session claim is answered (``claimed``); ``reportLine``
-(or ``report``); ``beforeStop()`` (still connected) and ``afterStop()``.
+``ready``) or goes (``lost``), a read batch is done (``batch``) or its session claim is answered
+(``claimed``); ``reportLine`` (or ``report``; ``reportedStats`` for what it compares);
+``lostLine``/``failedLine`` for its own connection lines; ``beforeStop()`` (still connected)
+and ``afterStop()``.
 
 The chassis owns one `ReconnectingClient` per connection (back-off, the socket watch, echo
 off, the session claim or the count of uncounted gaps, paused reading kept across
@@ -73,13 +75,26 @@ class Chassis(service.Service):
     def afterStop(self):
         """Once every connection is closed, before the final report (may return a Deferred)."""
 
+    def lostLine(self, client, prefix: str, reason) -> None:
+        """A connection (not `quiet`) was lost while running; it reconnects."""
+        self.log.warn("{prefix}lost the bus connection ({why}); reconnecting", prefix=prefix, why=reason)
+
+    def failedLine(self, client, prefix: str, reason) -> None:
+        """An attempt to connect (not `quiet`) failed: by default `ReconnectingClient`'s line,
+        once per distinct failure (``client.failureIsNews``)."""
+        ReconnectingClient.connectionFailed(client, reason)
+
+    def reportedStats(self) -> dict:
+        """What the report compares with the last one and logs (default: `stats()`)."""
+        return self.stats()
+
     def reportLine(self, stats: dict, final: bool) -> None:
         self.log.info("{kind} {what}: {stats}", kind=self.kind, what="stopped" if final else "stats",
                       stats=json.dumps(stats, separators=(",", ":")))
 
     def report(self, final: bool = False) -> None:
         """Every `stats_interval` (if the stats changed) and once at the end of a stop."""
-        st = self.stats()
+        st = self.reportedStats()
         if not final and st == self._lastStats:
             return
         self._lastStats = st
@@ -94,13 +109,14 @@ class Chassis(service.Service):
     def connect(self, label: str = "", *, subscribe=(), echo: bool = False, flood=None, session=None,
                 misses: bool = False, stats: bool = False, quiet: bool = False, start: bool = True,
                 message=None, dropped=None, notice=None, control=None, made=None, ready=None,
-                lost=None, claimed=None, **retry) -> ReconnectingClient:
+                lost=None, claimed=None, batch=None, **retry) -> ReconnectingClient:
         """A connection to the bus, kept up with back-off (`retry`: `ReconnectingClient`'s
         initialDelay, maxDelay, factor, jitter, max_packet). `session`: (name, linger, confirm)
         claimed on every connection (with confirm, a resumed claim is confirmed once `claimed`
         has counted it); else `misses`: what is missed while away matters (each reconnection's
         gap is logged and counted). `stats`: answer stats requests here. `quiet`: no failure
-        and no lost lines (another connection says them). `label` prefixes its log lines."""
+        and no lost lines (another connection says them). `label` prefixes its log lines.
+        `batch(proto)`: after each batch of packets read (what was read is handed on)."""
         svc, prefix = self, f"{label}: " if label else ""
 
         class Protocol(SbusProtocol):
@@ -124,6 +140,10 @@ class Chassis(service.Service):
                 if notice is not None and self.disconnectReason is not None:
                     notice(self.disconnectReason)
                 SbusProtocol.connectionLost(self, reason)
+
+            if batch is not None:  # the transport calls it only if it is there
+                def readBatchDone(self):
+                    batch(self)
 
         class Client(ReconnectingClient):
             connects = 0
@@ -149,12 +169,11 @@ class Chassis(service.Service):
 
             def connectionFailed(self, reason):
                 if not quiet:
-                    ReconnectingClient.connectionFailed(self, reason)
+                    svc.failedLine(self, prefix, reason)
 
             def connectionLost(self, reason):
                 if svc.running and not quiet:
-                    svc.log.warn("{prefix}lost the bus connection ({why}); reconnecting",
-                                 prefix=prefix, why=reason)
+                    svc.lostLine(self, prefix, reason)
                 if lost is not None:
                     lost(reason)
 

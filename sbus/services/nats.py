@@ -109,9 +109,7 @@ import stat
 import sys
 from urllib.parse import urlsplit
 
-from twisted.application import service
 from twisted.internet import defer
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python import usage
 
@@ -123,9 +121,10 @@ from sbus.core.natsmap import (MappingError, check_prefix, key_to_subject, patte
                                subjects_overlap)
 from sbus.core.patterns import matches
 from sbus.options import METRICS_OPTION, MISSING_BUS_HELP, RespelledOptions
-from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
+from sbus.services.chassis import Chassis
 from sbus.services.session import carried_note
-from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost, unknown_gaps
+from sbus.services.shutdown import stop_with_status
+from sbus.services.svcstats import lost, unknown_gaps
 
 #: Exit status when another sbus-nats of the same --name runs on the bus (a configuration error,
 #: sysexits' EX_CONFIG: contrib/systemd's unit does not restart on it).
@@ -327,8 +326,8 @@ class AckGate:
         return ready
 
 
-class NatsService(service.Service):
-    name = "sbus-nats"
+class NatsService(Chassis):
+    name = kind = "sbus-nats"
 
     def __init__(self, bus, servers: list[str], *, exports=(), imports=(), prefix: str = "sbus",
                  connect_options: dict | None = None, max_pending: int = 64 << 10,
@@ -337,7 +336,8 @@ class NatsService(service.Service):
                  max_packet: int = MAX_PACKET, static_imports: bool = False,
                  max_subscriptions: int = 1000, name: str | None = None,
                  session_linger: float = 30.0, reactor=None):
-        self.bus = bus
+        super().__init__(bus, stats_interval=stats_interval, reactor=reactor)
+        self.log = log  # the chassis's lines as ours (a Logger class attribute renames its namespace)
         self.servers = list(servers)
         self.exports = [_b(p) for p in exports]
         self.imports = [_b(p) for p in imports]
@@ -345,10 +345,8 @@ class NatsService(service.Service):
         self.connect_options = dict(connect_options or {})
         self.max_pending = max_pending
         self.import_buffer = import_buffer
-        self.stats_interval = stats_interval
         self.reconnect_wait = reconnect_wait
         self.max_packet = max_packet
-        self._reactor = reactor
         self.secret_exports = [p for p in self.exports if p.startswith(SECRET_ROOT)]
         self.secret_imports = [p for p in self.imports if p.startswith(SECRET_ROOT)]
         #: Each import pattern: (pattern, its subject, whether the subject selects exactly it).
@@ -385,14 +383,11 @@ class NatsService(service.Service):
         self.reserved = 0
         self.pauses = 0
         self.nats_connects = 0
-        self.bus_connects = 0
-        self._paused = False
         self._drain_call = None
         self._subject_cache: dict[bytes, str] = {}
         self._logged: set = set()
-        self._loop = None
-        self._last_stats = None
         self._nats_task = None
+        self._closing = None
         self._stopping = False
         #: What identifies this sbus-nats on its bus (the bus session's name, the importer
         #: identity its acknowledgements carry), and this process among its restarts.
@@ -414,15 +409,7 @@ class NatsService(service.Service):
         self.seq_refused = 0
         self.importer_restarts = 0
         self._ack_gate = AckGate()
-        self._ack_loop = None
         self._sweep_at = 0.0
-
-    @property
-    def reactor(self):
-        if self._reactor is None:
-            from twisted.internet import reactor
-            self._reactor = reactor
-        return self._reactor
 
     def _drop(self, reason: str, n: int = 1) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + n
@@ -435,46 +422,15 @@ class NatsService(service.Service):
 
     # -- life cycle
 
-    def startService(self):
-        from sbus.client.twisted import ReconnectingClient, SbusProtocol
+    def setUp(self):
+        import asyncio
 
-        super().startService()
-        svc = self
-
-        class BusProtocol(SbusProtocol):
-            def messageReceived(self, key, payload, packet):
-                svc._from_bus(self, key, payload)
-
-            def readBatchDone(self):
-                svc.handedOn(self)
-
-            def unsolicitedControl(self, key, payload):
-                if key == codec.INTEREST and self is svc.client.protocol:
-                    svc._interest_notice(payload or b"")
-
-        class Client(ReconnectingClient):
-            def connectionMade(self, protocol):
-                svc._bus_connected(protocol)
-
-            def connectionLost(self, reason):
-                if svc.running:
-                    log.warn("bus: lost the connection to {addr} ({why}); reconnecting",
-                             addr=svc.bus, why=reason.getErrorMessage() if hasattr(reason, "getErrorMessage") else reason)
-
-            def connectionFailed(self, reason):
-                if self.failureIsNews:
-                    log.warn("bus: cannot connect to {what}; retrying quietly with back-off",
-                             what=self.lastFailure)
-
-        self.client = Client(self.reactor, self.bus, BusProtocol, initialDelay=0.1, maxDelay=10.0,
-                             max_packet=self.max_packet, watch=True)
-        for p in dict.fromkeys(self.exports):
-            self.client.subscribe(p)
-        self.client.subscribe(STATS_REQUEST)
-        self.client.echo(False)
-        # lossless toward NATS: when we stop reading, the server holds the publishers
-        self.client.flood(hard="block")
-        self.client.start()
+        self.client = self.connect(
+            "bus", subscribe=dict.fromkeys(self.exports), stats=True, echo=False,
+            flood={"hard": "block"},  # lossless toward NATS: when we stop reading, the server holds the publishers
+            message=lambda key, payload, proto: self._from_bus(proto, key, payload),
+            control=self._control, made=self._bus_connected, batch=self.handedOn,
+            initialDelay=0.1, maxDelay=10.0, max_packet=self.max_packet)
         log.info("{name}: exporting {e}; importing {i}; subject prefix {p!r}; {how}; "
                  "instance {inst}", name=self.name, inst=self.instance,
                  e=", ".join(repr(p) for p in self.exports) or "nothing",
@@ -484,34 +440,35 @@ class NatsService(service.Service):
                  else "NATS subscriptions follow local interest")
         if self.static_imports:
             self._want_everything()
-        import asyncio
         self._nats_task = asyncio.ensure_future(self._run_nats())
-        self._loop = LoopingCall(self._report, False)
-        self._loop.clock = self.reactor
-        self._loop.start(self.stats_interval, now=False)
         if self.imports:
-            self._ack_loop = LoopingCall(self._send_acks)
-            self._ack_loop.clock = self.reactor
-            self._ack_loop.start(ACK_INTERVAL, now=False)
-        exit_zero_on_sigterm(self.reactor)
+            self.every(ACK_INTERVAL, self._send_acks)
 
-    def stopService(self):
+    def lostLine(self, client, prefix: str, reason) -> None:
+        log.warn("{prefix}lost the connection to {addr} ({why}); reconnecting", prefix=prefix, addr=self.bus,
+                 why=reason.getErrorMessage() if hasattr(reason, "getErrorMessage") else reason)
+
+    def failedLine(self, client, prefix: str, reason) -> None:
+        if client.failureIsNews:
+            log.warn("{prefix}cannot connect to {what}; retrying quietly with back-off", prefix=prefix,
+                     what=client.lastFailure)
+
+    def beforeStop(self):
         import asyncio
-        super().stopService()
         self._stopping = True
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
-        if self._ack_loop is not None and self._ack_loop.running:
-            self._ack_loop.stop()
+        if self.imports:
             self._send_acks(final=True)   # what arrived until now: a successor's gap starts here
         if self._drain_call is not None and self._drain_call.active():
             self._drain_call.cancel()
-        ds = [self.client.stop()] if self.client is not None else []
+        # NATS closes beside the bus connection, which the chassis closes next (`afterStop` waits)
         if self.nc is not None and not self.nc.is_closed:
-            ds.append(defer.Deferred.fromFuture(asyncio.ensure_future(self._close_nats())))
+            self._closing = defer.Deferred.fromFuture(asyncio.ensure_future(self._close_nats()))
+            self._closing.addErrback(lambda f: None)
         elif self._nats_task is not None:
             self._nats_task.cancel()
-        return defer.DeferredList(ds, consumeErrors=True).addCallback(lambda _: self._report(True))
+
+    def afterStop(self):
+        return self._closing
 
     async def _close_nats(self):
         try:
@@ -523,9 +480,6 @@ class NatsService(service.Service):
     # -- the bus side
 
     def _bus_connected(self, proto) -> None:
-        self.bus_connects += 1
-        if self._paused:
-            proto.transport.pauseProducing()
         self._claim_session(proto)
         if self.import_subjects and not self.static_imports:
             # a fresh listing; until it is complete the subscriptions of before stay
@@ -533,7 +487,7 @@ class NatsService(service.Service):
             proto.sendControl(codec.INTEREST)
             # a server that answers nothing at all (not even the sync below) is no feed either
             self.reactor.callLater(INTEREST_WAIT, self._no_interest_feed, proto)
-            if self.bus_connects == 1:
+            if self.client.connects == 1:
                 proto.stats().addCallbacks(self._interest_scope, lambda f: None)
         answer: list = []
         proto.server_request(codec.SERVER_ID).addCallbacks(answer.append, lambda f: None)
@@ -549,7 +503,7 @@ class NatsService(service.Service):
             # The listing ends before the answer to anything asked after it: no end, no feed.
             self._no_interest_feed(proto)
             log.info("bus: {what} to {addr} as {who}; bus id {id}",
-                     what="connected" if self.bus_connects == 1 else "reconnected",
+                     what="connected" if self.client.connects == 1 else "reconnected",
                      addr=self.bus or "(default address)",
                      who=(proto.credentials or b"").decode("utf-8", "replace"), id=self.bus_id)
 
@@ -599,7 +553,7 @@ class NatsService(service.Service):
             self.session.update(missed=self.session["missed"] + missed, gap=gap, linger=reply.linger)
             if state == "resumed":
                 # a predecessor's gap on the first connection; later, our own bus connection's
-                reason = "restart" if self.bus_connects == 1 else "bus_down"
+                reason = "restart" if self.client.connects == 1 else "bus_down"
                 if missed:
                     self.gaps[reason] = self.gaps.get(reason, 0) + missed
                 log.warn("bus: resumed session {name} after a gap of {gap:.3f} s: {n} message(s) "
@@ -658,6 +612,10 @@ class NatsService(service.Service):
             log.warn("bus: the server does not report local interest (server/interest); "
                      "subscribing to every --import pattern on NATS")
             self._want_everything()
+
+    def _control(self, key: bytes, payload: bytes) -> None:
+        if key == codec.INTEREST:
+            self._interest_notice(payload or b"")
 
     def _interest_notice(self, payload: bytes) -> None:
         """`CMSG server/interest\0+\0P`, `-\0P` or `=` (the first listing is complete)."""
@@ -805,9 +763,6 @@ class NatsService(service.Service):
                       n=len(self._nats_subs), a=len(added), r=len(gone), h=len(self.interest))
 
     def _from_bus(self, proto, key: bytes, payload: bytes) -> None:
-        if key == STATS_REQUEST:
-            self._answer_stats(proto, payload)
-            return
         held = self._held
         if held is not None:
             if len(held) < MAX_HELD:
@@ -851,7 +806,7 @@ class NatsService(service.Service):
                                                      SEQ_HEADER: f"{self.instance}.{self._seq}"}),
                self._publish_failed)
         self.exported += 1
-        if nc.pending_data_size > self.max_pending and not self._paused and nc.is_connected:
+        if nc.pending_data_size > self.max_pending and not self.client.paused and nc.is_connected:
             self._pause()
 
     def _publish_failed(self, exc) -> None:
@@ -865,20 +820,14 @@ class NatsService(service.Service):
             self._once("pub:" + type(exc).__name__, "NATS publish failed: {err!r}", err=exc)
 
     def _pause(self) -> None:
-        self._paused = True
         self.pauses += 1
-        proto = self.client.protocol if self.client else None
-        if proto is not None and proto.transport is not None:
-            proto.transport.pauseProducing()
+        self.client.pauseReading(True)
         self._drain_call = self.reactor.callLater(0.002, self._check_drained)
 
     def _check_drained(self) -> None:
         nc = self.nc
         if nc is None or not nc.is_connected or nc.pending_data_size <= self.max_pending // 2:
-            self._paused = False
-            proto = self.client.protocol if self.client else None
-            if proto is not None and proto.transport is not None:
-                proto.transport.resumeProducing()
+            self.client.pauseReading(False)
             return
         self._drain_call = self.reactor.callLater(0.002, self._check_drained)
 
@@ -1162,31 +1111,23 @@ class NatsService(service.Service):
                          "importer_restarts": self.importer_restarts, "acks": dict(self.acks),
                          "exporters": len(self._seen), "seq_refused": self.seq_refused},
             "bus": {"connected": bool(self.client and self.client.connected),
-                    "reconnects": max(0, self.bus_connects - 1), "id": self.bus_id},
+                    "reconnects": self.reconnects(), "id": self.bus_id},
             "nats": {"connected": bool(nc is not None and nc.is_connected),
                      "reconnects": max(0, self.nats_connects - 1),
                      "server": self._url() if nc is not None and nc.is_connected else None,
                      "pending_bytes": nc.pending_data_size if nc is not None else 0},
         }
 
-    def _answer_stats(self, proto, payload: bytes) -> None:
-        responder = getattr(self, "_responder", None)
-        if responder is None:
-            responder = self._responder = StatsResponder(
-                "sbus-nats", lambda: f"{self.bus_id[:8]}->{','.join(self.servers)}", self.stats,
-                lambda: {"nats_connected": bool(self.nc is not None and self.nc.is_connected)})
-        packet = responder.answer(payload, proto.credentials)
-        if packet is not None and len(packet) <= self.max_packet:
-            proto.sendPacket(packet)
+    def statsName(self) -> str:
+        return f"{self.bus_id[:8]}->{','.join(self.servers)}"
 
-    def _report(self, final: bool) -> None:
+    def publicStats(self) -> dict:
+        return {"nats_connected": bool(self.nc is not None and self.nc.is_connected)}
+
+    def reportedStats(self) -> dict:
         st = self.stats()
         st["nats"].pop("pending_bytes", None)
-        if not final and st == self._last_stats:
-            return
-        self._last_stats = st
-        log.info("sbus-nats {what}: {stats}", what="stopped" if final else "stats",
-                 stats=json.dumps(st, separators=(",", ":")))
+        return st
 
 
 # -- twistd options
@@ -1300,12 +1241,7 @@ class Options(RespelledOptions):
             check_prefix(self["subject-prefix"])
         except MappingError as e:
             raise usage.UsageError(f"--subject-prefix: {e}") from None
-        if self["bus"]:
-            from sbus.client.address import AddressError, parse
-            try:
-                parse(self["bus"])
-            except AddressError as e:
-                raise usage.UsageError(f"--bus: {e}") from None
+        Chassis.checkBus(self["bus"])
         check_no_inline_secret(self)
         if bool(self["user"]) != bool(self["password-file"]):
             raise usage.UsageError("--user and --password-file go together")
