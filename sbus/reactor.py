@@ -29,6 +29,8 @@ works the same, without lean dispatch and polling.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from select import EPOLLERR, EPOLLHUP, EPOLLIN, EPOLLOUT, epoll
 from time import monotonic
@@ -43,7 +45,7 @@ from zope.interface import implementer
 from sbus.interfaces import ILeanReactor
 from sbus.pollloop import CROWD_CHECK, LoadProbe, Spinner, allowed_cpus
 
-__all__ = ["SbusReactor", "install", "install_unless_chosen"]
+__all__ = ["SbusReactor", "install", "install_unless_chosen", "wake_on_signals"]
 
 #: Seconds between two services of a regular file (epoll cannot watch one; it is always ready).
 FILE_POLL = 0.01
@@ -252,3 +254,46 @@ def install_unless_chosen():
             pass
     from twisted.internet import reactor
     return reactor
+
+
+class _SignalWakeup:
+    """The read end of a pipe the C-level signal handler writes to (`signal.set_wakeup_fd`)."""
+
+    def __init__(self):
+        self.r, self.w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def fileno(self) -> int:
+        return self.r
+
+    def doRead(self) -> None:
+        try:
+            while os.read(self.r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def connectionLost(self, reason) -> None:
+        for fd in (self.r, self.w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def logPrefix(self) -> str:
+        return "signal wakeup"
+
+
+def wake_on_signals(reactor) -> None:
+    """Make any signal end the reactor's wait, for a process that runs it with
+    ``installSignalHandlers=False`` and handlers of its own (sbusd).
+
+    Python runs a signal's handler in the main thread between two bytecodes; a signal that
+    arrives after the last such check and before ``epoll_wait`` blocks interrupts nothing, and
+    the handler (whose ``callFromThread`` would wake the reactor) waits for the next event,
+    maybe forever: 1 to 3 sbusd in 100 ignored a SIGINT sent as they became ready. Twisted's
+    own handlers prevent this with `signal.set_wakeup_fd`; so does this, on a pipe the reactor
+    watches. Call it from the main thread, before the reactor runs."""
+    wakeup = _SignalWakeup()
+    reactor.addReader(wakeup)
+    signal.set_wakeup_fd(wakeup.w, warn_on_full_buffer=False)
+

@@ -388,6 +388,9 @@ def serve(args: Args, listener: Listener, ready, log_observer=None) -> int:
         listener=listener,
         warn=_eprint,
     )
+    from sbus.reactor import wake_on_signals
+
+    wake_on_signals(reactor)  # a signal that comes as the reactor starts to wait still wakes it
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGHUP, on_signal if args.foreground else signal.SIG_IGN)
