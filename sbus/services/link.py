@@ -227,7 +227,7 @@ BUS_PORT, PEER_PORT = 1, 2
 #: ``MSG sbus-link/session\0<whoami>\0<session name>``: a half tells the other links' halves on
 #: its bus the name of its session there, once its bus answered and again to each newcomer it hears
 #: (they learn each other whichever came first); never carried across. A half taking over asks
-#: whether one of them is still ``closing`` (`Link._awaitRelease`): a dead half's writes unread.
+#: whether one of them is still ``closing`` before it publishes its window: a dead half's writes unread.
 SESSION_ANNOUNCE = b"sbus-link/session"
 #: Session names of other halves on our bus remembered (the newest, by whoami).
 MAX_BUS_SESSIONS = 64
