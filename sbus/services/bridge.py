@@ -144,7 +144,7 @@ from sbus.core.standby import MAX_MESSAGES, Window, parse_size
 from sbus.core.topology import RESERVED as TOPOLOGY
 from sbus.options import METRICS_OPTION, MISSING_BUS_HELP, RespelledOptions
 from sbus.services.safeconnect import OwnerConnector, parse_user
-from sbus.services.session import DEFAULT_LINGER, SessionClaim, carried_note, session_name
+from sbus.services.session import DEFAULT_LINGER, SessionClaim, carried_note, session_name, held_states
 from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
 from sbus.services.spanning import PRIVATE_PATTERN, Tree, default_name, opt_trust_uid, send_urgent
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost, unknown_gaps
@@ -768,24 +768,12 @@ class BridgeService(service.Service):
         if generation != self._takeovers or not self._catching_up:
             return
         protos = {side: self.clients[side].protocol for side in SIDES}
-        states: dict[str, str] = {}
-        ds = []
-        asks = []
         try:
-            for side, proto in protos.items():
-                ask = proto.server_request(codec.SESSION_HELD, self.session_names[side])
-                asks.append((proto, ask))
-                ask.addCallback(lambda payload, side=side: states.__setitem__(
-                    side, codec.parse_session_held(payload)[1]))
-                ask.addErrback(lambda f: None)   # malformed, or the connection went: not closing
-                ds.append(proto.sync())           # a server that does not know it: no answer
+            d = held_states({side: (proto, self.session_names[side]) for side, proto in protos.items()})
         except Exception:
-            ds.append(defer.fail(ConnectionError("a side went away")))
+            d = defer.fail(ConnectionError("a side went away"))
 
-        def answered(_):
-            for proto, ask in asks:   # the round trip came back first: that server never answers
-                if not ask.called:
-                    proto.forgetRequest(codec.SESSION_HELD, ask)
+        def answered(states):
             if generation != self._takeovers or not self._catching_up:
                 return
             live = sorted(side for side, state in states.items() if state == codec.HELD_LIVE
@@ -825,7 +813,7 @@ class BridgeService(service.Service):
                 self._catching_up = False
                 self.window.reset()   # a side went away: _lost counted what it could
 
-        defer.gatherResults(ds, consumeErrors=True).addCallbacks(answered, failed)
+        d.addCallbacks(answered, failed)
 
     def _replay(self, closing=()) -> None:
         """Forward the window. Into a `closing` side (its server still holds the dead active's

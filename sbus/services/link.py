@@ -163,7 +163,7 @@ from sbus.services.admission import Admission
 from sbus.services.bridge import HELD_COPIES_AGE, RELEASE_POLL, RELEASE_WAIT, RecentPackets
 from sbus.services.linkauth import AUTH, PROOF, AuthError, Handshake, load_key
 from sbus.services.shutdown import exit_zero_on_sigterm, stop_with_status
-from sbus.services.session import carried_note
+from sbus.services.session import carried_note, held_states
 from sbus.core.topology import HELLO_KEY, RESERVED as TOPOLOGY
 from sbus.services.spanning import Tree, default_name, opt_trust_uid, send_urgent
 from sbus.services.svcstats import STATS_REQUEST, StatsResponder, lost, unknown_gaps
@@ -1717,23 +1717,13 @@ class Link(service.MultiService):
         if local is None or not names:
             self._catchUp(generation, ())
             return
-        states: dict[bytes, str] = {}
-        asks = []
         try:
-            for name in names:
-                ask = local.server_request(codec.SESSION_HELD, name)
-                asks.append(ask)
-                ask.addCallback(lambda payload: states.__setitem__(*codec.parse_session_held(payload)))
-                ask.addErrback(lambda f: None)   # malformed, or the connection went: not closing
-            done = local.sync()
+            done = held_states({name: (local, name) for name in names})
         except Exception as e:  # noqa: BLE001 - the bus went away
             self._takeoverFailed(generation, e)
             return
 
-        def answered(_):
-            for ask in asks:   # the round trip came back first: that server never answers
-                if not ask.called:
-                    local.forgetRequest(codec.SESSION_HELD, ask)
+        def answered(states):
             if generation != self._takeovers or self._receiving != CATCHING_UP:
                 return
             closing = sorted(name for name, state in states.items() if state == codec.HELD_CLOSING)

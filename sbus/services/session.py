@@ -126,3 +126,37 @@ class SessionClaim:
         """The count is logged and counted: the server may forget it."""
         if self.reply is not None and self.reply.state == "resumed" and self.proto.connected:
             self.proto.confirmSession(self.name)
+
+
+def held_states(asks: dict):
+    """Ask servers whether sessions are free, live or closing (``server/session-held``), each
+    connection's requests followed by a round trip; the one query of a takeover (bridge, link).
+
+    `asks`: {key: (protocol, session name)}. Returns a Deferred of {key: state} for the requests
+    answered (a server that does not know the request answers only the round trip: that request
+    is forgotten). Raises at once if a connection cannot send; the Deferred fails with the first
+    round trip that fails."""
+    from twisted.internet import defer
+
+    from sbus.core import codec
+
+    states: dict = {}
+    sent = []
+    for key, (proto, name) in asks.items():
+        ask = proto.server_request(codec.SESSION_HELD, name)
+        sent.append((proto, ask))
+        ask.addCallback(lambda payload, key=key: states.__setitem__(key, codec.parse_session_held(payload)[1]))
+        ask.addErrback(lambda f: None)   # malformed, or the connection went: not closing
+    syncs = {id(proto): proto.sync() for proto, _ in sent}
+
+    def answered(_):
+        for proto, ask in sent:   # the round trip came back first: that server never answers
+            if not ask.called:
+                proto.forgetRequest(codec.SESSION_HELD, ask)
+        return states
+
+    def first(f):
+        f.trap(defer.FirstError)
+        return f.value.subFailure
+
+    return defer.gatherResults(list(syncs.values()), consumeErrors=True).addCallbacks(answered, first)
